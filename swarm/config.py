@@ -1,0 +1,247 @@
+"""Typed run config: one YAML file describes a whole training run.
+
+A run config is nested dataclasses, one per component (model, stages, optimizer, averaging,
+data, network). It loads from and saves to YAML without loss, and every problem is reported as a
+:class:`ConfigError` naming the offending field (``optimizer.lr``, ``stages.num_stages``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+COMPRESSIONS = ("none", "float16", "bfloat16", "blockwise8bit")
+
+
+class ConfigError(ValueError):
+    """A run config is malformed; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    """A GPT-style decoder."""
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    seed: int = 0  # parameter initialization seed, so every replica of a stage starts equal
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+            _positive(self, name, "model")
+        if self.d_model % self.n_head:
+            raise ConfigError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class StagesConfig:
+    """How the model is split into pipeline stages, and how activations cross the wire."""
+
+    num_stages: int = 2
+    wire_dtype: str = "float32"  # activations and their gradients between stages
+
+    def validate(self) -> None:
+        _positive(self, "num_stages", "stages")
+        _choice(self, "wire_dtype", WIRE_DTYPES, "stages")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay; one step per `batch_size` samples per stage."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    total_steps: int = 1000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max gradient norm of each stage's own parameters; 0 disables
+    batch_size: int = 32  # samples per optimizer step (the stage's target batch size)
+    micro_batch_size: int = 8  # samples per forward/backward request
+
+    def validate(self) -> None:
+        for name in ("lr", "total_steps", "batch_size", "micro_batch_size", "eps"):
+            _positive(self, name, "optimizer")
+        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
+            _non_negative(self, name, "optimizer")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.min_lr ({self.min_lr}) must not exceed optimizer.lr ({self.lr})")
+        if self.micro_batch_size > self.batch_size:
+            raise ConfigError(
+                f"optimizer.micro_batch_size ({self.micro_batch_size}) must not exceed "
+                f"optimizer.batch_size ({self.batch_size})"
+            )
+
+
+@dataclass
+class AveragingConfig:
+    """Averaging of gradients among the servers of one stage."""
+
+    compression: str = "none"
+    target_group_size: int = 8
+    matchmaking_timeout: float = 10.0
+    allreduce_timeout: float = 30.0
+    state_download_timeout: float = 60.0
+
+    def validate(self) -> None:
+        _choice(self, "compression", COMPRESSIONS, "averaging")
+        for name in ("target_group_size", "matchmaking_timeout", "allreduce_timeout", "state_download_timeout"):
+            _positive(self, name, "averaging")
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it becomes tokens."""
+
+    corpus: str = "stdlib"  # "stdlib" (this Python's own sources) or a file path or glob
+    tokenizer: str | None = None  # a `tokenizers` JSON file; None means bytes (vocabulary 256)
+    val_percent: float = 5.0  # share of files held out for validation, chosen by path hash
+    seed: int = 0
+    max_bytes: int = 0  # cap on corpus bytes read (0 = no cap); keeps tiny runs fast
+
+    def validate(self) -> None:
+        if not self.corpus:
+            raise ConfigError("data.corpus must not be empty")
+        if not 0.0 < self.val_percent < 100.0:
+            raise ConfigError(f"data.val_percent must be in (0, 100), got {self.val_percent}")
+        _non_negative(self, "max_bytes", "data")
+
+
+@dataclass
+class NetworkConfig:
+    """Timeouts and periods of everything that crosses the network (seconds)."""
+
+    announce_period: float = 10.0  # how often a server renews its DHT record
+    record_ttl: float = 30.0  # a server record expires this long after its last renewal
+    request_timeout: float = 60.0  # one forward or backward RPC
+    bootstrap_timeout: float = 30.0  # joining the DHT and finding the run config
+
+    def validate(self) -> None:
+        for name in ("announce_period", "record_ttl", "request_timeout", "bootstrap_timeout"):
+            _positive(self, name, "network")
+        if self.record_ttl <= self.announce_period:
+            raise ConfigError(
+                f"network.record_ttl ({self.record_ttl}) must exceed network.announce_period "
+                f"({self.announce_period}), or records expire between renewals"
+            )
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a training run; the coordinator publishes it in the DHT."""
+
+    run_id: str = "swarm"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def validate(self) -> RunConfig:
+        if not self.run_id or not all(c.isalnum() or c in "-_" for c in self.run_id):
+            raise ConfigError(f"run_id must be non-empty letters, digits, '-' or '_', got {self.run_id!r}")
+        for section in (self.model, self.stages, self.optimizer, self.averaging, self.data, self.network):
+            section.validate()
+        if self.model.n_layer % self.stages.num_stages:
+            raise ConfigError(
+                f"stages.num_stages ({self.stages.num_stages}) must divide model.n_layer "
+                f"({self.model.n_layer}) so every stage holds the same number of blocks"
+            )
+        return self
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.model.n_layer // self.stages.num_stages
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunConfig:
+        """Build and validate a config; unknown keys and wrong types are errors naming the field."""
+        return _build(cls, data, "").validate()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> RunConfig:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"run config is not valid YAML: {e}") from None
+        return cls.from_dict({} if data is None else data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read run config {path}: {e.strerror}") from None
+        return cls.from_yaml(text)
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "run config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
+    kwargs = {name: _convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, name + ".")
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if any(t is not type(None) and type(value) is t for t in allowed):
+        return value
+    expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _positive(section: Any, name: str, where: str) -> None:
+    if not getattr(section, name) > 0:
+        raise ConfigError(f"{where}.{name} must be positive, got {getattr(section, name)}")
+
+
+def _non_negative(section: Any, name: str, where: str) -> None:
+    if getattr(section, name) < 0:
+        raise ConfigError(f"{where}.{name} must not be negative, got {getattr(section, name)}")
+
+
+def _choice(section: Any, name: str, choices: tuple[str, ...], where: str) -> None:
+    if getattr(section, name) not in choices:
+        raise ConfigError(f"{where}.{name} must be one of {', '.join(choices)}, got {getattr(section, name)!r}")

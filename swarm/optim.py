@@ -1,0 +1,124 @@
+"""AdamW for one pipeline stage: warmup + cosine schedule, sample-sum gradient accumulation.
+
+Every stage steps on its own, exactly as a swarm server does: callers backprop ``loss * n`` for
+each micro-batch of ``n`` samples and report ``add_samples(n)``; at step time the summed gradient
+is divided by the number of samples, so micro-batches of any size (and from any number of
+trainers) add up to the same mean gradient a single big batch would give.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarm.config import OptimizerConfig
+
+
+class OptimizerError(RuntimeError):
+    """The optimizer was used out of order (e.g. stepped with no accumulated samples)."""
+
+
+def lr_at(step: int, opt_cfg: OptimizerConfig) -> float:
+    """Learning rate for the step after ``step`` steps were taken.
+
+    Linear warmup from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` steps, then
+    cosine decay to ``min_lr`` at ``total_steps``, and ``min_lr`` afterwards.
+    """
+    warmup, total = opt_cfg.warmup_steps, opt_cfg.total_steps
+    if step < warmup:
+        return opt_cfg.lr * (step + 1) / warmup
+    if step >= total:
+        return opt_cfg.min_lr
+    progress = (step - warmup) / (total - warmup)
+    return opt_cfg.min_lr + 0.5 * (opt_cfg.lr - opt_cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: matrices (dim >= 2, embeddings included, as in GPT-2) decay;
+    vectors (biases, norm weights) don't, since shrinking them only distorts scale and offset."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+class StageOptimizer:
+    """AdamW over one stage's parameters, stepping once per ``batch_size`` accumulated samples."""
+
+    def __init__(self, module: nn.Module, opt_cfg: OptimizerConfig):
+        self.module = module
+        self.config = opt_cfg
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            param_groups(module, opt_cfg.weight_decay),
+            lr=lr_at(0, opt_cfg),
+            betas=(opt_cfg.beta1, opt_cfg.beta2),
+            eps=opt_cfg.eps,
+        )
+        self.step_count = 0
+        self.samples = 0  # accumulated since the last step
+
+    def add_samples(self, n: int) -> None:
+        """Record that gradients of ``n`` more samples were summed into ``.grad``."""
+        if n <= 0:
+            raise ValueError(f"sample count must be positive, got {n}")
+        self.samples += n
+
+    @property
+    def ready(self) -> bool:
+        """Whether the stage has accumulated a full batch."""
+        return self.samples >= self.config.batch_size
+
+    def step(self) -> dict[str, Any]:
+        """Average, clip, step AdamW and zero grads; skips (and says so) on non-finite gradients."""
+        if self.samples <= 0:
+            raise OptimizerError("step() with no accumulated samples; call add_samples(n) after backward")
+        samples = self.samples
+        grads = [p.grad for p in self.params if p.grad is not None]
+        for g in grads:
+            g.div_(samples)
+        grad_norm = _total_norm(grads)
+        lr = lr_at(self.step_count, self.config)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            if self.config.grad_clip > 0 and grad_norm > self.config.grad_clip:
+                scale = self.config.grad_clip / (grad_norm + 1e-6)
+                for g in grads:
+                    g.mul_(scale)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.step_count += 1
+        self.zero_grad()
+        return {
+            "step": self.step_count,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "samples": samples,
+            "skipped": skipped,
+        }
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients and the sample count (e.g. after a failed round)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count and AdamW state; parameters travel with the module's own state_dict."""
+        return {"step_count": self.step_count, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.zero_grad()
+
+
+def _total_norm(grads: list[torch.Tensor]) -> float:
+    if not grads:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
+    return float(torch.linalg.vector_norm(norms))

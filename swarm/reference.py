@@ -1,0 +1,139 @@
+"""The single-process reference trainer: the baseline every swarm run is compared with.
+
+It does what a swarm does, minus the network: the model is split into the same stage modules, each
+stage has its own :class:`~swarm.optim.StageOptimizer` (own gradient clipping, sample-sum
+accumulation), and micro-batches flow through the stages in order. A swarm run with one server
+per stage and one trainer should therefore follow this trainer's loss curve closely.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.data import BatchSampler, DataError, eval_batches, load_tokenizer, load_tokens, sampler_seed
+from swarm.model import build_stages
+from swarm.optim import StageOptimizer
+
+FINAL_LOSS_WINDOW = 5  # final_loss averages this many last steps, so one noisy batch doesn't decide it
+EVAL_BATCHES = 20
+
+
+class ReferenceTrainer:
+    """Trains all stages of one run in this process, the way a swarm would."""
+
+    def __init__(self, config: RunConfig, trainer_index: int = 0, device: str | torch.device = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        tokenizer = load_tokenizer(config.data)
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise DataError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                f"{config.model.vocab_size}; raise model.vocab_size"
+            )
+        self.stages = [stage.to(self.device) for stage in build_stages(config)]
+        self.optimizers = [StageOptimizer(stage, config.optimizer) for stage in self.stages]
+        self.train_tokens = load_tokens(config.data, "train", tokenizer)
+        self.val_tokens = load_tokens(config.data, "val", tokenizer)
+        self.sampler = BatchSampler(
+            self.train_tokens,
+            config.model.seq_len,
+            config.optimizer.micro_batch_size,
+            seed=sampler_seed(config.data.seed, trainer_index),
+        )
+
+    @property
+    def step_count(self) -> int:
+        return self.optimizers[0].step_count
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of one batch through the chained stages."""
+        hidden = x.to(self.device)
+        for stage in self.stages[:-1]:
+            hidden = stage(hidden)
+        return self.stages[-1](hidden, targets=y.to(self.device))
+
+    def train_step(self) -> dict[str, Any]:
+        """Accumulate micro-batches until every stage has a full batch, then step every stage."""
+        for stage in self.stages:
+            stage.train()
+        losses, samples = [], 0
+        while not all(opt.ready for opt in self.optimizers):
+            x, y = self.sampler.next_batch()
+            n = x.shape[0]
+            loss = self.loss(x, y)
+            # Sum over samples, as servers do, so the optimizer can divide by the true count.
+            (loss * n).backward()
+            for opt in self.optimizers:
+                opt.add_samples(n)
+            losses.append(loss.item())
+            samples += n
+        stats = [opt.step() for opt in self.optimizers]
+        return {
+            "step": self.step_count,
+            "loss": sum(losses) / len(losses),
+            "samples": samples,
+            "lr": stats[0]["lr"],
+            "grad_norms": [s["grad_norm"] for s in stats],
+            "skipped": any(s["skipped"] for s in stats),
+        }
+
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = EVAL_BATCHES) -> float:
+        """Mean validation loss over fixed windows (the same windows on every call)."""
+        for stage in self.stages:
+            stage.eval()
+        seq_len, batch_size = self.config.model.seq_len, self.config.optimizer.micro_batch_size
+        total, count = 0.0, 0
+        try:
+            for x, y in eval_batches(self.val_tokens, seq_len, batch_size, max_batches):
+                total += self.loss(x, y).item() * x.shape[0]
+                count += x.shape[0]
+        finally:
+            for stage in self.stages:
+                stage.train()
+        if count == 0:
+            raise DataError(
+                f"the validation split has {len(self.val_tokens)} tokens, too few for one window of "
+                f"seq_len={self.config.model.seq_len}"
+            )
+        return total / count
+
+    def run(
+        self,
+        steps: int,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        eval_max_batches: int | None = EVAL_BATCHES,
+    ) -> dict[str, Any]:
+        """Train ``steps`` steps, then evaluate; returns the summary ``swarm-local`` also writes.
+
+        ``samples_per_second`` counts training time only; ``wall_seconds`` includes the final
+        evaluation. ``on_progress`` receives every step's stats dict.
+        """
+        if steps <= 0:
+            raise ValueError(f"steps must be positive, got {steps}")
+        start = time.perf_counter()
+        losses, samples = [], 0
+        for _ in range(steps):
+            stats = self.train_step()
+            losses.append(stats["loss"])
+            samples += stats["samples"]
+            if on_progress is not None:
+                on_progress(stats)
+        train_seconds = time.perf_counter() - start
+        val_loss = self.evaluate(eval_max_batches)
+        last = losses[-FINAL_LOSS_WINDOW:]
+        return {
+            "initial_loss": losses[0],
+            "final_loss": sum(last) / len(last),
+            "val_loss": val_loss,
+            "steps": steps,
+            "samples": samples,
+            "samples_per_second": samples / train_seconds if train_seconds > 0 else 0.0,
+            "train_seconds": train_seconds,
+            "wall_seconds": time.perf_counter() - start,
+        }

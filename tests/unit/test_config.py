@@ -1,0 +1,77 @@
+"""Run config: exact YAML round trip and clear errors naming the field."""
+
+from pathlib import Path
+
+import pytest
+
+from swarm.config import ConfigError, RunConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "small.yaml"])
+def test_shipped_configs_round_trip_exactly(name, tmp_path):
+    config = RunConfig.load(CONFIGS / name)
+    config.save(tmp_path / "again.yaml")
+    again = RunConfig.load(tmp_path / "again.yaml")
+    assert again == config
+    assert again.to_yaml() == config.to_yaml()
+
+
+def test_non_default_values_survive_round_trip():
+    config = RunConfig()
+    config.model.dropout = 0.125
+    config.optimizer.lr = 3.5e-4
+    config.data.tokenizer = "tok.json"
+    config.stages.wire_dtype = "bfloat16"
+    again = RunConfig.from_yaml(config.to_yaml())
+    assert again == config
+    assert isinstance(again.optimizer.lr, float) and again.data.tokenizer == "tok.json"
+
+
+def test_ints_are_accepted_for_float_fields():
+    config = RunConfig.from_dict({"optimizer": {"lr": 1, "min_lr": 0}})
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+
+
+def test_small_config_has_tens_of_millions_of_parameters():
+    m = RunConfig.load(CONFIGS / "small.yaml").model
+    approx = m.n_layer * (4 + 2 * m.mlp_ratio) * m.d_model**2
+    assert 10e6 < approx < 100e6
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"model": {"n_layers": 4}}, "model.n_layers"),
+        ({"bogus": 1}, "bogus"),
+        ({"model": {"n_layer": 6}, "stages": {"num_stages": 4}}, "stages.num_stages"),
+        ({"model": {"d_model": 0}}, "model.d_model"),
+        ({"model": {"n_head": -2}}, "model.n_head"),
+        ({"optimizer": {"batch_size": 0}}, "optimizer.batch_size"),
+        ({"optimizer": {"lr": "fast"}}, "optimizer.lr"),
+        ({"optimizer": {"micro_batch_size": 64, "batch_size": 32}}, "optimizer.micro_batch_size"),
+        ({"model": {"n_layer": True}}, "model.n_layer"),
+        ({"model": {"d_model": 100, "n_head": 3}}, "model.d_model"),
+        ({"stages": {"wire_dtype": "int8"}}, "stages.wire_dtype"),
+        ({"averaging": {"compression": "zip"}}, "averaging.compression"),
+        ({"data": {"val_percent": 0}}, "data.val_percent"),
+        ({"network": {"record_ttl": 1.0, "announce_period": 5.0}}, "network.record_ttl"),
+        ({"model": [1, 2]}, "model"),
+        ({"run_id": "a b"}, "run_id"),
+    ],
+)
+def test_bad_configs_are_rejected_naming_the_field(data, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        RunConfig.from_dict(data)
+
+
+def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="YAML"):
+        RunConfig.from_yaml("model: [unclosed")
+    with pytest.raises(ConfigError, match="cannot read"):
+        RunConfig.load(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        RunConfig.from_yaml("- a list")

@@ -1,0 +1,63 @@
+"""Signed, schema-checked DHT records of a run, over hivemind.DHT.
+
+Map of the subsystem, from people-facing entry points down to pure logic::
+
+    bootstrap.py  join_run(initial_peers, ...): start a node, ask an initial peer which run it serves
+                  (RunInfoServicer over libp2p), fetch the run config its coordinator signed;
+                  serve_run_info(...) makes this peer an entry point for others
+    records.py    SwarmRecords: sync publish/lookup of the run config, server records, metrics
+    node.py       start_dht(...): a hivemind.DHT process with our validators, bounded startup,
+                  hivemind's failures turned into our errors; multiaddr parsing
+    loop.py       BackgroundLoop: our asyncio thread for P2P handlers and calls
+    identity.py   Identity / load_identity: libp2p identity file + RSA key that signs our records
+    keys.py       key layout ({run_id}_config, _metrics, _stage{k}), owner-marked subkeys, validators
+    schemas.py    ServerRecord, RunConfigRecord, PeerMetricsRecord: strict, tolerant of unknown fields
+    errors.py     SwarmDHTError and its subclasses
+
+Every network wait is bounded by a named timeout (``DEFAULT_*_TIMEOUT`` in each module).
+"""
+
+from swarm.dht.bootstrap import RunInfo, RunInfoServicer, join_run, request_run_info, serve_run_info
+from swarm.dht.errors import (
+    BootstrapError,
+    DHTRequestTimeout,
+    InvalidMultiaddr,
+    RunConfigInvalid,
+    RunConfigNotFound,
+    SwarmDHTError,
+)
+from swarm.dht.identity import Identity, load_identity
+from swarm.dht.keys import MAX_STAGES, make_validators
+from swarm.dht.loop import BackgroundLoop
+from swarm.dht.node import add_run_validators, parse_maddrs, peer_id, start_dht, visible_maddrs
+from swarm.dht.records import SwarmRecords
+from swarm.dht.schemas import PeerMetricsRecord, RunConfigRecord, ServerRecord, ServerState
+
+__all__ = [
+    "MAX_STAGES",
+    "BackgroundLoop",
+    "BootstrapError",
+    "DHTRequestTimeout",
+    "Identity",
+    "InvalidMultiaddr",
+    "PeerMetricsRecord",
+    "RunConfigInvalid",
+    "RunConfigNotFound",
+    "RunConfigRecord",
+    "RunInfo",
+    "RunInfoServicer",
+    "ServerRecord",
+    "ServerState",
+    "SwarmDHTError",
+    "SwarmRecords",
+    "add_run_validators",
+    "join_run",
+    "load_identity",
+    "make_validators",
+    "parse_maddrs",
+    "peer_id",
+    "request_run_info",
+    "serve_run_info",
+    "start_dht",
+    "visible_maddrs",
+]

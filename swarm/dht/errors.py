@@ -1,0 +1,27 @@
+"""Exceptions of the DHT subsystem; each message is one line a volunteer can act on."""
+
+from __future__ import annotations
+
+
+class SwarmDHTError(Exception):
+    """Base class of every error raised by ``swarm.dht``."""
+
+
+class InvalidMultiaddr(SwarmDHTError, ValueError):
+    """A multiaddr given by a person (a flag, an env variable) does not parse or lacks a part we need."""
+
+
+class BootstrapError(SwarmDHTError):
+    """None of the initial peers answered, so this peer could not join the swarm."""
+
+
+class RunConfigNotFound(SwarmDHTError):
+    """No run config signed by the expected coordinator is visible in the DHT (yet)."""
+
+
+class RunConfigInvalid(SwarmDHTError):
+    """The coordinator's run config record was found but cannot be used (bad YAML, wrong run id)."""
+
+
+class DHTRequestTimeout(SwarmDHTError, TimeoutError):
+    """A DHT get/store or a peer RPC did not finish within its timeout."""

@@ -1,0 +1,158 @@
+"""Starting a hivemind DHT node for a run, with our validators, bounded waits and clear errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import hivemind
+from hivemind.p2p import P2PDaemonError, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.dht.errors import BootstrapError, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
+from swarm.dht.identity import Identity
+from swarm.dht.keys import make_validators, schema_validator
+
+DEFAULT_STARTUP_TIMEOUT = 30.0  # p2pd start + first contact with the initial peers
+DEFAULT_RPC_TIMEOUT = 3.0  # one DHT RPC to one peer (hivemind's wait_timeout)
+DEFAULT_CALL_TIMEOUT = 10.0  # one call into the DHT process (a get, a store, a query of its state)
+
+_LOCAL_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def parse_maddrs(maddrs: Sequence[str | Multiaddr], what: str, need_peer_id: bool = False) -> list[Multiaddr]:
+    """Parse multiaddrs given by a person; a bad one raises InvalidMultiaddr naming it."""
+    if isinstance(maddrs, (str, Multiaddr)):
+        maddrs = [maddrs]  # a lone string would otherwise be split into characters
+    parsed = []
+    for maddr in maddrs:
+        try:
+            parsed_maddr = Multiaddr(str(maddr))
+        except ValueError as e:
+            raise InvalidMultiaddr(f"bad {what} {str(maddr)!r}: {e}") from None
+        if need_peer_id and "p2p" not in parsed_maddr:
+            raise InvalidMultiaddr(
+                f"bad {what} {str(maddr)!r}: it must end with /p2p/<peer id>, "
+                "copy the whole address the coordinator printed"
+            )
+        parsed.append(parsed_maddr)
+    return parsed
+
+
+def peer_id_of(maddr: Multiaddr) -> PeerID:
+    """The peer id in a multiaddr's /p2p/ part: libp2p checks it, so it authenticates the peer."""
+    return PeerID.from_base58(maddr["p2p"])
+
+
+def start_dht(
+    run_id: str | None,
+    identity: Identity,
+    initial_peers: Sequence[str | Multiaddr] = (),
+    host_maddrs: Sequence[str | Multiaddr] = _LOCAL_HOST_MADDRS,
+    announce_maddrs: Sequence[str | Multiaddr] = (),
+    client_mode: bool = False,
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+) -> hivemind.DHT:
+    """Start a DHT node guarded by the run's validators; with initial peers, join their swarm.
+
+    `run_id` may be None while the run is not known yet (see join_run): then only signatures are
+    checked until :func:`add_run_validators` is called. Raises BootstrapError if no initial peer answers.
+    """
+    initial = parse_maddrs(initial_peers, "initial peer", need_peer_id=True)
+    hosts = parse_maddrs(host_maddrs, "host multiaddr")
+    announce = parse_maddrs(announce_maddrs, "announce multiaddr")
+    dht = hivemind.DHT(
+        initial_peers=[str(maddr) for maddr in initial],
+        start=True,
+        await_ready=False,  # we wait ourselves, bounded (hivemind would wait forever)
+        record_validators=make_validators(run_id, identity.signing_key),
+        client_mode=client_mode,
+        host_maddrs=[str(maddr) for maddr in hosts],
+        announce_maddrs=[str(maddr) for maddr in announce] or None,
+        identity_path=identity.libp2p_path,
+        startup_timeout=startup_timeout,  # p2pd launch
+        wait_timeout=rpc_timeout,
+        bootstrap_timeout=rpc_timeout,  # how long to wait for more initial peers after the first answers
+    )
+    try:
+        dht.wait_until_ready(timeout=startup_timeout)
+    except Exception as e:
+        dht.shutdown()
+        raise _startup_error(e, initial, hosts, startup_timeout) from e
+    except BaseException:  # KeyboardInterrupt: leave no DHT process behind
+        dht.shutdown()
+        raise
+    return dht
+
+
+def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multiaddr], timeout: float) -> Exception:
+    """Translate hivemind's startup failures into one actionable line."""
+    message = str(error)
+    if "address already in use" in message:
+        listen = " ".join(str(maddr) for maddr in hosts)
+        return SwarmDHTError(f"cannot listen on {listen}: the port is taken, choose another (or port 0)")
+    timed_out = isinstance(error, (TimeoutError, concurrent.futures.TimeoutError))
+    if initial and (
+        timed_out
+        or "failed to connect to bootstrap peers" in message  # p2pd could not reach any of them
+        or "bootstrap failed" in message  # reached, but none answered the DHT ping
+    ):
+        peers = " ".join(str(maddr) for maddr in initial)
+        return BootstrapError(
+            f"none of the initial peers ({peers}) answered{f' within {timeout:g}s' if timed_out else ''}: "
+            "is the coordinator running and reachable from this machine?"
+        )
+    if timed_out:
+        return SwarmDHTError(f"the DHT node did not start within {timeout:g}s")
+    if isinstance(error, P2PDaemonError):
+        return SwarmDHTError(f"the libp2p daemon failed to start: {message}")
+    return SwarmDHTError(f"the DHT node failed to start: {type(error).__name__}: {message}")
+
+
+def add_run_validators(dht: hivemind.DHT, run_id: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+    """Start checking the run's record schemas on a DHT started with run_id=None."""
+    call_in_dht(dht, _AddValidators(schema_validator(run_id)), timeout)
+
+
+class _AddValidators:
+    # A picklable callable (hivemind.DHT.add_validators would wait on its DHT process without a timeout)
+    def __init__(self, validator: Any):
+        self.validator = validator
+
+    async def __call__(self, _dht: hivemind.DHT, node: Any) -> None:
+        node.protocol.record_validator.extend([self.validator])
+
+
+def call_in_dht(dht: hivemind.DHT, coro: Callable[[hivemind.DHT, Any], Awaitable[Any]], timeout: float) -> Any:
+    """Run `coro(dht, node)` inside the DHT process, waiting at most `timeout` seconds."""
+    future = dht.run_coroutine(coro, return_future=True)
+    return wait_future(future, timeout, "a call into the DHT process")
+
+
+def wait_future(future: Any, timeout: float, what: str) -> Any:
+    """The result of an MPFuture, or DHTRequestTimeout (and the future cancelled) after `timeout`."""
+    try:
+        return future.result(timeout=timeout)
+    except (TimeoutError, concurrent.futures.TimeoutError):
+        future.cancel()
+        raise DHTRequestTimeout(f"{what} did not finish within {timeout:g}s") from None
+
+
+async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:
+    return [str(maddr) for maddr in await node.get_visible_maddrs()]
+
+
+def visible_maddrs(dht: hivemind.DHT, timeout: float = DEFAULT_CALL_TIMEOUT) -> list[str]:
+    """Multiaddrs (with /p2p/<peer id>) at which other peers can reach this node: its initial peers."""
+    return call_in_dht(dht, _visible_maddrs, timeout)
+
+
+async def _peer_id(_dht: hivemind.DHT, node: Any) -> str:
+    return node.peer_id.to_base58()
+
+
+def peer_id(dht: hivemind.DHT, timeout: float = DEFAULT_CALL_TIMEOUT) -> str:
+    """This node's libp2p peer id, base58 (``dht.peer_id`` would wait without a timeout)."""
+    return call_in_dht(dht, _peer_id, timeout)

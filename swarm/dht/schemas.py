@@ -1,0 +1,104 @@
+"""Record types stored in the DHT: pure pydantic (v1) models, no I/O.
+
+hivemind's SchemaValidator accepts a record only if parsing it changes nothing, so every field is
+strictly typed (``3`` is not a float, ``"1"`` is not an int). Records tolerate unknown fields:
+a newer peer may add fields, an older one keeps them and still validates the record.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Any, TypeVar
+
+import pydantic.v1 as pydantic
+from pydantic.v1 import StrictStr, confloat, conint
+
+from swarm import __version__
+
+NonNegativeInt = conint(strict=True, ge=0)
+NonNegativeFloat = confloat(strict=True, ge=0.0)
+
+RecordT = TypeVar("RecordT", bound="WireRecord")
+
+
+class ServerState(str, Enum):
+    """Life cycle of a server as announced in its record."""
+
+    JOINING = "JOINING"  # downloading its stage's state; not ready for requests
+    ONLINE = "ONLINE"  # serving forward/backward
+    OFFLINE = "OFFLINE"  # leaving; routers should stop sending work
+
+
+class WireRecord(pydantic.BaseModel):
+    """Base of all DHT values: strict fields, unknown fields kept so peers of other versions interoperate."""
+
+    class Config:
+        extra = pydantic.Extra.allow
+        use_enum_values = True  # a ServerState is stored (and compared) as its plain string
+        allow_mutation = False
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack-able dict stored in the DHT (all fields, extras included)."""
+        return self.dict()
+
+    @classmethod
+    def from_wire(cls: type[RecordT], value: Any) -> RecordT | None:
+        """Parse a value read from the DHT; None if it does not fit (a bad record is skipped, not fatal)."""
+        try:
+            return cls.parse_obj(value)
+        except (pydantic.ValidationError, TypeError):
+            return None
+
+
+class ServerRecord(WireRecord):
+    """One server of one stage, renewed every announce period (DHT key ``stage{k}``)."""
+
+    peer_id: StrictStr
+    stage: NonNegativeInt
+    state: ServerState
+    throughput: NonNegativeFloat  # samples per second this server sustains
+    step: NonNegativeInt = 0  # optimizer steps this server's stage replica has taken
+    role: StrictStr = "server"
+    version: StrictStr = __version__
+
+
+class RunConfigRecord(WireRecord):
+    """The run config, published by the coordinator (DHT key ``config``)."""
+
+    run_id: StrictStr
+    config_yaml: StrictStr
+    coordinator_peer_id: StrictStr
+    version: StrictStr = __version__
+
+
+class PeerMetricsRecord(WireRecord):
+    """Training progress of one peer, read by the coordinator for swarm-wide gauges (DHT key ``metrics``)."""
+
+    peer_id: StrictStr
+    role: StrictStr
+    step: NonNegativeInt
+    samples_per_second: NonNegativeFloat
+    samples: NonNegativeInt
+    time: confloat(strict=True)  # unix time of the measurement
+    stage: NonNegativeInt | None = None  # None for trainers, which touch every stage
+    loss: confloat(strict=True) | None = None
+
+    @pydantic.validator("loss")
+    def _finite_loss(cls, loss: float | None) -> float | None:
+        # A diverged loss (nan/inf) is reported as "unknown": NaN != NaN, so SchemaValidator's
+        # "parsing changed nothing" check would reject the whole record otherwise.
+        return loss if loss is None or math.isfinite(loss) else None
+
+
+class SentFieldsOnly:
+    """Mixin for the schema-validation twins of records: ``.dict()`` holds only the fields actually sent.
+
+    SchemaValidator compares the parsed record with the raw one. Without this, a record from an older
+    peer that lacks a newer optional field would parse to ``{..., field: None}``, differ from what was
+    sent, and be rejected: old and new peers could no longer read each other.
+    """
+
+    def dict(self, **kwargs: Any) -> dict[str, Any]:
+        kwargs["exclude_unset"] = True
+        return super().dict(**kwargs)

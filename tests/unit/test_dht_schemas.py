@@ -1,0 +1,189 @@
+"""DHT record schemas, keys and validators, identity files, run info, BackgroundLoop: no processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import stat
+
+import pydantic.v1 as pydantic
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from swarm.dht import (
+    MAX_STAGES,
+    BackgroundLoop,
+    InvalidMultiaddr,
+    PeerMetricsRecord,
+    RunConfigRecord,
+    RunInfo,
+    ServerRecord,
+    ServerState,
+    SwarmDHTError,
+    load_identity,
+    parse_maddrs,
+)
+from swarm.dht.keys import dht_key, schema_validator, stage_field
+
+RUN_ID = "unit-run"
+GOOD_SERVER = dict(peer_id="QmPeer", stage=1, state="ONLINE", throughput=12.5, step=3, role="server", version="0.1.0")
+GOOD_METRICS = dict(peer_id="QmPeer", role="trainer", step=2, samples_per_second=4.0, samples=64, time=1.7e9)
+OWNER = b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC7 test]"
+
+
+def test_good_server_record_round_trips():
+    record = ServerRecord(**GOOD_SERVER)
+    assert record.state == ServerState.ONLINE and record.to_wire() == GOOD_SERVER
+    assert ServerRecord.from_wire(record.to_wire()) == record
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("stage", "1"),
+        ("stage", -1),
+        ("stage", 1.0),
+        ("throughput", "12.5"),
+        ("throughput", 12),
+        ("throughput", -1.0),
+        ("state", "BOGUS"),
+        ("peer_id", 5),
+        ("step", True),
+    ],
+)
+def test_server_record_rejects_wrong_types(field, value):
+    with pytest.raises(pydantic.ValidationError):
+        ServerRecord(**{**GOOD_SERVER, field: value})
+    assert ServerRecord.from_wire({**GOOD_SERVER, field: value}) is None
+
+
+def test_unknown_fields_are_kept():
+    wire = {**GOOD_SERVER, "gpu": "H100", "nested": {"a": [1, 2]}}
+    record = ServerRecord.from_wire(wire)
+    assert record is not None and record.gpu == "H100"
+    assert record.to_wire() == wire
+
+
+def test_from_wire_skips_garbage():
+    assert ServerRecord.from_wire(b"not a dict") is None
+    assert ServerRecord.from_wire({"peer_id": "x"}) is None  # required fields missing
+
+
+def test_metrics_record_optional_fields_and_diverged_loss():
+    assert PeerMetricsRecord(**GOOD_METRICS).stage is None
+    assert PeerMetricsRecord(**GOOD_METRICS, loss=float("nan")).loss is None
+    assert PeerMetricsRecord(**GOOD_METRICS, loss=2.5, stage=0).loss == 2.5
+    with pytest.raises(pydantic.ValidationError):
+        PeerMetricsRecord(**{**GOOD_METRICS, "samples_per_second": -1.0})
+
+
+def test_run_config_record():
+    record = RunConfigRecord(run_id=RUN_ID, config_yaml="run_id: x\n", coordinator_peer_id="QmC")
+    assert RunConfigRecord.from_wire(record.to_wire()) == record
+
+
+def _dht_record(field: str, value, subkey: bytes = OWNER, run_id: str = RUN_ID) -> DHTRecord:
+    key = DHTID.generate(source=dht_key(run_id, field)).to_bytes()
+    dumps = MSGPackSerializer.dumps
+    return DHTRecord(key, dumps(subkey), dumps(value), get_dht_time() + 10)
+
+
+def test_schema_validator_checks_what_peers_store():
+    validator = schema_validator(RUN_ID)
+    assert validator.validate(_dht_record("stage1", GOOD_SERVER))
+    assert validator.validate(_dht_record("stage1", {**GOOD_SERVER, "added_later": 1}))  # newer peer
+    assert validator.validate(_dht_record("metrics", GOOD_METRICS))  # optional fields absent: older peer
+    assert validator.validate(_dht_record("metrics", {**GOOD_METRICS, "stage": None, "loss": 1.0}))
+    assert not validator.validate(_dht_record("stage1", {**GOOD_SERVER, "stage": "1"}))
+    assert not validator.validate(_dht_record("stage1", {**GOOD_SERVER, "throughput": 12}))
+    assert not validator.validate(_dht_record("stage1", {**GOOD_SERVER, "state": "BOGUS"}))
+    assert not validator.validate(_dht_record("stage1", GOOD_SERVER, subkey=b"no owner marker"))
+    assert not validator.validate(_dht_record("config", GOOD_SERVER))  # a server record is no config
+    assert not validator.validate(_dht_record(f"stage{MAX_STAGES - 1}", {**GOOD_SERVER, "stage": None}))
+
+
+def test_schema_validator_survives_pickling_and_leaves_pydantic_alone():
+    # DHT.add_validators pickles validators into the DHT process
+    validator = pickle.loads(pickle.dumps(schema_validator(RUN_ID)))
+    assert validator.validate(_dht_record("stage1", GOOD_SERVER))
+    assert pydantic.BaseConfig.extra != pydantic.Extra.forbid  # hivemind patches Config of the schema only
+
+
+def test_stage_field_bounds():
+    assert stage_field(0) == "stage0" and stage_field(MAX_STAGES - 1) == f"stage{MAX_STAGES - 1}"
+    for stage in (-1, MAX_STAGES):
+        with pytest.raises(ValueError):
+            stage_field(stage)
+
+
+def test_parse_maddrs_errors_are_clear():
+    peer = "/ip4/127.0.0.1/tcp/31337/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    assert [str(m) for m in parse_maddrs([peer], "initial peer", need_peer_id=True)] == [peer]
+    with pytest.raises(InvalidMultiaddr, match="garbage"):
+        parse_maddrs(["garbage"], "initial peer")
+    with pytest.raises(InvalidMultiaddr, match="/p2p/"):
+        parse_maddrs(["/ip4/127.0.0.1/tcp/31337"], "initial peer", need_peer_id=True)
+
+
+def test_persistent_identity(tmp_path):
+    path = tmp_path / "peer.id"
+    first = load_identity(path)
+    key_file = str(path) + ".rsa"
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert load_identity(path).owner_key == first.owner_key
+    assert first.owner_key.startswith(b"[owner:ssh-rsa ")
+    assert load_identity(None).owner_key != load_identity(None).owner_key
+
+
+def test_broken_identity_files_are_named(tmp_path):
+    (tmp_path / "broken.rsa").write_bytes(b"garbage")
+    with pytest.raises(SwarmDHTError, match="broken.rsa"):
+        load_identity(tmp_path / "broken")
+    (tmp_path / "corrupt").write_bytes(b"garbage")
+    with pytest.raises(SwarmDHTError, match="corrupt"):
+        load_identity(tmp_path / "corrupt")
+    with pytest.raises(SwarmDHTError, match="does not exist"):
+        load_identity(tmp_path / "missing-dir" / "peer.id")
+
+
+def test_run_info_round_trip_and_malformed():
+    info = RunInfo(RUN_ID, OWNER, "QmCoordinator")
+    assert RunInfo.from_bytes(info.to_bytes()) == info
+    for garbage in (b"\xc1", MSGPackSerializer.dumps({"run_id": 1}), MSGPackSerializer.dumps([1, 2])):
+        with pytest.raises(ValueError):
+            RunInfo.from_bytes(garbage)
+
+
+def test_background_loop_runs_times_out_and_stops():
+    loop = BackgroundLoop("test-loop").start()
+    try:
+
+        async def add(a, b):
+            return a + b
+
+        assert loop.run(add(2, 3), timeout=5) == 5
+        cancelled = asyncio.Event()
+
+        async def hang():
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+
+        with pytest.raises(TimeoutError):
+            loop.run(hang(), timeout=0.2)
+        assert loop.run(_is_set(cancelled), timeout=5)
+    finally:
+        loop.stop()
+    assert not loop.is_running
+    with pytest.raises(RuntimeError):
+        loop.run(add(1, 1), timeout=1)
+
+
+async def _is_set(event: asyncio.Event) -> bool:
+    # the cancellation of a timed-out coroutine is scheduled on the loop, not instant
+    await asyncio.wait_for(event.wait(), timeout=5)
+    return True

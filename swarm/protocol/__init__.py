@@ -1,0 +1,87 @@
+"""swarm.protocol: the stage RPCs between trainers and stage servers, shared by both sides.
+
+Layers, bottom up:
+
+- ``errors``    every exception of the package (all subclass StageRPCError) and the error-reply codes
+- ``codec``     torch.Tensor <-> hivemind ``runtime_pb2.Tensor`` in the run's wire dtype, strictly checked
+- ``framing``   one message = msgpack metadata + tensors, streamed as ExpertRequest/ExpertResponse
+                frames in parts under ``WireLimits``
+- ``messages``  StageRequest / StageReply: what forward and backward carry, built and parsed with checks
+- ``service``   server side: ``StageService`` (a hivemind ServicerBase) delegating to a ``StageHandler``;
+                ``register(p2p, handler, namespace)``
+- ``client``    trainer side: ``StageClient.forward`` / ``.backward`` with a timeout on every call
+
+Both RPCs are stream-in, stream-out, so tensors of any size under the limits cross hivemind's 4 MiB
+message cap. One P2P can serve several stages: each registers under its own ``stage_namespace``.
+"""
+
+from swarm.protocol.client import DEFAULT_CALL_TIMEOUT, StageClient
+from swarm.protocol.codec import MAX_TENSOR_ELEMENTS, MAX_TENSOR_RANK, decode_tensor, encode_tensor
+from swarm.protocol.errors import (
+    BAD_REQUEST,
+    INTERNAL,
+    NOT_READY,
+    WRONG_STAGE,
+    ProtocolError,
+    RemoteStageError,
+    RequestRejected,
+    StageRPCError,
+    StageUnavailable,
+)
+from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
+from swarm.protocol.messages import (
+    BACKWARD,
+    FORWARD,
+    StageReply,
+    StageRequest,
+    parse_reply,
+    parse_request,
+    receive_reply,
+    receive_request,
+    reply_frames,
+    request_frames,
+    stage_namespace,
+)
+from swarm.protocol.service import (
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_RECEIVE_TIMEOUT,
+    StageHandler,
+    StageService,
+    register,
+)
+
+__all__ = [
+    "BACKWARD",
+    "BAD_REQUEST",
+    "DEFAULT_CALL_TIMEOUT",
+    "DEFAULT_DRAIN_TIMEOUT",
+    "DEFAULT_LIMITS",
+    "DEFAULT_RECEIVE_TIMEOUT",
+    "FORWARD",
+    "INTERNAL",
+    "MAX_TENSOR_ELEMENTS",
+    "MAX_TENSOR_RANK",
+    "NOT_READY",
+    "WRONG_STAGE",
+    "ProtocolError",
+    "RemoteStageError",
+    "RequestRejected",
+    "StageClient",
+    "StageHandler",
+    "StageRPCError",
+    "StageReply",
+    "StageRequest",
+    "StageService",
+    "StageUnavailable",
+    "WireLimits",
+    "decode_tensor",
+    "encode_tensor",
+    "parse_reply",
+    "parse_request",
+    "receive_reply",
+    "receive_request",
+    "register",
+    "reply_frames",
+    "request_frames",
+    "stage_namespace",
+]

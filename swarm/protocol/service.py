@@ -1,0 +1,154 @@
+"""Server side: the P2P endpoints of one stage, delegating the work to an injected StageHandler.
+
+Every failure, whether in the bytes that arrive or in the handler, becomes an error reply
+(`ok: false` with a code and a message) on the same stream: a caller never sees a silently dropped
+connection, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+# hivemind's ServicerBase recognises streaming RPCs only by typing.AsyncIterator annotations
+from typing import AsyncIterator  # noqa: UP035
+
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarm.protocol.errors import BAD_REQUEST, INTERNAL, ProtocolError, RequestRejected
+from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
+from swarm.protocol.messages import (
+    BACKWARD,
+    FORWARD,
+    StageReply,
+    StageRequest,
+    error_frames,
+    receive_request,
+    reply_frames,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RECEIVE_TIMEOUT = 60.0  # a caller must finish sending its request within this many seconds
+# After refusing a half-read request we keep reading (and discarding) the rest for at most this long:
+# hivemind's stream handler blocks on its full prefetch queue if nobody reads, and never closes.
+DEFAULT_DRAIN_TIMEOUT = 10.0
+
+
+class StageHandler(ABC):
+    """What a stage server plugs into StageService. Implementations check `request.stage` themselves.
+
+    Raise RequestRejected(code, message) to refuse with a specific code (e.g. NOT_READY,
+    WRONG_STAGE); any other exception becomes an INTERNAL error reply.
+    """
+
+    @abstractmethod
+    async def forward(self, request: StageRequest) -> StageReply:
+        """Run the stage forward; the last stage (targets given) returns the scalar loss."""
+
+    @abstractmethod
+    async def backward(self, request: StageRequest) -> StageReply:
+        """Recompute the forward, accumulate parameter grads, return grad of the inputs (none for stage 0)."""
+
+
+class StageService(ServicerBase):
+    """Streaming `rpc_forward` / `rpc_backward` endpoints for one stage, under one P2P namespace."""
+
+    def __init__(
+        self,
+        handler: StageHandler,
+        *,
+        limits: WireLimits = DEFAULT_LIMITS,
+        receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ):
+        self.handler, self.limits = handler, limits
+        self.receive_timeout, self.drain_timeout = receive_timeout, drain_timeout
+        self.namespace: str | None = None
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for frame in self._serve(FORWARD, requests, context):
+            yield frame
+
+    async def rpc_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for frame in self._serve(BACKWARD, requests, context):
+            yield frame
+
+    async def unregister(self, p2p: P2P) -> None:
+        """Stop serving on `p2p` (the namespace given to `register`)."""
+        await self.remove_p2p_handlers(p2p, namespace=self.namespace)
+
+    async def _serve(self, kind: str, requests: AsyncIterator, context: P2PContext) -> AsyncIterator:
+        frames, fully_read = await self._respond(kind, requests, context)
+        for frame in frames:
+            yield frame
+        if not fully_read:
+            await self._drain(requests)
+
+    async def _respond(self, kind: str, requests: AsyncIterator, context: P2PContext) -> tuple[Iterable, bool]:
+        """The reply frames, and whether the request stream was read to its end."""
+        try:
+            request = await asyncio.wait_for(receive_request(requests, self.limits), self.receive_timeout)
+        except ProtocolError as e:
+            return self._refuse(context, kind, BAD_REQUEST, str(e)), False
+        except asyncio.TimeoutError:
+            message = f"request not received within {self.receive_timeout:g}s"
+            return self._refuse(context, kind, BAD_REQUEST, message), False
+        except Exception as e:  # a decoding bug on our side must still produce an answer
+            message = f"could not read the request: {type(e).__name__}: {e}"
+            return self._refuse(context, kind, INTERNAL, message, exc_info=True), False
+        if request.kind != kind:
+            message = f"a {request.kind} request was sent to the {kind} endpoint"
+            return self._refuse(context, kind, BAD_REQUEST, message), True
+        try:
+            work = self.handler.forward if kind == FORWARD else self.handler.backward
+            reply = await work(request)
+        except RequestRejected as e:
+            return self._refuse(context, kind, e.code, e.message), True
+        except ProtocolError as e:  # the handler found the request's content unusable
+            return self._refuse(context, kind, BAD_REQUEST, str(e)), True
+        except Exception as e:  # whatever the handler does wrong, the caller gets an answer
+            return self._refuse(context, kind, INTERNAL, f"{type(e).__name__}: {e}", exc_info=True), True
+        try:
+            return reply_frames(reply, request.wire_dtype, self.limits), True
+        except Exception as e:  # a reply we cannot send (over the limits, bad metadata) is our fault
+            message = f"could not encode the reply: {type(e).__name__}: {e}"
+            return self._refuse(context, kind, INTERNAL, message, exc_info=True), True
+
+    @staticmethod
+    def _refuse(context: P2PContext, kind: str, code: str, message: str, exc_info: bool = False) -> list:
+        log.warning("refused a %s request from %s: [%s] %s", kind, context.remote_id, code, message, exc_info=exc_info)
+        return error_frames(code, message)
+
+    async def _drain(self, requests: AsyncIterator) -> None:
+        async def discard() -> None:
+            async for _ in requests:
+                pass
+
+        # An honest caller closes the stream when it sees the error; only a misbehaving one lingers.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(discard(), self.drain_timeout)
+
+
+async def register(
+    p2p: P2P,
+    handler: StageHandler,
+    namespace: str,
+    *,
+    limits: WireLimits = DEFAULT_LIMITS,
+    receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+) -> StageService:
+    """Serve `handler` on `p2p` under `namespace` (see `stage_namespace`); returns the service."""
+    service = StageService(handler, limits=limits, receive_timeout=receive_timeout, drain_timeout=drain_timeout)
+    service.namespace = namespace
+    await service.add_p2p_handlers(p2p, namespace=namespace)
+    return service

@@ -1,0 +1,66 @@
+"""`swarm-coordinator`: bootstraps a run's DHT and publishes its signed run config."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from swarm.config import ConfigError, RunConfig
+from swarm.dht import SwarmDHTError
+from swarm.envflags import apply_env_defaults
+from swarm.logs import setup_logging
+
+from .node import Coordinator
+
+log = logging.getLogger("swarm.coordinator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="swarm-coordinator",
+        description="Start a training run: a DHT node with a stable identity that publishes the signed run "
+        "config. Prints 'initial peers: MADDR ...' as soon as others can join.",
+    )
+    p.add_argument("--config", required=True, help="run config YAML")
+    p.add_argument("--run-id", help="override the run id of the config")
+    p.add_argument("--identity", help="identity file (created if missing) so the multiaddr survives restarts")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"],
+                   help="multiaddrs to listen on (default: all interfaces, a free TCP port)")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
+    p.add_argument("--metrics-port", type=int, help="serve /metrics and /status on this port")
+    p.add_argument("--checkpoint-dir", help="keep periodic full checkpoints here")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    apply_env_defaults(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = RunConfig.load(args.config)
+        if args.run_id:
+            config.run_id = args.run_id
+            config.validate()
+    except ConfigError as e:
+        sys.exit(f"swarm-coordinator: error: {e}")
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port)
+    except (SwarmDHTError, OSError) as e:
+        sys.exit(f"swarm-coordinator: error: {e}")
+    try:
+        print("initial peers: " + " ".join(coordinator.initial_peers()), flush=True)
+        coordinator.serve_until(stop)
+    finally:
+        coordinator.shutdown()
+
+
+if __name__ == "__main__":
+    main()

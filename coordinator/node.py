@@ -1,0 +1,92 @@
+"""The coordinator's node: DHT bootstrap, the signed run config, and the swarm's status."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from swarm.config import RunConfig
+from swarm.dht import (
+    BackgroundLoop,
+    RunInfo,
+    SwarmRecords,
+    load_identity,
+    peer_id,
+    serve_run_info,
+    start_dht,
+    visible_maddrs,
+)
+from swarm.metrics import MetricsServer
+
+from .status import SwarmGauges, build_status
+
+log = logging.getLogger("swarm.coordinator")
+
+STATUS_PERIOD = 2.0  # seconds between reads of the swarm's records for /status and /metrics
+
+
+class Coordinator:
+    """Publishes the run config (renewed before it expires) and watches the swarm through the DHT."""
+
+    def __init__(self, config: RunConfig, host_maddrs: list[str], announce_maddrs: list[str],
+                 identity_path: str | None = None, metrics_port: int | None = None):
+        self.config = config
+        self.identity = load_identity(identity_path)
+        self.loop = BackgroundLoop("coordinator-loop").start()
+        self.dht = None
+        self.metrics_server = None
+        try:
+            self.dht = start_dht(config.run_id, self.identity, (), host_maddrs, announce_maddrs)
+            self.records = SwarmRecords(self.dht, config.run_id, self.identity)
+            self.peer_id = peer_id(self.dht)
+            self.publish_config()
+            serve_run_info(self.dht, self.loop, RunInfo(config.run_id, self.identity.owner_key, self.peer_id))
+            self.registry = CollectorRegistry()
+            self.gauges = SwarmGauges(self.registry)
+            self._status = build_status(config.run_id, {}, [])
+            if metrics_port is not None:
+                self.metrics_server = MetricsServer(self.registry, metrics_port, status=lambda: self._status)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def initial_peers(self) -> list[str]:
+        return visible_maddrs(self.dht)
+
+    def publish_config(self) -> None:
+        if not self.records.publish_run_config(self.config, ttl=self.config.network.record_ttl):
+            log.warning("could not store the run config in the DHT (will retry)")
+
+    def refresh_status(self) -> dict[str, Any]:
+        servers = self.records.lookup_all_servers(self.config.stages.num_stages)
+        metrics = self.records.lookup_metrics()
+        self._status = build_status(self.config.run_id, servers, metrics)
+        self.gauges.update(self._status)
+        return self._status
+
+    def serve_until(self, stop: threading.Event) -> None:
+        """Renew the run config and refresh the status until `stop` is set."""
+        renew_every = self.config.network.announce_period
+        next_renewal = 0.0
+        elapsed = 0.0
+        while not stop.is_set():
+            try:
+                if elapsed >= next_renewal:
+                    self.publish_config()
+                    next_renewal = elapsed + renew_every
+                self.refresh_status()
+            except Exception as e:  # the DHT may hiccup; the coordinator keeps going
+                log.warning("status refresh failed: %s", e)
+            if stop.wait(STATUS_PERIOD):
+                break
+            elapsed += STATUS_PERIOD
+
+    def shutdown(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        if self.dht is not None:
+            self.dht.shutdown()
+        self.loop.stop()

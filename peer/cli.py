@@ -1,0 +1,165 @@
+"""`swarm-peer`: join a run through its initial peers and serve a stage or train."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from swarm.config import ConfigError, RunConfig
+from swarm.data import DataError
+from swarm.dht import BackgroundLoop, SwarmDHTError, SwarmRecords, join_run, load_identity, serve_run_info
+from swarm.envflags import apply_env_defaults
+from swarm.logs import setup_logging
+from swarm.metrics import MetricsServer
+
+log = logging.getLogger("swarm.peer")
+
+
+def stage_arg(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        stage = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a stage number, got {value!r}") from None
+    if stage < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {stage}")
+    return stage
+
+
+def fraction(value: str) -> float:
+    x = float(value)
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return x
+
+
+def non_negative(value: str) -> float:
+    x = float(value)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return x
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swarm-peer", description="Join a swarm training run.")
+    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of peers already in the run")
+    p.add_argument("--role", choices=["auto", "server", "trainer"], default="auto",
+                   help="server: host a stage; trainer: drive data through the stages; auto: server with a GPU")
+    p.add_argument("--stage", type=stage_arg, default=None, metavar="auto|K",
+                   help="stage to serve (default auto: the one with the least throughput)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where a server computes")
+    p.add_argument("--identity", help="identity file (created if missing) for a stable peer id")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--data", help="trainer: corpus file, directory or glob (default: the run config's)")
+    p.add_argument("--trainer-index", type=int, help="trainer: which share of the data (default: from peer id)")
+    p.add_argument("--max-samples", type=int, help="trainer: stop after this many samples")
+    p.add_argument("--in-flight", type=int, default=4, help="trainer: micro-batches in flight at once")
+    p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
+                   help="fault injection (tests, demos): a server delays every request by this much")
+    p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
+                   help="fault injection (tests, demos): a server fails this fraction of requests")
+    p.add_argument("--join-timeout", type=float, default=60.0, help="seconds to find the run and its config")
+    p.add_argument("--check", action="store_true", help="join, print the run config, and exit")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    apply_env_defaults(p)
+    return p
+
+
+def resolve_role(role: str, device: str) -> tuple[str, str]:
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    if device == "cuda" and not has_gpu:
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    if device == "auto":
+        device = "cuda" if has_gpu else "cpu"
+    if role == "auto":
+        role = "server" if device == "cuda" else "trainer"
+    return role, device
+
+
+def describe(config: RunConfig) -> str:
+    m, o = config.model, config.optimizer
+    return (f"run {config.run_id}: GPT {m.n_layer} layers x {m.d_model} in {config.stages.num_stages} stages, "
+            f"batch {o.batch_size} (micro-batch {o.micro_batch_size}), lr {o.lr:g}, corpus {config.data.corpus}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        run(args, stop)
+    except (ConfigError, DataError, SwarmDHTError, OSError, ValueError) as e:
+        sys.exit(f"swarm-peer: error: {e}")
+
+
+def run(args: argparse.Namespace, stop: threading.Event) -> None:
+    role, device = resolve_role(args.role, args.device)
+    identity = load_identity(args.identity)
+    loop = BackgroundLoop("peer-loop").start()
+    dht = None
+    try:
+        dht, info, config = join_run(args.initial_peers, identity, loop, host_maddrs=args.host_maddrs,
+                                     announce_maddrs=args.announce_maddrs, timeout=args.join_timeout)
+        log.info("joined %s (coordinator %s)", describe(config), info.coordinator_peer_id)
+        if args.check:
+            print(describe(config), flush=True)
+            print(config.to_yaml(), end="", flush=True)
+            return
+        serve_run_info(dht, loop, info)  # so newcomers can use this peer as an initial peer too
+        records = SwarmRecords(dht, config.run_id, identity)
+        registry = CollectorRegistry()
+        metrics = MetricsServer(registry, args.metrics_port) if args.metrics_port is not None else None
+        try:
+            if role == "server":
+                run_server(args, config, dht, records, loop, device, registry, stop)
+            else:
+                run_trainer(args, config, dht, records, loop, registry, stop)
+        finally:
+            if metrics is not None:
+                metrics.close()
+    finally:
+        if dht is not None:
+            dht.shutdown()
+        loop.stop()
+
+
+def run_server(args, config, dht, records, loop, device, registry, stop) -> None:
+    from .server import ServerOptions, StageServer
+
+    options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
+                            inject_failure_rate=args.inject_failure_rate)
+    server = StageServer(config, dht, records, loop, options, registry)
+    try:
+        server.start()
+        stop.wait()
+        log.info("stopping: announcing OFFLINE")
+    finally:
+        server.shutdown()
+
+
+def run_trainer(args, config, dht, records, loop, registry, stop) -> None:
+    from .trainer import Trainer, TrainerOptions
+
+    options = TrainerOptions(trainer_index=args.trainer_index, data=args.data, in_flight=args.in_flight,
+                             max_samples=args.max_samples)
+    trainer = Trainer(config, dht, records, loop, options, registry)
+    log.info("training on stages 0..%d with %d micro-batches in flight", config.stages.num_stages - 1,
+             options.in_flight)
+    trainer.run(stop)
+    log.info("trainer done: %d samples", trainer.samples)
+
+
+if __name__ == "__main__":
+    main()

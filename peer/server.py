@@ -1,0 +1,243 @@
+"""A stage server: hosts one pipeline stage, serves forward/backward, announces itself in the DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from swarm.backend import BackwardResult, Overloaded, StageBackend
+from swarm.config import RunConfig
+from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords
+from swarm.model import build_stage
+from swarm.optim import StageOptimizer
+from swarm.protocol import (
+    BAD_REQUEST,
+    INTERNAL,
+    NOT_READY,
+    WRONG_STAGE,
+    RequestRejected,
+    StageHandler,
+    StageReply,
+    StageRequest,
+    register,
+    stage_namespace,
+)
+
+from .placement import choose_stage
+
+log = logging.getLogger("swarm.server")
+
+LOOP_CALL_TIMEOUT = 30.0  # registering handlers, replicating the DHT's P2P
+STEP_LOG_EVERY = 10  # optimizer steps between progress lines in the log
+BACKWARD_CACHE_SIZE = 512  # recent backward results kept so a retried request is not counted twice
+
+
+@dataclass
+class ServerOptions:
+    stage: int | None = None  # None: the stage with the least announced throughput
+    device: str = "cpu"
+    max_queue: int = 64
+    inject_delay: float = 0.0  # seconds added to every request (fault injection)
+    inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry, backend_ref: StageServer):
+        self.requests = Counter("swarm_server_requests_total", "Requests by kind and outcome", ["kind", "status"],
+                                registry=registry)
+        self.latency = Histogram("swarm_server_request_seconds", "Time to answer a request", ["kind"],
+                                 registry=registry)
+        self.samples = Counter("swarm_server_samples_total", "Samples whose backward this server ran",
+                               registry=registry)
+        Gauge("swarm_server_queue_depth", "Tasks waiting for or in compute", registry=registry).set_function(
+            lambda: backend_ref.backend.queue_depth if backend_ref.backend else 0)
+        Gauge("swarm_server_step", "Optimizer steps of this stage replica", registry=registry).set_function(
+            lambda: backend_ref.backend.step if backend_ref.backend else 0)
+        self.throughput = Gauge("swarm_server_throughput_samples_per_second", "Announced throughput",
+                                registry=registry)
+
+
+class StageServer:
+    """Lifecycle: JOINING -> build the stage, measure speed, register RPCs -> ONLINE -> OFFLINE."""
+
+    def __init__(self, config: RunConfig, dht: hivemind.DHT, records: SwarmRecords, loop: BackgroundLoop,
+                 options: ServerOptions | None = None, registry: CollectorRegistry | None = None):
+        self.config = config
+        self.dht = dht
+        self.records = records
+        self.loop = loop
+        self.options = options or ServerOptions()
+        self.peer_id = str(dht.peer_id)
+        self.state = ServerState.JOINING
+        self.stage: int | None = None
+        self.backend: StageBackend | None = None
+        self.throughput = 0.0
+        self.metrics = ServerMetrics(registry or CollectorRegistry(), self)
+        self._stop = threading.Event()
+        self._announcer: threading.Thread | None = None
+        self._p2p = None
+        self._service = None
+
+    def start(self) -> None:
+        """Join the stage and go ONLINE; raises if the stage cannot be served."""
+        n = self.config.stages.num_stages
+        stage = self.options.stage
+        if stage is None:
+            stage = choose_stage(self.records.lookup_all_servers(n), n)
+        if not 0 <= stage < n:
+            raise ValueError(f"stage {stage} does not exist: the run has stages 0..{n - 1}")
+        self.stage = stage
+        self.announce()
+        module = build_stage(self.config, stage)
+        optimizer = StageOptimizer(module, self.config.optimizer)
+        self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
+                                    on_step=self._on_step)
+        self.throughput = measure_throughput(self.backend, self.config)
+        self.metrics.throughput.set(self.throughput)
+        self._p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
+        handler = StageRequestHandler(self)
+        namespace = stage_namespace(self.config.run_id, stage)
+        self._service = self.loop.run(register(self._p2p, handler, namespace), LOOP_CALL_TIMEOUT)
+        self.state = ServerState.ONLINE
+        self.announce()
+        self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
+        self._announcer.start()
+        log.info("serving stage %d of %d (%.1f samples/s measured) as %s", stage, n, self.throughput, self.peer_id)
+
+    def record(self) -> ServerRecord:
+        step = self.backend.step if self.backend else 0
+        return ServerRecord(peer_id=self.peer_id, stage=self.stage, state=self.state.value,
+                            throughput=float(self.throughput), step=step)
+
+    def announce(self) -> bool:
+        ok = self.records.announce_server(self.record(), ttl=self.config.network.record_ttl)
+        if not ok:
+            log.warning("could not store this server's record in the DHT (will retry)")
+        return ok
+
+    def _announce_forever(self) -> None:
+        while not self._stop.wait(self.config.network.announce_period):
+            try:
+                self.announce()
+            except Exception as e:  # a DHT hiccup must not stop the renewals
+                log.warning("announce failed: %s", e)
+
+    def _on_step(self, stats: dict) -> None:
+        level = logging.INFO if stats["step"] % STEP_LOG_EVERY == 0 or stats["skipped"] else logging.DEBUG
+        log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples)", self.stage, stats["step"],
+                 stats["lr"], stats["grad_norm"], stats["samples"])
+
+    def shutdown(self) -> None:
+        """Announce OFFLINE first, so trainers stop sending work, then stop serving."""
+        self._stop.set()
+        if self.stage is not None:
+            self.state = ServerState.OFFLINE
+            try:
+                self.announce()
+            except Exception as e:
+                log.warning("could not announce OFFLINE: %s", e)
+        if self._service is not None and self.loop.is_running:
+            try:
+                self.loop.run(self._service.unregister(self._p2p), LOOP_CALL_TIMEOUT)
+            except Exception as e:
+                log.debug("unregister failed: %s", e)
+        if self.backend is not None:
+            self.backend.shutdown()
+
+
+class StageRequestHandler(StageHandler):
+    """Checks each request against the server's state, then runs it on the stage backend."""
+
+    def __init__(self, server: StageServer):
+        self.server = server
+        self._recent: OrderedDict[str, BackwardResult] = OrderedDict()
+
+    async def forward(self, request: StageRequest) -> StageReply:
+        started = time.perf_counter()
+        backend = await self._admit(request)
+        out = await self._run(request, backend.forward, request.inputs, request.targets)
+        self._done(request, started)
+        return StageReply([out], server_step=backend.step)
+
+    async def backward(self, request: StageRequest) -> StageReply:
+        started = time.perf_counter()
+        backend = await self._admit(request)
+        result = self._recent.get(request.request_id)
+        if result is None:  # a retry of a request we already ran must not add its gradient twice
+            result = await self._run(request, backend.backward, request.inputs, request.grad_outputs,
+                                     request.targets)
+            self._recent[request.request_id] = result
+            while len(self._recent) > BACKWARD_CACHE_SIZE:
+                self._recent.popitem(last=False)
+            self.server.metrics.samples.inc(request.inputs.shape[0])
+        self._done(request, started)
+        tensors = [] if result.grad_input is None else [result.grad_input]
+        info = {} if result.loss is None else {"loss": result.loss}
+        return StageReply(tensors, server_step=result.step, info=info)
+
+    async def _admit(self, request: StageRequest) -> StageBackend:
+        server, options = self.server, self.server.options
+        if server.state != ServerState.ONLINE or server.backend is None:
+            self._count(request, NOT_READY)
+            raise RequestRejected(NOT_READY, f"server is {server.state.value}, not ONLINE")
+        if request.stage != server.stage:
+            self._count(request, WRONG_STAGE)
+            raise RequestRejected(WRONG_STAGE, f"this server hosts stage {server.stage}, not {request.stage}")
+        if options.inject_delay > 0:
+            await asyncio.sleep(options.inject_delay)
+        if options.inject_failure_rate > 0 and random.random() < options.inject_failure_rate:
+            self._count(request, "injected")
+            raise RequestRejected(INTERNAL, "injected failure (--inject-failure-rate)")
+        return server.backend
+
+    async def _run(self, request: StageRequest, fn, *args):
+        try:
+            return await asyncio.wrap_future(self.server.backend.submit(fn, *args))
+        except Overloaded as e:
+            self._count(request, NOT_READY)
+            raise RequestRejected(NOT_READY, str(e)) from None
+        except ValueError as e:  # the module's and backend's input checks
+            self._count(request, BAD_REQUEST)
+            raise RequestRejected(BAD_REQUEST, str(e)) from None
+
+    def _count(self, request: StageRequest, status: str) -> None:
+        self.server.metrics.requests.labels(kind=request.kind, status=status).inc()
+
+    def _done(self, request: StageRequest, started: float) -> None:
+        self._count(request, "ok")
+        self.server.metrics.latency.labels(kind=request.kind).observe(time.perf_counter() - started)
+
+
+def measure_throughput(backend: StageBackend, config: RunConfig, repeats: int = 3) -> float:
+    """Samples per second of forward + backward on one micro-batch, on a copy of the stage.
+
+    A copy, so the measurement leaves no gradient behind in the real stage.
+    """
+    import copy
+
+    module = copy.deepcopy(backend.module)
+    n, t = config.optimizer.micro_batch_size, config.model.seq_len
+    if module.is_first:
+        x = torch.randint(0, config.model.vocab_size, (n, t), device=backend.device)
+    else:
+        x = torch.randn(n, t, config.model.d_model, device=backend.device)
+    targets = torch.randint(0, config.model.vocab_size, (n, t), device=backend.device) if module.is_last else None
+    timings = []
+    for _ in range(repeats + 1):  # the first run warms up allocators and kernels
+        started = time.perf_counter()
+        with torch.no_grad():
+            module(x, targets)
+        x_grad = x.float().requires_grad_(True) if not module.is_first else x
+        out = module(x_grad, targets)
+        out.sum().backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
+        timings.append(time.perf_counter() - started)
+    return n / min(timings[1:])

@@ -1,0 +1,159 @@
+"""A trainer: reads its share of the data and keeps micro-batches in flight through the stages."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import hivemind
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from swarm.config import RunConfig
+from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
+from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords
+from swarm.routing import PipelineError, PipelineSettings, RemotePipeline
+
+log = logging.getLogger("swarm.trainer")
+
+LOOP_CALL_TIMEOUT = 30.0
+
+
+@dataclass
+class TrainerOptions:
+    trainer_index: int | None = None  # which share of the data; None: derived from the peer id
+    data: str | None = None  # corpus path or glob overriding the run config's
+    in_flight: int = 4  # micro-batches travelling through the pipeline at once
+    max_samples: int | None = None  # stop after this many samples (None: until stopped)
+    refresh_period: float = 2.0  # how often the server list is read from the DHT
+    metrics_period: float = 5.0  # how often loss and speed are published
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.samples = Counter("swarm_trainer_samples_total", "Samples trained", registry=registry)
+        self.failed = Counter("swarm_trainer_failed_micro_batches_total", "Micro-batches that could not complete",
+                              registry=registry)
+        self.loss = Gauge("swarm_trainer_loss", "Mean loss of recent micro-batches", registry=registry)
+        self.speed = Gauge("swarm_trainer_samples_per_second", "Recent training speed", registry=registry)
+        self.waiting = Gauge("swarm_trainer_waiting_stages", "Stages with no usable server right now",
+                             registry=registry)
+
+
+class Trainer:
+    """Drives micro-batches through the remote pipeline until stopped (or `max_samples`)."""
+
+    def __init__(self, config: RunConfig, dht: hivemind.DHT, records: SwarmRecords, loop: BackgroundLoop,
+                 options: TrainerOptions | None = None, registry: CollectorRegistry | None = None):
+        self.config = config
+        self.dht = dht
+        self.records = records
+        self.loop = loop
+        self.options = options or TrainerOptions()
+        self.peer_id = str(dht.peer_id)
+        self.metrics = TrainerMetrics(registry or CollectorRegistry())
+        index = self.options.trainer_index
+        if index is None:
+            index = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big")
+        data_cfg = config.data
+        if self.options.data:
+            data_cfg = type(data_cfg)(**{**vars(data_cfg), "corpus": self.options.data})
+        tokens = load_tokens(data_cfg, "train", load_tokenizer(data_cfg))
+        self.sampler = BatchSampler(tokens, config.model.seq_len, config.optimizer.micro_batch_size,
+                                    seed=sampler_seed(data_cfg.seed, index))
+        self.samples = 0
+        self.recent: deque[tuple[float, float, int]] = deque(maxlen=256)  # (time, loss, samples)
+        self.pipeline: RemotePipeline | None = None
+
+    def run(self, stop: threading.Event) -> None:
+        """Train until `stop` is set or `max_samples` are done."""
+        p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
+        settings = PipelineSettings(request_timeout=self.config.network.request_timeout)
+        self.pipeline = RemotePipeline(p2p, self.config.run_id, self.config.stages.num_stages,
+                                       self.config.stages.wire_dtype, settings)
+        future = asyncio.run_coroutine_threadsafe(self._main(), self.loop.loop)
+        try:
+            while not future.done():
+                if stop.wait(0.2):
+                    future.cancel()
+                    break
+            if not future.cancelled():
+                future.result()
+        finally:
+            self._publish_metrics()
+
+    async def _main(self) -> None:
+        refresher = asyncio.create_task(self._refresh_servers())
+        reporter = asyncio.create_task(self._report())
+        try:
+            await self._refresh_once()
+            await asyncio.gather(*(self._worker(i) for i in range(self.options.in_flight)))
+        finally:
+            refresher.cancel()
+            reporter.cancel()
+
+    async def _worker(self, worker: int) -> None:
+        budget = self.options.max_samples
+        count = 0
+        while budget is None or self.samples < budget:
+            x, y = self.sampler.next_batch()
+            if budget is not None:
+                x, y = x[: budget - self.samples], y[: budget - self.samples]
+            n = x.shape[0]
+            self.samples += n  # claimed before the trip, so workers never overshoot the budget
+            count += 1
+            try:
+                loss = await self.pipeline.train(x, y, request_id=f"{self.peer_id}:{worker}:{count}")
+            except PipelineError as e:
+                self.samples -= n
+                self.metrics.failed.inc()
+                log.warning("micro-batch failed and is dropped: %s", e)
+                continue
+            self.recent.append((time.monotonic(), loss, n))
+            self.metrics.samples.inc(n)
+
+    async def _refresh_once(self) -> None:
+        n = self.config.stages.num_stages
+        servers = await asyncio.to_thread(self.records.lookup_all_servers, n)
+        self.pipeline.update_servers(
+            {stage: [r.peer_id for r in records if r.state == "ONLINE"] for stage, records in servers.items()})
+        self.metrics.waiting.set(len(self.pipeline.stats.waiting_stages))
+
+    async def _refresh_servers(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.refresh_period)
+            try:
+                await self._refresh_once()
+            except Exception as e:  # a failed lookup keeps the previous list
+                log.warning("server lookup failed: %s", e)
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.metrics_period)
+            await asyncio.to_thread(self._publish_metrics)
+
+    def recent_stats(self, window: float = 30.0) -> tuple[float | None, float]:
+        """Mean loss and samples per second over the last `window` seconds."""
+        now = time.monotonic()
+        recent = [(t, loss, n) for t, loss, n in list(self.recent) if now - t <= window]
+        if not recent:
+            return None, 0.0
+        loss = sum(loss * n for _, loss, n in recent) / sum(n for *_, n in recent)
+        span = max(now - recent[0][0], 1e-3) if len(recent) > 1 else window
+        return loss, sum(n for *_, n in recent) / span
+
+    def _publish_metrics(self) -> None:
+        loss, speed = self.recent_stats()
+        if loss is not None:
+            self.metrics.loss.set(loss)
+        self.metrics.speed.set(speed)
+        record = PeerMetricsRecord(peer_id=self.peer_id, role="trainer", step=0, samples_per_second=float(speed),
+                                   samples=int(self.samples), time=time.time(), loss=loss)
+        try:
+            self.records.publish_metrics(record, ttl=self.config.network.record_ttl)
+        except Exception as e:
+            log.warning("could not publish metrics: %s", e)

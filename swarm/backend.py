@@ -1,0 +1,151 @@
+"""A stage's compute: forward, backward by recomputation, gradient accumulation, optimizer steps.
+
+No networking here. Every task runs on one worker thread owned by the backend, so torch work never
+blocks an event loop and the module, its gradients and its optimizer are only touched by that
+thread. At most `max_queue` tasks may wait; more are refused at once with :class:`Overloaded`,
+so a flood of requests cannot grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from swarm.model import StageModule
+from swarm.optim import StageOptimizer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Overloaded(RuntimeError):
+    """The stage's task queue is full; the caller should try another server or later."""
+
+
+@dataclass
+class BackwardResult:
+    grad_input: torch.Tensor | None  # None on the first stage (its input is token ids)
+    loss: float | None  # the micro-batch's mean loss, on the last stage
+    step: int  # the stage's optimizer step after this task
+    step_stats: dict[str, Any] | None  # set when this task completed a batch and the stage stepped
+
+
+class StageBackend:
+    """Runs one stage module and its optimizer on a device, one task at a time."""
+
+    def __init__(
+        self,
+        module: StageModule,
+        optimizer: StageOptimizer,
+        device: str | torch.device = "cpu",
+        max_queue: int = 64,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.device = torch.device(device)
+        self.module = module.to(self.device)
+        self.optimizer = optimizer
+        self.max_queue = max_queue
+        self.on_step = on_step
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{module.index}")
+        self._lock = threading.Lock()
+        self._queued = 0
+        self.busy_seconds = 0.0  # compute time spent, for throughput estimates
+        self.samples_processed = 0
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    @property
+    def step(self) -> int:
+        return self.optimizer.step_count
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Queue `fn(*args)` on the worker thread, or raise Overloaded if the queue is full."""
+        with self._lock:
+            if self._queued >= self.max_queue:
+                raise Overloaded(f"stage {self.module.index} has {self._queued} tasks queued; try again later")
+            self._queued += 1
+        future = self._executor.submit(self._timed, fn, *args)
+        future.add_done_callback(self._task_done)
+        return future
+
+    def _task_done(self, _: Future) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage output for `x` (the mean loss on the last stage); no gradients are kept."""
+        with torch.no_grad():
+            out = self.module(x.to(self.device), _to(targets, self.device))
+        self.samples_processed += x.shape[0]
+        return out.float().cpu()
+
+    def backward(
+        self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> BackwardResult:
+        """Recompute the forward from `x`, accumulate parameter gradients, step when a batch is full.
+
+        Gradients are of the SUM of per-sample losses (the last stage scales its mean loss by the
+        micro-batch size), so the optimizer can average over however many samples arrived.
+        """
+        module = self.module
+        n = x.shape[0]
+        x = x.to(self.device)
+        if not module.is_first:
+            x = x.detach().float().requires_grad_(True)
+        out = module(x, _to(targets, self.device))  # validates x and targets
+        if module.is_last:
+            loss = float(out.detach())
+            (out * n).backward()
+        else:
+            loss = None
+            _check_grad_output(grad_output, out)
+            out.backward(grad_output.to(device=self.device, dtype=out.dtype))
+        self.optimizer.add_samples(n)
+        self.samples_processed += n
+        stats = None
+        if self.optimizer.ready:
+            stats = self.optimizer.step()
+            if stats["skipped"]:
+                log.warning("stage %d skipped a step: non-finite gradient norm", module.index)
+            if self.on_step is not None:
+                self.on_step(stats)
+        grad_input = None if module.is_first else x.grad.detach().cpu()
+        return BackwardResult(grad_input, loss, self.optimizer.step_count, stats)
+
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run `fn` on the worker thread (e.g. to read a consistent state_dict) and wait for it."""
+        return self.submit(fn).result(timeout)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _check_grad_output(grad_output: torch.Tensor | None, out: torch.Tensor) -> None:
+    if grad_output is None:
+        raise ValueError("backward of a non-last stage needs the gradient of its output")
+    if not isinstance(grad_output, torch.Tensor) or not grad_output.is_floating_point():
+        raise ValueError("the gradient of the output must be a floating-point tensor")
+    if tuple(grad_output.shape) != tuple(out.shape):
+        raise ValueError(f"gradient shape {tuple(grad_output.shape)} != output shape {tuple(out.shape)}")
+    if not torch.isfinite(grad_output).all():
+        raise ValueError("the gradient of the output has non-finite values")

@@ -1,0 +1,167 @@
+"""A micro-batch's trip through the remote stages: forward, loss on the last stage, backward.
+
+Forward goes stage by stage, keeping every stage's input. The last stage does forward and backward
+in one call (it computes the loss from the targets, so logits never cross the network) and
+returns the loss and the gradient of its input. Backward then goes back stage by stage.
+
+Servers keep no per-request state: a backward carries the stage input again and the server
+recomputes the forward. So when the server that did a stage's forward is gone, the backward goes
+to another server of that stage, which re-runs the forward from the saved input before the
+backward; the micro-batch completes instead of being dropped. A call that fails bans that server
+(see StageBalancer) and is retried on another; a stage with no server to try makes the trip wait,
+visibly, until one appears or `max_wait` runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from swarm.protocol import (
+    BACKWARD,
+    BAD_REQUEST,
+    FORWARD,
+    RemoteStageError,
+    StageClient,
+    StageReply,
+    StageRequest,
+    StageUnavailable,
+    stage_namespace,
+)
+from swarm.routing.balancer import StageBalancer
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """A micro-batch could not complete (no server for a stage within `max_wait`, or a bad request)."""
+
+
+@dataclass
+class PipelineSettings:
+    """Timeouts of the trainer side, in seconds (from the run config's network section)."""
+
+    request_timeout: float = 60.0  # one forward or backward call
+    max_wait: float = 600.0  # how long a micro-batch may wait for a stage with no usable server
+    retry_pause: float = 0.5  # pause before looking again for a server of an empty stage
+
+
+@dataclass
+class PipelineStats:
+    calls: int = 0
+    failures: int = 0
+    retries: int = 0
+    waiting_stages: set[int] = field(default_factory=set)
+
+
+class RemotePipeline:
+    """Drives micro-batches through the stage servers of one run."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        run_id: str,
+        num_stages: int,
+        wire_dtype: str = "float32",
+        settings: PipelineSettings | None = None,
+        balancer_factory: Callable[[], StageBalancer] = StageBalancer,
+    ):
+        self.p2p = p2p
+        self.run_id = run_id
+        self.num_stages = num_stages
+        self.wire_dtype = wire_dtype
+        self.settings = settings or PipelineSettings()
+        self.balancers = [balancer_factory() for _ in range(num_stages)]
+        self.stats = PipelineStats()
+        self._servers_changed = asyncio.Event()
+
+    def update_servers(self, peers_by_stage: dict[int, Sequence[str]]) -> None:
+        """Set the ONLINE servers of each stage (peer ids as strings), e.g. after a DHT lookup."""
+        for stage, balancer in enumerate(self.balancers):
+            balancer.update_servers(peers_by_stage.get(stage, ()))
+        self._servers_changed.set()
+
+    async def train(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
+        """Forward and backward of one micro-batch through every stage; returns its mean loss."""
+        inputs = [x]
+        for stage in range(self.num_stages - 1):
+            reply = await self._call(stage, FORWARD, request_id, inputs[stage])
+            inputs.append(reply.tensors[0])
+        last = self.num_stages - 1
+        reply = await self._call(last, BACKWARD, request_id, inputs[last], targets=y)
+        loss = float(reply.info["loss"])
+        for stage in range(last - 1, -1, -1):
+            grad = reply.tensors[0]
+            reply = await self._call(stage, BACKWARD, request_id, inputs[stage], grad_outputs=grad)
+        return loss
+
+    async def evaluate(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
+        """Mean loss of a batch through every stage, forward only (nothing accumulates)."""
+        h = x
+        for stage in range(self.num_stages):
+            targets = y if stage == self.num_stages - 1 else None
+            reply = await self._call(stage, FORWARD, request_id, h, targets=targets)
+            h = reply.tensors[0]
+        return float(h)
+
+    async def _call(
+        self,
+        stage: int,
+        kind: str,
+        request_id: str,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        grad_outputs: torch.Tensor | None = None,
+    ) -> StageReply:
+        request = StageRequest(kind, stage, request_id, inputs, targets=targets, grad_outputs=grad_outputs,
+                               wire_dtype=self.wire_dtype)
+        balancer = self.balancers[stage]
+        size = int(inputs.shape[0])
+        deadline = time.monotonic() + self.settings.max_wait
+        tried: set[str] = set()
+        while True:
+            peer = balancer.choose(size, exclude=tried)
+            if peer is None:
+                tried.clear()  # every server was tried once: start over with the unbanned ones
+                await self._wait_for_servers(stage, deadline)
+                continue
+            self.stats.calls += 1
+            started = time.perf_counter()
+            try:
+                client = StageClient(self.p2p, PeerID.from_base58(peer), stage_namespace(self.run_id, stage),
+                                     timeout=self.settings.request_timeout)
+                reply = await client.call(request)
+            except (StageUnavailable, RemoteStageError) as e:
+                if isinstance(e, RemoteStageError) and e.code == BAD_REQUEST:
+                    raise PipelineError(f"stage {stage} refused the {kind} request: {e.message}") from e
+                ban = balancer.report_failure(peer)
+                tried.add(peer)
+                self.stats.failures += 1
+                self.stats.retries += 1
+                log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying elsewhere",
+                            stage, kind, peer[-8:], e, ban)
+                continue
+            balancer.report_success(peer, size, time.perf_counter() - started)
+            return reply
+
+    async def _wait_for_servers(self, stage: int, deadline: float) -> None:
+        if stage not in self.stats.waiting_stages:
+            log.warning("stage %d has no usable server; waiting for one to appear", stage)
+            self.stats.waiting_stages.add(stage)
+        while not self.balancers[stage].available():
+            if time.monotonic() > deadline:
+                raise PipelineError(f"no server for stage {stage} within {self.settings.max_wait:.0f}s")
+            self._servers_changed.clear()
+            try:
+                await asyncio.wait_for(self._servers_changed.wait(), self.settings.retry_pause)
+            except asyncio.TimeoutError:
+                pass
+        if stage in self.stats.waiting_stages:
+            self.stats.waiting_stages.discard(stage)
+            log.info("stage %d has a server again; resuming", stage)

@@ -1,0 +1,96 @@
+"""StageBackend: recomputed backward equals plain autograd; bad input changes nothing."""
+
+import threading
+
+import pytest
+import torch
+
+from swarm.backend import Overloaded, StageBackend
+from swarm.config import RunConfig
+from swarm.model import build_stage, build_stages
+from swarm.optim import StageOptimizer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def tiny_config() -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "model": {"n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 8},
+            "stages": {"num_stages": 2},
+            "optimizer": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 0},
+        }
+    )
+
+
+def make_backends(config):
+    backends = []
+    for stage in build_stages(config):
+        backends.append(StageBackend(stage, StageOptimizer(stage, config.optimizer)))
+    return backends
+
+
+def batch(seed, n=2, t=8):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (n, t), generator=g)
+    return x, torch.randint(0, 256, (n, t), generator=g)
+
+
+def test_pipeline_step_matches_plain_autograd():
+    config = tiny_config()
+    first, last = make_backends(config)
+    ref = build_stages(config)
+    ref_opts = [StageOptimizer(s, config.optimizer) for s in ref]
+    results = []
+    for seed in (1, 2):  # two micro-batches of 2 = one batch of 4: both stages step once
+        x, y = batch(seed)
+        h = first.forward(x)
+        res_last = last.backward(h, targets=y)
+        res_first = first.backward(x, grad_output=res_last.grad_input)
+        results.append((res_first, res_last))
+        loss = ref[1](ref[0](x), y)
+        (loss * x.shape[0]).backward()
+        assert res_last.loss == pytest.approx(float(loss.detach()), rel=1e-6)
+        for opt in ref_opts:
+            opt.add_samples(x.shape[0])
+    for opt in ref_opts:
+        opt.step()
+    assert results[0][0].step_stats is None and results[1][0].step_stats is not None
+    assert first.step == last.step == 1
+    for backend, module in zip((first, last), ref):
+        for (name, p), q in zip(backend.module.named_parameters(), module.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_bad_gradient_is_rejected_and_changes_nothing():
+    config = tiny_config()
+    first, _ = make_backends(config)
+    before = {k: v.clone() for k, v in first.module.state_dict().items()}
+    x, _ = batch(3)
+    h = first.forward(x)
+    for grad, match in [
+        (None, "needs the gradient"),
+        (torch.zeros(2, 8, 15), "shape"),
+        (torch.full_like(h, float("nan")), "non-finite"),
+        (torch.zeros(2, 8, 16, dtype=torch.long), "floating-point"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            first.backward(x, grad_output=grad)
+    assert first.optimizer.samples == 0
+    first.module.zero_grad(set_to_none=True)
+    for k, v in first.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_queue_is_bounded():
+    config = tiny_config()
+    stage = build_stage(config, 0)
+    backend = StageBackend(stage, StageOptimizer(stage, config.optimizer), max_queue=2)
+    gate = threading.Event()
+    blocked = [backend.submit(gate.wait, 30), backend.submit(gate.wait, 30)]
+    with pytest.raises(Overloaded):
+        backend.submit(gate.wait, 30)
+    gate.set()
+    assert all(f.result(timeout=30) for f in blocked)
+    assert backend.call(lambda: backend.queue_depth, timeout=30) == 1  # only this call is queued
+    backend.shutdown()

@@ -1,0 +1,29 @@
+"""A new server takes the stage with the least announced throughput."""
+
+import pytest
+
+from peer.placement import choose_stage
+from swarm.dht import ServerRecord
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def rec(stage, throughput, state="ONLINE", peer="p"):
+    return ServerRecord(peer_id=f"{peer}{stage}{throughput}", stage=stage, state=state, throughput=throughput)
+
+
+def test_empty_swarm_fills_stages_in_order():
+    assert choose_stage({}, 3) == 0
+    assert choose_stage({0: [rec(0, 10.0)]}, 3) == 1
+
+
+def test_weakest_stage_wins_and_offline_servers_do_not_count():
+    servers = {0: [rec(0, 50.0)], 1: [rec(1, 20.0), rec(1, 20.0, peer="q")], 2: [rec(2, 100.0, "OFFLINE")]}
+    assert choose_stage(servers, 3) == 2
+    servers[2] = [rec(2, 100.0)]
+    assert choose_stage(servers, 3) == 1
+
+
+def test_joining_servers_count_so_simultaneous_joiners_spread():
+    servers = {0: [rec(0, 10.0, "JOINING")], 1: []}
+    assert choose_stage(servers, 2) == 1

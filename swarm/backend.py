@@ -107,6 +107,7 @@ class StageBackend:
         n = x.shape[0]
         x = x.to(self.device)
         if not module.is_first:
+            module.check_input(x, targets)  # before .float(), which would pass integers off as hidden states
             x = x.detach().float().requires_grad_(True)
         out = module(x, _to(targets, self.device))  # validates x and targets
         if module.is_last:

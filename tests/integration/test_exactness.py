@@ -1,0 +1,113 @@
+"""One optimizer step of a real swarm (one server per stage, one trainer) equals one ReferenceTrainer step.
+
+Same config, same data (trainer_index 0 on both sides: the same sampler seed), same stage init:
+after exactly one batch the servers' stage parameters and AdamW state must match the reference's.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from peer.server import StageServer
+from peer.trainer import Trainer, TrainerOptions
+from swarm.reference import ReferenceTrainer
+from tests.helpers import wait_until
+from tests.integration.inproc import (
+    BACKEND_CALL_TIMEOUT,
+    running_peers,
+    stage_servers,
+    stage_state,
+    tiny_config,
+    wait_until_online,
+)
+
+pytestmark = pytest.mark.timeout(150)
+
+TRAIN_TIMEOUT = 60.0  # the trainer's whole budget (three micro-batches) on 2 shared CPU cores
+STEP_TIMEOUT = 10.0  # after the trainer returns, every server has taken its step
+# Not bit-exact in general: a server sums micro-batch gradients in the order their backwards
+# arrive, which with two micro-batches in flight need not be the reference's order, and float
+# addition of three or more terms depends on the order. Everything else is the same arithmetic.
+EXACT = dict(atol=1e-5, rtol=1e-4)
+# AdamW's first moment after one step is 0.1 * gradient (values ~1e-4..1e-2): a tighter atol
+MOMENTS = dict(atol=1e-8, rtol=1e-4)
+
+
+def record_steps(server: StageServer) -> list[dict]:
+    """Every optimizer step's stats of `server`, via the backend's on_step hook (its logging kept)."""
+    steps: list[dict] = []
+    log_step = server.backend.on_step
+
+    def on_step(stats: dict) -> None:
+        steps.append(stats)
+        if log_step is not None:
+            log_step(stats)
+
+    server.backend.on_step = on_step
+    return steps
+
+
+def train_bounded(trainer: Trainer) -> None:
+    """Run the trainer to its max_samples; fail (and stop it) if that takes over TRAIN_TIMEOUT."""
+    stop = threading.Event()
+    deadline = threading.Timer(TRAIN_TIMEOUT, stop.set)
+    deadline.start()
+    try:
+        trainer.run(stop)
+    finally:
+        deadline.cancel()
+    budget = trainer.options.max_samples
+    assert not stop.is_set(), f"the trainer did not finish its {budget} samples within {TRAIN_TIMEOUT:g}s"
+
+
+def optimizer_state(server: StageServer) -> dict:
+    backend = server.backend
+    return backend.call(lambda: copy.deepcopy(backend.optimizer.state_dict()), BACKEND_CALL_TIMEOUT)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_one_swarm_step_equals_one_reference_step(num_stages):
+    # warmup_steps=1: the first step runs at the full lr, so every parameter moves ~1e-2, far beyond EXACT
+    config = tiny_config(f"exact{num_stages}", num_stages, batch_size=12, micro_batch_size=4, lr=1e-2,
+                         warmup_steps=1)
+    batch = config.optimizer.batch_size
+    stages = list(range(num_stages))
+    with running_peers(config.run_id, num_stages + 1) as (trainer_peer, *server_peers), \
+            stage_servers(config, server_peers, stages) as servers:
+        steps = [record_steps(server) for server in servers]
+        initial = [stage_state(server) for server in servers]
+        wait_until_online(trainer_peer.records, stages)
+        trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
+                          TrainerOptions(trainer_index=0, max_samples=batch, in_flight=2))
+        train_bounded(trainer)
+        wait_until(lambda: all(server.backend.step >= 1 for server in servers), STEP_TIMEOUT,
+                   what="every server's first optimizer step")
+
+        reference = ReferenceTrainer(config, trainer_index=0)
+        expected = reference.train_step()
+        assert expected["samples"] == batch and not expected["skipped"]
+
+        micro_batches = batch // config.optimizer.micro_batch_size
+        assert trainer.samples == batch
+        assert [n for *_, n in trainer.recent] == [config.optimizer.micro_batch_size] * micro_batches
+        swarm_loss = sum(loss for _, loss, _ in trainer.recent) / micro_batches
+        assert swarm_loss == pytest.approx(expected["loss"], rel=1e-5)
+
+        for stage, server in enumerate(servers):
+            # exactly one step, on exactly one batch, and nothing counted towards a second one
+            assert server.backend.step == 1
+            assert [s["samples"] for s in steps[stage]] == [batch]
+            assert server.backend.optimizer.samples == 0
+            assert steps[stage][0]["grad_norm"] == pytest.approx(expected["grad_norms"][stage], rel=1e-4)
+
+            swarm_params = stage_state(server)
+            reference_params = reference.stages[stage].state_dict()
+            assert any(not torch.equal(initial[stage][k], swarm_params[k]) for k in swarm_params)
+            torch.testing.assert_close(swarm_params, reference_params, **EXACT)
+            swarm_moments = optimizer_state(server)["optimizer"]["state"]
+            reference_moments = reference.optimizers[stage].state_dict()["optimizer"]["state"]
+            torch.testing.assert_close(swarm_moments, reference_moments, **MOMENTS)

@@ -1,0 +1,308 @@
+"""A real StageServer refuses bad input with a clear error reply, and the refusal leaves no trace.
+
+Two servers (stage 0 and stage 1, the last, of a 2-stage run) on their own peers, and a client
+peer calling them with StageClient on its DHT's P2P replica, as a trainer does. After every refused
+request the server still answers a good one, its parameters are bit-for-bit unchanged, and no
+sample or gradient was accumulated towards its next optimizer step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import iter_as_aiter
+
+import peer.server
+from peer.server import ServerOptions, StageServer
+from swarm.dht import ServerState, visible_maddrs
+from swarm.protocol import (
+    BACKWARD,
+    BAD_REQUEST,
+    FORWARD,
+    MAX_TENSOR_ELEMENTS,
+    NOT_READY,
+    WRONG_STAGE,
+    RemoteStageError,
+    StageClient,
+    StageReply,
+    StageRequest,
+    StageService,
+    receive_reply,
+    register,
+    stage_namespace,
+)
+from swarm.protocol.framing import encode_metadata
+from tests.helpers import wait_until
+from tests.integration.inproc import (
+    Peer,
+    accumulated,
+    running_peers,
+    stage_servers,
+    stage_state,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+CALL_TIMEOUT = 20.0  # one RPC, generous for 2 shared CPU cores
+START_TIMEOUT = 60.0  # a server's start(), stage build and speed test included
+# batch_size far above what any test sends: a good backward accumulates but never steps
+CONFIG = tiny_config("input", 2, batch_size=1000, micro_batch_size=4)
+B, T = 2, 8  # a micro-batch of 2 windows, shorter than seq_len (allowed)
+D, VOCAB = CONFIG.model.d_model, CONFIG.model.vocab_size
+
+
+@dataclass
+class Swarm:
+    client: Peer
+    servers: list[StageServer]  # index = stage
+    stubs: list[StageClient]  # the client's StageClient of each stage
+
+    def call(self, coro) -> StageReply:
+        return self.client.loop.run(coro, CALL_TIMEOUT + 5)
+
+
+@pytest.fixture(scope="module")
+def running_swarm():
+    with running_peers(CONFIG.run_id, 3) as (client, *server_peers), \
+            stage_servers(CONFIG, server_peers, [0, 1]) as servers:
+        p2p = client.p2p()
+        stubs = [
+            StageClient(p2p, PeerID.from_base58(server.peer_id), stage_namespace(CONFIG.run_id, server.stage),
+                        timeout=CALL_TIMEOUT)
+            for server in servers
+        ]
+        yield Swarm(client, servers, stubs)
+
+
+@pytest.fixture
+def swarm(running_swarm):
+    """The shared servers, with whatever a test accumulated (a failing case, the control) dropped after it."""
+    yield running_swarm
+    for server in running_swarm.servers:
+        server.backend.call(server.backend.optimizer.zero_grad, CALL_TIMEOUT)
+
+
+def tokens(high: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, high, (B, T))
+
+
+def hidden(d_model: int = D) -> torch.Tensor:
+    return torch.randn(B, T, d_model)
+
+
+def with_value(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor.view(-1)[tensor.numel() // 2] = value
+    return tensor
+
+
+def good_request(stage: int) -> StageRequest:
+    """A forward that changes nothing on the server: hidden states of stage 0, the loss on stage 1."""
+    if stage == 0:
+        return StageRequest(FORWARD, 0, "good-0", tokens())
+    return StageRequest(FORWARD, 1, "good-1", hidden(), targets=tokens())
+
+
+def check_good_reply(stage: int, reply: StageReply) -> None:
+    [out] = reply.tensors
+    if stage == 0:
+        assert out.shape == (B, T, D) and torch.isfinite(out).all()
+    else:
+        assert out.dim() == 0 and 0 < float(out) < 10  # cross-entropy near ln(256) at init
+    assert reply.server_step == 0
+
+
+# Hand-made streams: what a buggy or hostile peer can send, which StageClient would never build.
+def raw_frames(kind: str, stage: int, tensor: runtime_pb2.Tensor, has_targets: bool = False) -> list:
+    meta = dict(kind=kind, stage=stage, request_id=f"raw-{kind}", wire_dtype="float32", has_targets=has_targets)
+    return [runtime_pb2.ExpertRequest(metadata=encode_metadata(meta)), runtime_pb2.ExpertRequest(tensors=[tensor])]
+
+
+def declared_tensor(shape: list[int], buffer_bytes: int) -> runtime_pb2.Tensor:
+    """A float32 tensor header claiming `shape`, followed by only `buffer_bytes` bytes."""
+    return runtime_pb2.Tensor(buffer=b"\0" * buffer_bytes, size=shape, dtype="float32", chunks=1)
+
+
+@dataclass
+class Raw:
+    """A request sent as hand-made frames to the `endpoint` RPC."""
+
+    endpoint: str
+    frames: list
+
+
+async def send_raw(stub: StageClient, raw: Raw) -> StageReply:
+    service = StageService.get_stub(stub.p2p, stub.peer_id, namespace=stub.namespace)
+    rpc = service.rpc_forward if raw.endpoint == FORWARD else service.rpc_backward
+    responses = await rpc(iter_as_aiter(raw.frames))
+    try:
+        return await asyncio.wait_for(receive_reply(responses), CALL_TIMEOUT)
+    finally:
+        await responses.aclose()
+
+
+@dataclass
+class Case:
+    stage: int  # the server the request is sent to
+    build: Callable[[], StageRequest | Raw]
+    code: str
+    message: str  # a fragment the error message must contain
+
+
+OVER_ELEMENTS = [4096, 16, 1025]  # 67,174,400 float32 elements, just over MAX_TENSOR_ELEMENTS
+assert 4096 * 16 * 1025 > MAX_TENSOR_ELEMENTS
+AT_BYTE_LIMIT = [1024, 64, 1024]  # 2**26 elements: allowed as a count, but 256 MiB leaves no room for metadata
+assert 1024 * 64 * 1024 == MAX_TENSOR_ELEMENTS
+
+CASES = {
+    # shapes
+    "hidden-d_model-mismatch-forward": Case(
+        1, lambda: StageRequest(FORWARD, 1, "d", hidden(D + 1), targets=tokens()),
+        BAD_REQUEST, f"last dimension d_model={D}, got {D + 1}"),
+    "hidden-d_model-mismatch-backward": Case(
+        1, lambda: StageRequest(BACKWARD, 1, "d", hidden(D - 1), targets=tokens()),
+        BAD_REQUEST, f"last dimension d_model={D}, got {D - 1}"),
+    "sequence-over-seq_len": Case(
+        0, lambda: StageRequest(FORWARD, 0, "t", torch.randint(0, VOCAB, (B, CONFIG.model.seq_len + 1))),
+        BAD_REQUEST, f"sequence length must be in 1..{CONFIG.model.seq_len}"),
+    "grad_output-shape-mismatch": Case(
+        0, lambda: StageRequest(BACKWARD, 0, "g", tokens(), grad_outputs=torch.randn(B, T, D + 1)),
+        BAD_REQUEST, f"gradient shape {(B, T, D + 1)} != output shape {(B, T, D)}"),
+    # dtypes
+    "int-hidden-forward": Case(
+        1, lambda: StageRequest(FORWARD, 1, "i", torch.randint(0, 3, (B, T, D)), targets=tokens()),
+        BAD_REQUEST, "hidden states must be a floating-point tensor"),
+    "int-hidden-backward": Case(
+        1, lambda: StageRequest(BACKWARD, 1, "i", torch.randint(0, 3, (B, T, D)), targets=tokens()),
+        BAD_REQUEST, "hidden states must be a floating-point tensor"),
+    "float-token-ids-forward": Case(
+        0, lambda: StageRequest(FORWARD, 0, "f", tokens().float()),
+        BAD_REQUEST, "token ids must have dtype torch.int64"),
+    "float-token-ids-backward": Case(
+        0, lambda: StageRequest(BACKWARD, 0, "f", tokens().float(), grad_outputs=hidden()),
+        BAD_REQUEST, "token ids must have dtype torch.int64"),
+    # stage
+    "other-stage-number": Case(
+        1, lambda: StageRequest(FORWARD, 0, "s", tokens()), WRONG_STAGE, "this server hosts stage 1, not 0"),
+    "stage-beyond-the-run": Case(
+        0, lambda: StageRequest(FORWARD, 7, "s", tokens()), WRONG_STAGE, "this server hosts stage 0, not 7"),
+    # values
+    "nan-in-hidden-forward": Case(
+        1, lambda: StageRequest(FORWARD, 1, "n", with_value(hidden(), float("nan")), targets=tokens()),
+        BAD_REQUEST, "hidden states contain NaN or infinite values"),
+    "nan-in-hidden-backward": Case(
+        1, lambda: StageRequest(BACKWARD, 1, "n", with_value(hidden(), float("nan")), targets=tokens()),
+        BAD_REQUEST, "hidden states contain NaN or infinite values"),
+    "inf-in-grad_output": Case(
+        0, lambda: StageRequest(BACKWARD, 0, "g", tokens(), grad_outputs=with_value(hidden(), float("inf"))),
+        BAD_REQUEST, "the gradient of the output has non-finite values"),
+    "token-id-over-vocab": Case(
+        0, lambda: StageRequest(FORWARD, 0, "v", with_value(tokens(high=1), VOCAB)),
+        BAD_REQUEST, f"token ids must lie in [0, {VOCAB}) (vocab_size), got values in [0, {VOCAB}]"),
+    "negative-token-id-backward": Case(
+        0, lambda: StageRequest(BACKWARD, 0, "v", with_value(tokens(), -1), grad_outputs=hidden()),
+        BAD_REQUEST, f"token ids must lie in [0, {VOCAB})"),
+    "target-over-vocab": Case(
+        1, lambda: StageRequest(BACKWARD, 1, "v", hidden(), targets=with_value(tokens(), VOCAB + 5)),
+        BAD_REQUEST, f"targets must lie in [0, {VOCAB})"),
+    # targets
+    "missing-targets-forward-on-last-stage": Case(
+        1, lambda: StageRequest(FORWARD, 1, "m", hidden()), BAD_REQUEST, "is the last stage"),
+    "missing-targets-backward-on-last-stage": Case(
+        1, lambda: StageRequest(BACKWARD, 1, "m", hidden(), grad_outputs=torch.ones(())),
+        BAD_REQUEST, "needs targets"),
+    "targets-on-first-stage": Case(
+        0, lambda: StageRequest(FORWARD, 0, "m", tokens(), targets=tokens()), BAD_REQUEST, "takes no targets"),
+    "targets-of-another-shape": Case(
+        1, lambda: StageRequest(FORWARD, 1, "m", hidden(), targets=torch.randint(0, VOCAB, (B, T - 1))),
+        BAD_REQUEST, f"targets must have the input's shape [{B}, {T}], got [{B}, {T - 1}]"),
+    # bytes on the wire
+    "tensor-over-element-limit": Case(
+        1, lambda: Raw(FORWARD, raw_frames(FORWARD, 1, declared_tensor(OVER_ELEMENTS, 64))),
+        BAD_REQUEST, f"over the limit of {MAX_TENSOR_ELEMENTS}"),
+    "tensor-over-message-byte-limit": Case(
+        1, lambda: Raw(FORWARD, raw_frames(FORWARD, 1, declared_tensor(AT_BYTE_LIMIT, 64))),
+        BAD_REQUEST, "-byte message limit"),
+    "truncated-tensor-buffer": Case(
+        1, lambda: Raw(FORWARD, raw_frames(FORWARD, 1, declared_tensor([B, T, D], 10))),
+        BAD_REQUEST, f"needs {B * T * D * 4} bytes, got 10"),
+    "forward-request-on-backward-endpoint": Case(
+        0, lambda: Raw(BACKWARD, raw_frames(FORWARD, 0, declared_tensor([B, T], B * T * 4))),
+        BAD_REQUEST, "a forward request was sent to the backward endpoint"),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_bad_input_is_refused_and_leaves_no_trace(swarm, case):
+    server, stub = swarm.servers[case.stage], swarm.stubs[case.stage]
+    before = stage_state(server)
+    request = case.build()
+    with pytest.raises(RemoteStageError) as error:
+        swarm.call(send_raw(stub, request) if isinstance(request, Raw) else stub.call(request))
+    assert error.value.code == case.code
+    assert case.message in error.value.message
+
+    check_good_reply(case.stage, swarm.call(stub.call(good_request(case.stage))))
+    assert accumulated(server) == (0, 0), "a refused request added samples or gradients"
+    after = stage_state(server)
+    assert all(torch.equal(before[name], after[name]) for name in before), "a refused request changed parameters"
+
+
+def test_good_backward_is_counted(swarm):
+    """The control for the checks above: an accepted backward does show up in `accumulated`."""
+    stage0, stage1 = swarm.servers
+    x = tokens()
+    h = swarm.call(swarm.stubs[0].forward(0, "ok", x)).tensors[0]
+    reply = swarm.call(swarm.stubs[1].backward(1, "ok", h, targets=tokens()))
+    assert reply.info["loss"] > 0 and reply.tensors[0].shape == (B, T, D)
+    assert accumulated(stage1) == (B, sum(1 for _ in stage1.backend.module.parameters()))
+    swarm.call(swarm.stubs[0].backward(0, "ok", x, grad_outputs=reply.tensors[0]))
+    assert accumulated(stage0) == (B, sum(1 for _ in stage0.backend.module.parameters()))
+
+
+def test_request_before_online_is_not_ready_then_served(swarm, monkeypatch):
+    """A request that arrives between the handler's registration and ONLINE is refused as not_ready."""
+    registered, release = threading.Event(), threading.Event()
+
+    async def register_then_hold(*args, **kwargs):
+        service = await register(*args, **kwargs)
+        registered.set()
+        await asyncio.to_thread(release.wait, START_TIMEOUT)  # holds start() in its JOINING window
+        return service
+
+    monkeypatch.setattr(peer.server, "register", register_then_hold)
+    with running_peers(CONFIG.run_id, 1, initial_peers=visible_maddrs(swarm.client.dht)) as [joining_peer], \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        server = StageServer(CONFIG, joining_peer.dht, joining_peer.records, joining_peer.loop,
+                             ServerOptions(stage=1))
+        started = pool.submit(server.start)
+        try:
+            wait_until(lambda: registered.is_set() or started.done(), START_TIMEOUT, what="the handler registered")
+            assert not started.done(), started.exception()
+            stub = StageClient(swarm.stubs[1].p2p, PeerID.from_base58(server.peer_id),
+                               stage_namespace(CONFIG.run_id, 1), timeout=CALL_TIMEOUT)
+            with pytest.raises(RemoteStageError) as error:
+                swarm.call(stub.call(good_request(1)))
+            assert error.value.code == NOT_READY
+            assert "server is JOINING, not ONLINE" in error.value.message
+
+            release.set()
+            started.result(START_TIMEOUT)
+            assert server.state == ServerState.ONLINE
+            check_good_reply(1, swarm.call(stub.call(good_request(1))))
+            assert accumulated(server) == (0, 0)
+        finally:
+            release.set()
+            with contextlib.suppress(Exception):
+                started.result(START_TIMEOUT)
+            server.shutdown()

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from swarm.backend import BackwardResult, Overloaded, StageBackend
 from swarm.config import RunConfig
-from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords
+from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from swarm.protocol import (
@@ -76,7 +76,7 @@ class StageServer:
         self.records = records
         self.loop = loop
         self.options = options or ServerOptions()
-        self.peer_id = str(dht.peer_id)
+        self.peer_id = peer_id(dht)
         self.state = ServerState.JOINING
         self.stage: int | None = None
         self.backend: StageBackend | None = None
@@ -159,7 +159,7 @@ class StageRequestHandler(StageHandler):
 
     def __init__(self, server: StageServer):
         self.server = server
-        self._recent: OrderedDict[str, BackwardResult] = OrderedDict()
+        self._recent: OrderedDict[str, asyncio.Future[BackwardResult]] = OrderedDict()
 
     async def forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
@@ -171,18 +171,28 @@ class StageRequestHandler(StageHandler):
     async def backward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
         backend = await self._admit(request)
-        result = self._recent.get(request.request_id)
-        if result is None:  # a retry of a request we already ran must not add its gradient twice
-            result = await self._run(request, backend.backward, request.inputs, request.grad_outputs,
-                                     request.targets)
-            self._recent[request.request_id] = result
+        # A retry of a request this server already ran (or is running) must not add its gradient
+        # twice: the first run's result is shared, shielded from the first caller's cancellation.
+        task = self._recent.get(request.request_id)
+        first = task is None
+        if first:
+            task = asyncio.ensure_future(self._run(request, backend.backward, request.inputs,
+                                                   request.grad_outputs, request.targets))
+            self._recent[request.request_id] = task
             while len(self._recent) > BACKWARD_CACHE_SIZE:
                 self._recent.popitem(last=False)
+            task.add_done_callback(lambda t, rid=request.request_id: self._forget_failed(rid, t))
+        result = await asyncio.shield(task)
+        if first:
             self.server.metrics.samples.inc(request.inputs.shape[0])
         self._done(request, started)
         tensors = [] if result.grad_input is None else [result.grad_input]
         info = {} if result.loss is None else {"loss": result.loss}
         return StageReply(tensors, server_step=result.step, info=info)
+
+    def _forget_failed(self, request_id: str, task: asyncio.Future) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self._recent.pop(request_id, None)  # nothing was accumulated: a retry must run again
 
     async def _admit(self, request: StageRequest) -> StageBackend:
         server, options = self.server, self.server.options

@@ -78,6 +78,12 @@ class StageBalancer:
             self.servers[p].banned_until = 0.0
             self.servers[p].load = max(self.servers[p].load, floor)
 
+    def soonest_unbanned(self, exclude: Iterable[str] = ()) -> str | None:
+        """The banned server whose ban ends first: the one to retry when every server is banned."""
+        skip = set(exclude)
+        banned = [s for p, s in self.servers.items() if p not in skip]
+        return min(banned, key=lambda s: (s.banned_until, s.peer_id)).peer_id if banned else None
+
     def expected_seconds_per_sample(self, peer_id: str) -> float:
         own = self.servers[peer_id].seconds_per_sample
         if own is not None:

@@ -49,14 +49,14 @@ class PipelineSettings:
 
     request_timeout: float = 60.0  # one forward or backward call
     max_wait: float = 600.0  # how long a micro-batch may wait for a stage with no usable server
-    retry_pause: float = 0.5  # pause before looking again for a server of an empty stage
+    retry_pause: float = 0.5  # first pause before retrying a stage whose servers all failed
+    max_retry_pause: float = 15.0  # the pause doubles per round up to this
 
 
 @dataclass
 class PipelineStats:
     calls: int = 0
-    failures: int = 0
-    retries: int = 0
+    failures: int = 0  # failed calls, each retried on another server or later
     waiting_stages: set[int] = field(default_factory=set)
 
 
@@ -125,10 +125,18 @@ class RemotePipeline:
         size = int(inputs.shape[0])
         deadline = time.monotonic() + self.settings.max_wait
         tried: set[str] = set()
+        pause = self.settings.retry_pause
         while True:
             peer = balancer.choose(size, exclude=tried)
+            if peer is None and balancer.servers:
+                # Every server of the stage is banned or was tried: rather than sit out the whole ban
+                # (a stage often has a single server), retry the one whose ban ends first, after a
+                # pause that doubles each time.
+                await self._pause(stage, pause, deadline)
+                pause = min(pause * 2, self.settings.max_retry_pause)
+                tried.clear()
+                peer = balancer.soonest_unbanned()
             if peer is None:
-                tried.clear()  # every server was tried once: start over with the unbanned ones
                 await self._wait_for_servers(stage, deadline)
                 continue
             self.stats.calls += 1
@@ -143,18 +151,23 @@ class RemotePipeline:
                 ban = balancer.report_failure(peer)
                 tried.add(peer)
                 self.stats.failures += 1
-                self.stats.retries += 1
-                log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying elsewhere",
+                log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying",
                             stage, kind, peer[-8:], e, ban)
                 continue
             balancer.report_success(peer, size, time.perf_counter() - started)
             return reply
 
+    async def _pause(self, stage: int, seconds: float, deadline: float) -> None:
+        if time.monotonic() + seconds > deadline:
+            raise PipelineError(f"no working server for stage {stage} within {self.settings.max_wait:.0f}s")
+        log.info("every server of stage %d failed recently; retrying in %.1fs", stage, seconds)
+        await asyncio.sleep(seconds)
+
     async def _wait_for_servers(self, stage: int, deadline: float) -> None:
         if stage not in self.stats.waiting_stages:
-            log.warning("stage %d has no usable server; waiting for one to appear", stage)
+            log.warning("stage %d has no ONLINE server; waiting for one to appear", stage)
             self.stats.waiting_stages.add(stage)
-        while not self.balancers[stage].available():
+        while not self.balancers[stage].servers:
             if time.monotonic() > deadline:
                 raise PipelineError(f"no server for stage {stage} within {self.settings.max_wait:.0f}s")
             self._servers_changed.clear()

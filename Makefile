@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/swarm-local --reference --config configs/tiny.yaml --steps 60
+	$(VENV)/bin/swarm-local --config configs/tiny.yaml --steps 100 --summary demo-summary.json
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

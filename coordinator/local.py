@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from swarm.config import ConfigError, RunConfig
+from swarm.data import DataError
+from swarm.dht import SwarmDHTError
 from swarm.envflags import apply_env_defaults
 from swarm.logs import setup_logging
 
@@ -25,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True, help="run config YAML (e.g. configs/tiny.yaml)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps to train for")
+    p.add_argument("--servers-per-stage", type=int, default=1, help="server processes per pipeline stage")
+    p.add_argument("--trainers", type=int, default=1, help="trainer processes")
     p.add_argument("--reference", action="store_true", help="train the whole model in this one process")
+    p.add_argument("--metrics-port", type=int, help="the coordinator's /metrics and /status port (default: free)")
+    p.add_argument("--log-dir", help="where each process writes its log (default: a new temporary directory)")
     p.add_argument("--summary", help="write a JSON summary of the run to this path")
     p.add_argument("--log-level", default="WARNING", help="log level of this program")
     apply_env_defaults(p)
@@ -50,28 +58,48 @@ def run_reference(config: RunConfig, steps: int) -> dict:
     return summary
 
 
+def run_swarm(args: argparse.Namespace, config: RunConfig) -> dict:
+    from .local_swarm import LocalSwarm
+
+    S, R, T = config.stages.num_stages, args.servers_per_stage, args.trainers
+    print(f"local swarm: {config.run_id}, {S} stages x {R} server(s), {T} trainer(s), {args.steps} steps", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    swarm = LocalSwarm(args.config, config, R, T, args.log_dir, args.metrics_port, stop)
+    try:
+        return swarm.run(args.steps)
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    if args.steps <= 0:
-        sys.exit(f"swarm-local: error: --steps must be positive, got {args.steps}")
+    for flag in ("steps", "servers_per_stage", "trainers"):
+        if getattr(args, flag) <= 0:
+            sys.exit(f"swarm-local: error: --{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     try:
         config = RunConfig.load(args.config)
     except ConfigError as e:
         sys.exit(f"swarm-local: error: {e}")
     try:
-        if not args.reference:
-            sys.exit("swarm-local: error: the multi-process swarm needs the pipeline (issue 3); use --reference")
-        summary = run_reference(config, args.steps)
+        if args.reference:
+            summary = run_reference(config, args.steps)
+        else:
+            summary = run_swarm(args, config)
     except KeyboardInterrupt:
-        sys.exit("swarm-local: interrupted")
-    print(
-        f"done: {summary['steps']} steps, loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, "
-        f"validation loss {summary['val_loss']:.3f}, {summary['samples_per_second']:.1f} samples/s",
-        flush=True,
-    )
+        sys.exit("swarm-local: interrupted; every process it started was ended")
+    except (RuntimeError, SwarmDHTError, DataError, OSError) as e:
+        sys.exit(f"swarm-local: error: {e}")
+    print(f"done: {summary['steps']} steps, loss {_num(summary['initial_loss'])} -> {_num(summary['final_loss'])}, "
+          f"validation loss {_num(summary['val_loss'])}, {summary['samples_per_second']:.1f} samples/s", flush=True)
     if args.summary:
         Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _num(x: float | None) -> str:
+    return "?" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def run_trainer(args, config, dht, records, loop, registry, stop) -> None:
     log.info("training on stages 0..%d with %d micro-batches in flight", config.stages.num_stages - 1,
              options.in_flight)
     trainer.run(stop)
-    log.info("trainer done: %d samples", trainer.samples)
+    log.info("trainer done: %d samples", trainer.samples_done)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
-from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords
+from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline
 
 log = logging.getLogger("swarm.trainer")
@@ -54,7 +54,7 @@ class Trainer:
         self.records = records
         self.loop = loop
         self.options = options or TrainerOptions()
-        self.peer_id = str(dht.peer_id)
+        self.peer_id = peer_id(dht)
         self.metrics = TrainerMetrics(registry or CollectorRegistry())
         index = self.options.trainer_index
         if index is None:
@@ -65,7 +65,10 @@ class Trainer:
         tokens = load_tokens(data_cfg, "train", load_tokenizer(data_cfg))
         self.sampler = BatchSampler(tokens, config.model.seq_len, config.optimizer.micro_batch_size,
                                     seed=sampler_seed(data_cfg.seed, index))
-        self.samples = 0
+        self.samples = 0  # claimed by workers, in flight included (the budget of max_samples)
+        self.samples_done = 0  # completed forward and backward
+        self.initial_loss: float | None = None  # mean loss of the first batch_size samples trained
+        self._first: list[tuple[float, int]] = []
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=256)  # (time, loss, samples)
         self.pipeline: RemotePipeline | None = None
 
@@ -114,7 +117,18 @@ class Trainer:
                 log.warning("micro-batch failed and is dropped: %s", e)
                 continue
             self.recent.append((time.monotonic(), loss, n))
+            self.samples_done += n
             self.metrics.samples.inc(n)
+            self._note_initial_loss(loss, n)
+
+    def _note_initial_loss(self, loss: float, n: int) -> None:
+        if self.initial_loss is not None:
+            return
+        self._first.append((loss, n))
+        seen = sum(k for _, k in self._first)
+        if seen >= self.config.optimizer.batch_size:
+            self.initial_loss = sum(x * k for x, k in self._first) / seen
+            asyncio.get_running_loop().run_in_executor(None, self._publish_metrics)
 
     async def _refresh_once(self) -> None:
         n = self.config.stages.num_stages
@@ -136,7 +150,7 @@ class Trainer:
             await asyncio.sleep(self.options.metrics_period)
             await asyncio.to_thread(self._publish_metrics)
 
-    def recent_stats(self, window: float = 30.0) -> tuple[float | None, float]:
+    def recent_stats(self, window: float = 10.0) -> tuple[float | None, float]:
         """Mean loss and samples per second over the last `window` seconds."""
         now = time.monotonic()
         recent = [(t, loss, n) for t, loss, n in list(self.recent) if now - t <= window]
@@ -152,7 +166,8 @@ class Trainer:
             self.metrics.loss.set(loss)
         self.metrics.speed.set(speed)
         record = PeerMetricsRecord(peer_id=self.peer_id, role="trainer", step=0, samples_per_second=float(speed),
-                                   samples=int(self.samples), time=time.time(), loss=loss)
+                                   samples=int(self.samples_done), time=time.time(), loss=loss,
+                                   initial_loss=self.initial_loss)
         try:
             self.records.publish_metrics(record, ttl=self.config.network.record_ttl)
         except Exception as e:

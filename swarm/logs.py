@@ -24,3 +24,9 @@ def setup_logging(level: str = "INFO") -> None:
     except ImportError:  # pragma: no cover - hivemind is a hard dependency
         pass
     logging.getLogger("hivemind").setLevel(max(logging.WARNING, root.level))
+    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_drop_shutdown_noise)
+
+
+def _drop_shutdown_noise(record: logging.LogRecord) -> bool:
+    # p2pd's accept loop logs an ERROR for its own socket being closed on every clean shutdown.
+    return "use of closed network connection" not in record.getMessage()

@@ -1,0 +1,200 @@
+"""A whole swarm on this machine: coordinator, stage servers and trainers as separate processes."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm.config import RunConfig
+from swarm.data import eval_batches, load_tokenizer, load_tokens
+from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, join_run, load_identity
+from swarm.reference import EVAL_BATCHES
+from swarm.routing import PipelineSettings, RemotePipeline
+
+from .launcher import Child, end_all
+from .progress import ProgressLine
+from .status import build_status
+
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+START_TIMEOUT = 120.0  # for the coordinator to print its address, and for every stage to have servers
+POLL_PERIOD = 1.0  # seconds between progress updates
+EVAL_CALL_TIMEOUT = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalSwarm:
+    """Starts, watches and ends the processes of a local swarm; `run` returns the JSON summary."""
+
+    def __init__(self, config_path: str, config: RunConfig, servers_per_stage: int, trainers: int,
+                 log_dir: str | None, metrics_port: int | None, stop: threading.Event):
+        self.config_path = config_path
+        self.config = config
+        self.servers_per_stage = servers_per_stage
+        self.trainers = trainers
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="swarm-local-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_port = metrics_port or free_port()
+        self.stop = stop
+        self.children: list[Child] = []
+        self.loop = BackgroundLoop("local-loop")
+        self.dht = None
+        self.reports: dict[str, tuple[PeerMetricsRecord, PeerMetricsRecord]] = {}  # first and last, per trainer
+
+    def run(self, steps: int) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            maddr = self._start_coordinator()
+            self._start_servers(maddr)
+            self._join(maddr)
+            self._wait_for_servers()
+            trainers = [self._child(f"trainer-{i}", "peer.cli", maddr, "--role", "trainer", "--trainer-index", str(i))
+                        for i in range(self.trainers)]
+            status = self._train(steps)
+            end_all(trainers)  # trainers publish their last metrics as they exit
+            metrics = [m for m in self.records.lookup_metrics() if m.role == "trainer"]
+            print("measuring the validation loss through the swarm...", flush=True)
+            val_loss = self._validation_loss()
+        finally:
+            end_all(self.children)
+            if self.dht is not None:
+                self.dht.shutdown()
+            self.loop.stop()
+        samples = sum(m.samples for m in metrics)
+        for m in metrics:
+            self._note(m)
+        # Each trainer's speed between its first and last report, by the times it stamped on them:
+        # process start-up and shut-down are not training time.
+        speed = sum((last.samples - first.samples) / (last.time - first.time)
+                    for first, last in self.reports.values() if last.time > first.time)
+        train_seconds = max((last.time - first.time for first, last in self.reports.values()), default=0.0)
+        initial = [m.dict().get("initial_loss") for m in metrics]
+        initial = [x for x in initial if isinstance(x, float)]
+        finals = [m.loss for m in metrics if m.loss is not None]
+        return {
+            "initial_loss": sum(initial) / len(initial) if initial else None,
+            "final_loss": sum(finals) / len(finals) if finals else None,
+            "val_loss": val_loss,
+            "steps": status["step"],
+            "samples": samples,
+            "samples_per_second": speed,
+            "wall_seconds": time.monotonic() - started,
+            "train_seconds": train_seconds,
+            "servers_per_stage": self.servers_per_stage,
+            "trainers": self.trainers,
+            "log_dir": str(self.log_dir),
+        }
+
+    def _child(self, name: str, module: str, maddr: str | None, *args: str) -> Child:
+        common = ["--host-maddrs", LOCAL, "--log-level", "INFO"]
+        if maddr is not None:
+            common += ["--initial-peers", maddr]
+        child = Child(name, module, [*args, *common], self.log_dir)
+        self.children.append(child)
+        return child
+
+    def _start_coordinator(self) -> str:
+        coordinator = self._child("coordinator", "coordinator.cli", None, "--config", self.config_path,
+                                  "--metrics-port", str(self.metrics_port))
+        match = coordinator.wait_for_output(r"initial peers: (\S+)", START_TIMEOUT, self.stop)
+        print(f"coordinator: {match.group(1)}\n  status: http://127.0.0.1:{self.metrics_port}/status"
+              f"\n  logs:   {self.log_dir}", flush=True)
+        return match.group(1)
+
+    def _start_servers(self, maddr: str) -> None:
+        for stage in range(self.config.stages.num_stages):
+            for replica in range(self.servers_per_stage):
+                self._child(f"server-{stage}-{replica}", "peer.cli", maddr, "--role", "server", "--stage", str(stage),
+                            "--device", "cpu")
+
+    def _join(self, maddr: str) -> None:
+        self.loop.start()
+        identity = load_identity(None)
+        self.dht, _, _ = join_run([maddr], identity, self.loop, host_maddrs=[LOCAL])
+        self.records = SwarmRecords(self.dht, self.config.run_id, identity)
+
+    def _status(self) -> dict[str, Any]:
+        servers = self.records.lookup_all_servers(self.config.stages.num_stages)
+        metrics = self.records.lookup_metrics()
+        for m in metrics:
+            self._note(m)
+        return build_status(self.config.run_id, servers, metrics)
+
+    def _note(self, report: PeerMetricsRecord) -> None:
+        if report.role != "trainer" or report.samples == 0:
+            return
+        first, last = self.reports.get(report.peer_id, (report, report))
+        self.reports[report.peer_id] = (first, report if report.time >= last.time else last)
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            if not child.alive():
+                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}: {child.last_error()} "
+                                   f"(log: {child.log_path})")
+
+    def _wait_for_servers(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        shown = ""
+        while True:
+            status = self._status()
+            online = [s["online"] for s in status["stages"]]
+            line = "waiting for servers: " + ", ".join(f"stage {i} {n}/{self.servers_per_stage}"
+                                                       for i, n in enumerate(online))
+            if line != shown:
+                print(line, flush=True)
+                shown = line
+            if all(n >= self.servers_per_stage for n in online):
+                return
+            self._check_children()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"servers did not come ONLINE within {START_TIMEOUT:.0f}s; see {self.log_dir}")
+            if self.stop.wait(POLL_PERIOD):
+                raise KeyboardInterrupt
+
+    def _train(self, steps: int) -> dict[str, Any]:
+        progress = ProgressLine(steps, every=1)
+        last_step = -1
+        try:
+            while True:
+                status = self._status()
+                if status["step"] != last_step or progress.live:
+                    last_step = status["step"]
+                    servers = " ".join(str(s["online"]) for s in status["stages"])
+                    progress.update(min(status["step"], steps), loss=status["loss"] if status["loss"] else "-",
+                                    samples_per_s=float(status["samples_per_second"]), servers_per_stage=servers)
+                if status["step"] >= steps:
+                    return status
+                self._check_children()
+                if self.stop.wait(POLL_PERIOD):
+                    raise KeyboardInterrupt
+        finally:
+            progress.close()
+
+    def _validation_loss(self) -> float:
+        config = self.config
+        pipeline = self.loop.run(self._make_pipeline(), EVAL_CALL_TIMEOUT)
+        tokens = load_tokens(config.data, "val", load_tokenizer(config.data))
+        total, count = 0.0, 0
+        for i, (x, y) in enumerate(eval_batches(tokens, config.model.seq_len, config.optimizer.micro_batch_size,
+                                                EVAL_BATCHES)):
+            loss = self.loop.run(pipeline.evaluate(x, y, request_id=f"eval:{i}"), EVAL_CALL_TIMEOUT)
+            total += loss * x.shape[0]
+            count += x.shape[0]
+        return total / count
+
+    async def _make_pipeline(self) -> RemotePipeline:
+        p2p = await self.dht.replicate_p2p()
+        config = self.config
+        pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire_dtype,
+                                  PipelineSettings(request_timeout=config.network.request_timeout))
+        servers = self.records.lookup_all_servers(config.stages.num_stages)
+        pipeline.update_servers({k: [r.peer_id for r in v if r.state == "ONLINE"] for k, v in servers.items()})
+        return pipeline

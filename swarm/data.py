@@ -151,8 +151,11 @@ def load_tokens(data_cfg: DataConfig, split: str, tokenizer: Tokenizer | None = 
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(data_cfg)
     root, files = corpus_files(data_cfg.corpus)
-    train, val = split_files(root, files, data_cfg.val_percent)
-    blobs = _read_capped(train if split == "train" else val, data_cfg.max_bytes)
+    if len(files) == 1:
+        blobs = [_single_file_split(files[0], split, data_cfg.val_percent, data_cfg.max_bytes)]
+    else:
+        train, val = split_files(root, files, data_cfg.val_percent)
+        blobs = _read_capped(train if split == "train" else val, data_cfg.max_bytes)
     if isinstance(tokenizer, ByteTokenizer):
         # Bytes are already tokens: skip the per-character Python round trip.
         return torch.frombuffer(bytearray().join(blobs), dtype=torch.uint8) if blobs else _empty()
@@ -163,6 +166,19 @@ def load_tokens(data_cfg: DataConfig, split: str, tokenizer: Tokenizer | None = 
         ids = [i for text in texts for i in tokenizer.encode(text)]
     dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32
     return torch.tensor(ids, dtype=dtype)
+
+
+def _single_file_split(path: Path, split: str, val_percent: float, max_bytes: int) -> bytes:
+    """A one-file corpus splits by position: validation is its last `val_percent`, from a line start."""
+    data = _read_capped([path], 0)[0]
+    cut = int(len(data) * (1 - val_percent / 100))
+    newline = data.find(b"\n", cut)
+    cut = newline + 1 if 0 <= newline < len(data) - 1 else cut
+    train, val = data[:cut], data[cut:]
+    part = train if split == "train" else val
+    if not train or not val:
+        raise DataError(f"{path} is too small to hold out {val_percent}% for validation")
+    return part[:max_bytes] if max_bytes > 0 else part
 
 
 def _empty() -> torch.Tensor:

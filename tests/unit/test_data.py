@@ -107,10 +107,22 @@ def test_glob_root_is_its_fixed_prefix_and_empty_glob_fails(tmp_path):
         corpus_files(str(tmp_path / "missing.txt"))
 
 
-def test_single_file_cannot_be_split(tmp_path):
+def test_single_file_cannot_be_split_by_files(tmp_path):
     (tmp_path / "one.txt").write_text("hello")
     with pytest.raises(DataError, match="split"):
         split_files(*corpus_files(str(tmp_path / "one.txt")), 5.0)
+
+
+def test_single_file_corpus_splits_by_position_at_a_line_start(tmp_path):
+    lines = [f"line {i}\n" for i in range(1000)]
+    (tmp_path / "one.txt").write_text("".join(lines))
+    cfg = DataConfig(corpus=str(tmp_path / "one.txt"), val_percent=10.0)
+    train, val = bytes(load_tokens(cfg, "train").tolist()), bytes(load_tokens(cfg, "val").tolist())
+    assert train + val == "".join(lines).encode()
+    assert train.endswith(b"\n") and 0.08 < len(val) / (len(train) + len(val)) < 0.12
+    (tmp_path / "tiny.txt").write_text("x")
+    with pytest.raises(DataError, match="too small"):
+        load_tokens(DataConfig(corpus=str(tmp_path / "tiny.txt")), "val")
 
 
 def test_load_tokens_bytes_capped_and_undecodable_files(tmp_path):

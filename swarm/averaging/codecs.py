@@ -1,0 +1,256 @@
+"""Pure-torch tensor codecs for averaging, pluggable into hivemind's serialization.
+
+Why: under numpy 2, hivemind 1.1.12's 8-bit codecs cannot decode, its blockwise codec needs
+bitsandbytes, and its float16 codec rejects bfloat16. The codecs below replace them.
+
+How hivemind finds a codec: a receiving peer decodes a `runtime_pb2.Tensor` by its
+`CompressionType` enum value, looked up in hivemind's registry. That enum is closed (its `Name()`
+rejects values it does not list), so each codec takes over an existing slot. `install_codecs()`
+puts them there; our averaging code calls it once at start (nothing happens at import):
+
+  FLOAT16        <- Float16Codec. Same bytes as hivemind's own for float16/float32/float64
+                    inputs, so stock and swarm peers interoperate; bfloat16 inputs are new (their
+                    dtype field says "bfloat16", which a stock peer rejects loudly).
+  QUANTILE_8BIT  <- BFloat16Codec. No slot means "bfloat16", and MEANSTD_16BIT is a working,
+                    different format. The two stock 8-bit slots cannot decode under numpy 2;
+                    QUANTILE_8BIT is the costlier of the two and the less likely to be revived.
+  BLOCKWISE_8BIT <- Blockwise8BitCodec. Stock needs bitsandbytes and another byte layout.
+
+Cross-version consequence: a peer that has not installed these codecs cannot read QUANTILE_8BIT or
+BLOCKWISE_8BIT messages from one that has, and vice versa. Our two new formats start with an 8-byte
+magic that a stock decoder reads as an absurd element count, so it fails instead of returning
+garbage, and our decoders reject stock layouts with a ValueError. All swarm peers install ours. A
+clean slot would need a new enum value plus patched hivemind (de)serializers; we avoid that.
+
+Non-finite values: finite values never become non-finite (16-bit codecs saturate at the target
+format's largest finite value), and NaN/±inf stay non-finite, so a broken gradient is still visible
+after averaging. Blockwise 8-bit cannot keep the sign of inf: NaN and ±inf all decode as NaN.
+They are left out of their block's scale, so the rest of the block keeps its precision.
+
+Byte order is the host's (little-endian on every platform we run), as in hivemind.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression
+from hivemind.compression import serialization as hivemind_serialization
+from hivemind.proto import runtime_pb2
+
+BLOCK_SIZE = 4096  # values that share one float32 scale in Blockwise8BitCodec
+_FLOAT_DTYPES = {
+    str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+_FP16_MAX = torch.finfo(torch.float16).max
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+_NONFINITE_CODE = -128  # symmetric 8-bit codes only use -127..127; the spare one marks NaN/inf
+
+
+class _SwarmCodec(CompressionBase):
+    def __repr__(self) -> str:
+        return f"swarm.{type(self).__name__}()"
+
+
+class Float16Codec(_SwarmCodec):
+    """Any float tensor -> float16 on the wire -> the original dtype. Byte-compatible with hivemind."""
+
+    compression_type = runtime_pb2.CompressionType.FLOAT16
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        dtype_name = _float_dtype_name(tensor, self)
+        wire = _saturate(tensor.detach(), _FP16_MAX).to(torch.float16)
+        return _message(self, tensor, dtype_name, _to_bytes(wire))
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        dtype, shape, numel = _declared(serialized_tensor, self)
+        _check_length(serialized_tensor, numel * 2, self)
+        values = _from_bytes(serialized_tensor.buffer, 0, numel, torch.float16)
+        return _finish(values, dtype, shape, serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 2 / info.descriptor.dtype.itemsize
+
+
+class BFloat16Codec(_SwarmCodec):
+    """Any float tensor -> bfloat16 bits on the wire -> the original dtype."""
+
+    compression_type = runtime_pb2.CompressionType.QUANTILE_8BIT
+    MAGIC = b"swarmBF\x01"
+    HEADER = struct.Struct("<8sQ")  # magic, element count
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        dtype_name = _float_dtype_name(tensor, self)
+        wire = _saturate(tensor.detach(), _BF16_MAX).to(torch.bfloat16)
+        header = self.HEADER.pack(self.MAGIC, wire.numel())
+        return _message(self, tensor, dtype_name, header + _to_bytes(wire))
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        dtype, shape, numel = _declared(serialized_tensor, self)
+        _read_header(serialized_tensor, self.HEADER, self.MAGIC, numel, self)
+        _check_length(serialized_tensor, self.HEADER.size + numel * 2, self)
+        values = _from_bytes(serialized_tensor.buffer, self.HEADER.size, numel, torch.bfloat16)
+        return _finish(values, dtype, shape, serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 2 / info.descriptor.dtype.itemsize
+
+
+class Blockwise8BitCodec(_SwarmCodec):
+    """Blockwise absmax 8-bit quantization: int8 codes plus one float32 absmax per BLOCK_SIZE values.
+
+    A value x in a block with absmax m is sent as round(127 * x / m), so it decodes within m / 254.
+    All-zero blocks decode exactly; non-finite values decode as NaN (see the module docstring).
+    """
+
+    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+    MAGIC = b"swarmB8\x01"
+    HEADER = struct.Struct("<8sQQ")  # magic, element count, block size
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        dtype_name = _float_dtype_name(tensor, self)
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        numel, num_blocks = flat.numel(), math.ceil(flat.numel() / BLOCK_SIZE)
+        blocks = torch.nn.functional.pad(flat, (0, num_blocks * BLOCK_SIZE - numel)).view(num_blocks, BLOCK_SIZE)
+        finite = blocks.isfinite()
+        blocks = blocks.masked_fill(~finite, 0.0)
+        absmax = blocks.abs().amax(dim=1, keepdim=True)
+        codes = torch.round(blocks / torch.where(absmax > 0, absmax, 1.0) * 127).to(torch.int8)
+        codes.masked_fill_(~finite, _NONFINITE_CODE)
+        header = self.HEADER.pack(self.MAGIC, numel, BLOCK_SIZE)
+        buffer = header + _to_bytes(absmax) + _to_bytes(codes.view(-1)[:numel])
+        return _message(self, tensor, dtype_name, buffer)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        dtype, shape, numel = _declared(serialized_tensor, self)
+        (block_size,) = _read_header(serialized_tensor, self.HEADER, self.MAGIC, numel, self)
+        if block_size <= 0:
+            raise ValueError(f"{self!r}: header declares block size {block_size}")
+        num_blocks = math.ceil(numel / block_size)
+        _check_length(serialized_tensor, self.HEADER.size + 4 * num_blocks + numel, self)
+        absmax = _from_bytes(serialized_tensor.buffer, self.HEADER.size, num_blocks, torch.float32)
+        if not (absmax.isfinite().all() and (absmax >= 0).all()):
+            raise ValueError(f"{self!r}: block scales must be finite and non-negative")
+        codes = _from_bytes(serialized_tensor.buffer, self.HEADER.size + 4 * num_blocks, numel, torch.int8)
+        values = codes.to(torch.float32).div_(127).mul_(absmax.repeat_interleave(block_size)[:numel])
+        values.masked_fill_(codes == _NONFINITE_CODE, math.nan)
+        return _finish(values, dtype, shape, serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return (1 + 4 / BLOCK_SIZE) / info.descriptor.dtype.itemsize
+
+
+_CODECS_BY_NAME = {
+    "none": NoCompression,
+    "float16": Float16Codec,
+    "bfloat16": BFloat16Codec,
+    "blockwise8bit": Blockwise8BitCodec,
+}
+_INSTALLED = (Float16Codec, BFloat16Codec, Blockwise8BitCodec)
+
+
+def compression_for(name: str) -> CompressionBase:
+    """The codec for a run config's `averaging.compression` name."""
+    if name not in _CODECS_BY_NAME:
+        raise ValueError(f"unknown averaging compression {name!r}; choose one of {sorted(_CODECS_BY_NAME)}")
+    return _CODECS_BY_NAME[name]()
+
+
+def install_codecs() -> None:
+    """Make hivemind (de)serialize FLOAT16, QUANTILE_8BIT and BLOCKWISE_8BIT with our codecs. Idempotent."""
+    registry = _hivemind_registry()
+    for codec_class in _INSTALLED:
+        slot = runtime_pb2.CompressionType.Name(codec_class.compression_type)
+        if type(registry.get(slot)) is not codec_class:
+            registry[slot] = codec_class()
+
+
+def codecs_installed() -> bool:
+    """Whether hivemind currently decodes our slots with our codecs."""
+    registry = _hivemind_registry()
+    return all(type(registry.get(runtime_pb2.CompressionType.Name(c.compression_type))) is c for c in _INSTALLED)
+
+
+def _hivemind_registry() -> dict[str, CompressionBase]:
+    registry = getattr(hivemind_serialization, "_BASE_COMPRESSION_TYPES", None)
+    if not isinstance(registry, dict):
+        raise RuntimeError(
+            "hivemind.compression.serialization has no _BASE_COMPRESSION_TYPES dict: swarm's codecs target "
+            "hivemind 1.1.12; install that version or port install_codecs() to the new registry"
+        )
+    return registry
+
+
+def _float_dtype_name(tensor: torch.Tensor, codec: CompressionBase) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _FLOAT_DTYPES:
+        raise ValueError(f"{codec!r} encodes only {sorted(_FLOAT_DTYPES)} tensors, got {tensor.dtype}")
+    return name
+
+
+def _saturate(tensor: torch.Tensor, limit: float) -> torch.Tensor:
+    """A float32/float64 copy with finite values clamped to [-limit, limit]; NaN and inf kept."""
+    wide = tensor.to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+    return torch.where(wide.isinf(), wide, wide.clamp(-limit, limit))
+
+
+def _to_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(buffer: bytes, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A writable 1-D tensor of `count` values of `dtype` copied from `buffer` at `offset`."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    chunk = bytearray(memoryview(buffer)[offset : offset + count * dtype.itemsize])
+    return torch.frombuffer(chunk, dtype=dtype)
+
+
+def _message(codec: CompressionBase, source: torch.Tensor, dtype_name: str, buffer: bytes) -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor(
+        compression=codec.compression_type,
+        buffer=buffer,
+        size=source.shape,
+        dtype=dtype_name,
+        requires_grad=source.requires_grad,
+    )
+
+
+def _declared(message: runtime_pb2.Tensor, codec: CompressionBase) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """The original dtype, shape and element count a message declares."""
+    if message.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{codec!r} cannot decode to dtype {message.dtype!r}; expected one of {sorted(_FLOAT_DTYPES)}")
+    shape = tuple(message.size)
+    return _FLOAT_DTYPES[message.dtype], shape, math.prod(shape)
+
+
+def _read_header(
+    message: runtime_pb2.Tensor, header: struct.Struct, magic: bytes, numel: int, codec: CompressionBase
+) -> tuple[int, ...]:
+    """Check the magic and element count in the buffer's header; return the remaining header fields."""
+    if len(message.buffer) < header.size:
+        raise ValueError(f"{codec!r}: buffer of {len(message.buffer)} bytes is shorter than its header")
+    found_magic, found_numel, *rest = header.unpack_from(message.buffer)
+    if found_magic != magic:
+        raise ValueError(
+            f"{codec!r}: buffer starts with {found_magic!r}, not {magic!r}; the sender is not a swarm peer "
+            "with the same codecs (stock hivemind uses another layout for this compression type)"
+        )
+    if found_numel != numel:
+        raise ValueError(f"{codec!r}: header holds {found_numel} values but the declared shape holds {numel}")
+    return tuple(rest)
+
+
+def _check_length(message: runtime_pb2.Tensor, expected: int, codec: CompressionBase) -> None:
+    if len(message.buffer) != expected:
+        raise ValueError(
+            f"{codec!r}: buffer has {len(message.buffer)} bytes, expected {expected} for shape "
+            f"{tuple(message.size)} (truncated or mislabelled message)"
+        )
+
+
+def _finish(values: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], message: runtime_pb2.Tensor):
+    """The decoded values in their original dtype and shape."""
+    return values.to(dtype).reshape(shape).requires_grad_(message.requires_grad)

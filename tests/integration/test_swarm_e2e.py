@@ -1,0 +1,149 @@
+"""A whole swarm as separate programs on 127.0.0.1: coordinator, one server per stage, one trainer.
+
+The swarm is started once for the module; the tests run in order: first training (the loss falls,
+the metrics show it), then a server is stopped with SIGTERM and must leave gracefully.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from swarm.config import RunConfig
+from tests.procs import LOCALHOST, Coordinator, Proc, ProcSet, free_port, group_members, start_coordinator
+
+pytestmark = pytest.mark.timeout(240)
+
+SERVER_START_TIMEOUT = 150.0  # exec to "serving stage K" (imports, join, build and time the stage)
+ONLINE_TIMEOUT = 30.0  # a server serving to its ONLINE record in the coordinator's /status
+FIRST_LOSS_TIMEOUT = 60.0  # both stages ONLINE to the trainer's first loss report in /status
+LOSS_DROP_TIMEOUT = 90.0  # first loss report to a clearly lower one
+OFFLINE_TIMEOUT = 20.0  # SIGTERM to the server's OFFLINE record in /status (announce + status refresh)
+SHUTDOWN_TIMEOUT = 30.0  # SIGTERM to exit, and then to the last process of its group gone
+HTTP_TIMEOUT = 5.0
+LOSS_DROP = 0.8  # the loss must fall below this fraction of its first report...
+LOSS_CEILING = 4.0  # ...and below this (an untrained byte model's loss is ln 256 = 5.55)
+SERVING_LINE = r"serving stage (\d+) of \d+ .* as (\S+)$"
+
+
+@dataclass
+class Swarm:
+    coordinator: Coordinator
+    servers: list[Proc]  # index: stage
+    server_ids: list[str]
+    server_ports: list[int]
+    trainer: Proc
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [self.coordinator.proc, *self.servers, self.trainer]
+
+    def status(self) -> dict[str, Any] | None:
+        body = http_get(self.coordinator.metrics_port, "/status")
+        return None if body is None else json.loads(body)
+
+    def loss(self) -> float | None:
+        return (self.status() or {}).get("loss")
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        """helpers.wait_until, failing with the last /status and every program's output."""
+        try:
+            return self.coordinator.proc.wait_until(predicate, timeout, what)
+        except AssertionError as e:
+            others = "\n".join(proc.describe() for proc in self.procs[1:])
+            raise AssertionError(f"{e}\nlast /status: {self.status()}\n{others}") from None
+
+
+def http_get(port: int, path: str) -> str | None:
+    """The body of http://127.0.0.1:PORT/PATH, or None while nothing answers there."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=HTTP_TIMEOUT) as reply:
+            return reply.read().decode()
+    except OSError:  # not listening yet, reset, timed out
+        return None
+
+
+def metric(port: int, name: str, **labels: str) -> float | None:
+    """Sum of the /metrics samples called `name` whose labels include `labels`; None if there is none."""
+    body = http_get(port, "/metrics")
+    if body is None:
+        return None
+    values = [sample.value for family in text_string_to_metric_families(body) for sample in family.samples
+              if sample.name == name and labels.items() <= sample.labels.items()]
+    return sum(values) if values else None
+
+
+def server_states(status: dict[str, Any] | None) -> dict[str, str]:
+    """peer id -> state, for every server record in a /status document."""
+    if status is None:
+        return {}
+    return {server["peer_id"]: server["state"] for stage in status["stages"] for server in stage["servers"]}
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, tiny_config_path: Path):
+    num_stages = RunConfig.load(tiny_config_path).stages.num_stages
+    procs = ProcSet(tmp_path_factory.mktemp("e2e"))
+    try:
+        coordinator = start_coordinator(procs, tiny_config_path, metrics_port=free_port())
+        join = ("--initial-peers", *coordinator.maddrs, *LOCALHOST)
+        ports = [free_port() for _ in range(num_stages)]
+        servers = [procs.start("swarm-peer", *join, "--role", "server", "--stage", str(stage),
+                               "--metrics-port", str(port)) for stage, port in enumerate(ports)]
+        trainer = procs.start("swarm-peer", *join, "--role", "trainer", "--trainer-index", "0")
+        server_ids = []
+        for stage, server in enumerate(servers):
+            line = server.wait_for_line(SERVING_LINE, SERVER_START_TIMEOUT, stream="stderr")
+            assert int(line.group(1)) == stage, server.describe()
+            server_ids.append(line.group(2))
+        yield Swarm(coordinator, servers, server_ids, ports, trainer)
+    finally:
+        procs.stop_all()
+
+
+def test_training_lowers_the_loss_and_metrics_show_the_swarm(swarm: Swarm):
+    port = swarm.coordinator.metrics_port
+    expected = {peer_id: "ONLINE" for peer_id in swarm.server_ids}
+    swarm.wait_for(lambda: expected.items() <= server_states(swarm.status()).items(), ONLINE_TIMEOUT,
+                   "every stage's server to be ONLINE in /status")
+    status = swarm.status()
+    assert status["run_id"] == "tiny"
+    assert [stage["stage"] for stage in status["stages"]] == list(range(len(swarm.servers)))
+
+    first = swarm.wait_for(swarm.loss, FIRST_LOSS_TIMEOUT, "a first loss report")
+    target = min(LOSS_DROP * first, LOSS_CEILING)
+    swarm.wait_for(lambda: (swarm.loss() or target) < target, LOSS_DROP_TIMEOUT,
+                   f"the loss to fall from {first:.3f} below {target:.3f}")
+
+    status = swarm.status()
+    assert status["step"] > 0 and status["samples_per_second"] > 0, status
+    for stage in range(len(swarm.servers)):
+        assert metric(port, "swarm_servers", stage=str(stage), state="ONLINE") == 1.0, http_get(port, "/metrics")
+    for server_port in swarm.server_ports:  # every micro-batch runs a backward on every stage
+        ok = metric(server_port, "swarm_server_requests_total", kind="backward", status="ok")
+        assert ok is not None and ok > 0, http_get(server_port, "/metrics")
+
+
+def test_sigterm_takes_a_server_offline_then_it_exits_cleanly(swarm: Swarm):
+    server, peer_id, stage = swarm.servers[-1], swarm.server_ids[-1], len(swarm.servers) - 1
+    assert server_states(swarm.status()).get(peer_id) == "ONLINE", swarm.status()
+
+    server.send_signal(signal.SIGTERM)
+    # Only the server can sign its record, so seeing OFFLINE means it announced so while shutting down.
+    # The gauges are refreshed together with /status, and the record expires record_ttl after the exit.
+    port = swarm.coordinator.metrics_port
+    swarm.wait_for(lambda: server_states(swarm.status()).get(peer_id) == "OFFLINE"
+                   and metric(port, "swarm_servers", stage=str(stage), state="OFFLINE") == 1.0,
+                   OFFLINE_TIMEOUT, f"stage {stage}'s server to be OFFLINE in /status and /metrics")
+    server.wait_until(server.has_exited, SHUTDOWN_TIMEOUT, "the server to exit after SIGTERM")
+    server.wait_until(lambda: not group_members(server.pid), SHUTDOWN_TIMEOUT,
+                      "the server's DHT process and p2pd daemon to exit")
+    assert server.wait(0) == 0, server.describe()

@@ -154,6 +154,14 @@ class RemotePipeline:
                 log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying",
                             stage, kind, peer[-8:], e, ban)
                 continue
+            expected = 0 if (kind == BACKWARD and stage == 0) else 1
+            if len(reply.tensors) != expected:  # a reply cut short, or a server of another version
+                balancer.report_failure(peer)
+                tried.add(peer)
+                self.stats.failures += 1
+                log.warning("stage %d %s on %s returned %d tensors instead of %d; retrying",
+                            stage, kind, peer[-8:], len(reply.tensors), expected)
+                continue
             balancer.report_success(peer, size, time.perf_counter() - started)
             return reply
 

@@ -95,6 +95,15 @@ class StageBalancer:
         """How long a task of `task_size` samples should take on this server, by our estimate."""
         return task_size * self.expected_seconds_per_sample(peer_id)
 
+    def timeout(self, peer_id: str, task_size: int, multiplier: float, floor: float, ceiling: float) -> float:
+        """How long to wait for this server: a multiple of its expected time, within [floor, ceiling].
+
+        A server we have never timed gets the ceiling, so a slow newcomer is measured, not banned.
+        """
+        if self.servers.get(peer_id) is None or self.servers[peer_id].seconds_per_sample is None:
+            return ceiling
+        return min(max(multiplier * self.expected_seconds(peer_id, task_size), floor), ceiling)
+
     def report_success(self, peer_id: str, task_size: int, seconds: float) -> None:
         state = self.servers.get(peer_id)
         if state is None:

@@ -47,7 +47,9 @@ class PipelineError(RuntimeError):
 class PipelineSettings:
     """Timeouts of the trainer side, in seconds (from the run config's network section)."""
 
-    request_timeout: float = 60.0  # one forward or backward call
+    request_timeout: float = 60.0  # the most one forward or backward call may take
+    timeout_multiplier: float = 5.0  # a call times out after this many times its expected duration...
+    timeout_floor: float = 5.0  # ...but never sooner than this
     max_wait: float = 600.0  # how long a micro-batch may wait for a stage with no usable server
     retry_pause: float = 0.5  # first pause before retrying a stage whose servers all failed
     max_retry_pause: float = 15.0  # the pause doubles per round up to this
@@ -142,8 +144,10 @@ class RemotePipeline:
             self.stats.calls += 1
             started = time.perf_counter()
             try:
+                timeout = balancer.timeout(peer, size, self.settings.timeout_multiplier,
+                                           self.settings.timeout_floor, self.settings.request_timeout)
                 client = StageClient(self.p2p, PeerID.from_base58(peer), stage_namespace(self.run_id, stage),
-                                     timeout=self.settings.request_timeout)
+                                     timeout=timeout)
                 reply = await client.call(request)
             except (StageUnavailable, RemoteStageError) as e:
                 if isinstance(e, RemoteStageError) and e.code == BAD_REQUEST:

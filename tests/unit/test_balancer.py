@@ -72,3 +72,15 @@ def test_no_server_and_exclusions():
     assert b.choose(1, exclude=["a"]) is None
     b.update_servers([])
     assert b.servers == {}
+
+
+def test_timeouts_adapt_to_measured_speed_within_floor_and_ceiling():
+    b = StageBalancer(clock=FakeClock())
+    b.update_servers(["a", "b"])
+    assert b.timeout("a", 8, multiplier=5, floor=1, ceiling=60) == 60  # never timed: the ceiling
+    b.report_success("a", 8, 8 * 0.5)
+    assert b.timeout("a", 8, multiplier=5, floor=1, ceiling=60) == pytest.approx(20.0)
+    b.report_success("b", 8, 8 * 0.001)
+    assert b.timeout("b", 8, multiplier=5, floor=1, ceiling=60) == 1
+    b.report_success("a", 8, 8 * 100.0)
+    assert b.timeout("a", 8, multiplier=5, floor=1, ceiling=60) == 60

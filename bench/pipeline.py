@@ -29,15 +29,20 @@ def measure(config_path: str, ref_steps: int, swarm_steps: int, stages: int) -> 
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         path = Path(tmp) / "run.yaml"
         config.save(path)
-        reference = ReferenceTrainer(config).run(ref_steps, eval_max_batches=2)
+        # The reference runs before and after the swarm, so a change in the machine's load during
+        # the run shows up as a gap between the two instead of skewing the ratio unnoticed.
+        before = ReferenceTrainer(config).run(ref_steps, eval_max_batches=2)["samples_per_second"]
         swarm = LocalSwarm(str(path), config, servers_per_stage=1, trainers=1, log_dir=str(Path(tmp) / "logs"),
                            metrics_port=None, stop=threading.Event()).run(swarm_steps)
+        after = ReferenceTrainer(config).run(ref_steps, eval_max_batches=2)["samples_per_second"]
+    reference = (before + after) / 2
     return {
         "config": config_path,
         "stages": stages,
-        "reference_samples_per_second": reference["samples_per_second"],
+        "reference_samples_per_second": reference,
+        "reference_before_after": [before, after],
         "swarm_samples_per_second": swarm["samples_per_second"],
-        "ratio": swarm["samples_per_second"] / reference["samples_per_second"],
+        "ratio": swarm["samples_per_second"] / reference,
         "reference_steps": reference["steps"],
         "swarm_steps": swarm["steps"],
     }
@@ -56,7 +61,9 @@ def main() -> None:
         ref_steps, swarm_steps = STEPS.get(Path(path).stem, (20, 30))
         result = measure(path, args.ref_steps or ref_steps, args.swarm_steps or swarm_steps, args.stages)
         results.append(result)
-        print(f"{path}: reference {result['reference_samples_per_second']:.1f} samples/s, "
+        before, after = result["reference_before_after"]
+        print(f"{path}: reference {result['reference_samples_per_second']:.1f} samples/s "
+              f"({before:.1f} before, {after:.1f} after the swarm), "
               f"swarm {result['swarm_samples_per_second']:.1f} samples/s, ratio {result['ratio']:.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

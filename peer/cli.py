@@ -11,6 +11,7 @@ import threading
 
 from prometheus_client import CollectorRegistry
 
+from swarm.averaging import AveragingError
 from swarm.config import ConfigError, RunConfig
 from swarm.data import DataError
 from swarm.dht import BackgroundLoop, SwarmDHTError, SwarmRecords, join_run, load_identity, serve_run_info
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
         run(args, stop)
-    except (ConfigError, DataError, SwarmDHTError, OSError, ValueError) as e:
+    except (ConfigError, DataError, SwarmDHTError, AveragingError, OSError, ValueError) as e:
         sys.exit(f"swarm-peer: error: {e}")
 
 

@@ -14,6 +14,7 @@ import hivemind
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from swarm.averaging import StageAverager
 from swarm.backend import BackwardResult, Overloaded, StageBackend
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
@@ -64,6 +65,8 @@ class ServerMetrics:
             lambda: backend_ref.backend.step if backend_ref.backend else 0)
         self.throughput = Gauge("swarm_server_throughput_samples_per_second", "Announced throughput",
                                 registry=registry)
+        self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
+                               registry=registry)
 
 
 class StageServer:
@@ -80,8 +83,10 @@ class StageServer:
         self.state = ServerState.JOINING
         self.stage: int | None = None
         self.backend: StageBackend | None = None
+        self.averager: StageAverager | None = None
         self.throughput = 0.0
-        self.metrics = ServerMetrics(registry or CollectorRegistry(), self)
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ServerMetrics(self.registry, self)
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
         self._p2p = None
@@ -99,14 +104,20 @@ class StageServer:
         self.announce()
         module = build_stage(self.config, stage)
         optimizer = StageOptimizer(module, self.config.optimizer)
+        self.averager = StageAverager(optimizer, self.dht, self.config, stage, owner_key=self.records.local_owner_key,
+                                      peer_id=self.peer_id, registry=self.registry)
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
-                                    on_step=self._on_step)
+                                    on_step=self._on_step, stepper=self.averager)
+        if any(r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id
+               for r in self.records.lookup_servers(stage)):
+            self.averager.load_state_from_peers()  # never serve fresh weights while the stage has a state
         self.throughput = measure_throughput(self.backend, self.config)
         self.metrics.throughput.set(self.throughput)
         self._p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
         handler = StageRequestHandler(self)
         namespace = stage_namespace(self.config.run_id, stage)
         self._service = self.loop.run(register(self._p2p, handler, namespace), LOOP_CALL_TIMEOUT)
+        self.averager.start(self.backend.request_step)
         self.state = ServerState.ONLINE
         self.announce()
         self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
@@ -150,6 +161,8 @@ class StageServer:
                 self.loop.run(self._service.unregister(self._p2p), LOOP_CALL_TIMEOUT)
             except Exception as e:
                 log.debug("unregister failed: %s", e)
+        if self.averager is not None:
+            self.averager.shutdown()  # first: a round in progress on the backend's thread ends at once
         if self.backend is not None:
             self.backend.shutdown()
 
@@ -162,13 +175,21 @@ class StageRequestHandler(StageHandler):
         self._recent: OrderedDict[str, asyncio.Future[BackwardResult]] = OrderedDict()
 
     async def forward(self, request: StageRequest) -> StageReply:
+        with self.server.metrics.in_flight.labels(kind=request.kind).track_inprogress():
+            return await self._forward(request)
+
+    async def backward(self, request: StageRequest) -> StageReply:
+        with self.server.metrics.in_flight.labels(kind=request.kind).track_inprogress():
+            return await self._backward(request)
+
+    async def _forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
         backend = await self._admit(request)
         out = await self._run(request, backend.forward, request.inputs, request.targets)
         self._done(request, started)
         return StageReply([out], server_step=backend.step)
 
-    async def backward(self, request: StageRequest) -> StageReply:
+    async def _backward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
         backend = await self._admit(request)
         # A retry of a request this server already ran (or is running) must not add its gradient

@@ -14,12 +14,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from swarm.model import StageModule
 from swarm.optim import StageOptimizer
+
+if TYPE_CHECKING:
+    from swarm.averaging.stepper import StageStepper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,10 +50,12 @@ class StageBackend:
         device: str | torch.device = "cpu",
         max_queue: int = 64,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        stepper: StageStepper | None = None,
     ):
         self.device = torch.device(device)
         self.module = module.to(self.device)
         self.optimizer = optimizer
+        self.stepper = optimizer if stepper is None else stepper  # decides when and how the stage steps
         self.max_queue = max_queue
         self.on_step = on_step
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{module.index}")
@@ -65,7 +70,7 @@ class StageBackend:
 
     @property
     def step(self) -> int:
-        return self.optimizer.step_count
+        return self.stepper.step_count
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue `fn(*args)` on the worker thread, or raise Overloaded if the queue is full."""
@@ -117,17 +122,36 @@ class StageBackend:
             loss = None
             _check_grad_output(grad_output, out)
             out.backward(grad_output.to(device=self.device, dtype=out.dtype))
-        self.optimizer.add_samples(n)
+        self.stepper.add_samples(n)
         self.samples_processed += n
-        stats = None
-        if self.optimizer.ready:
-            stats = self.optimizer.step()
-            if stats["skipped"]:
-                log.warning("stage %d skipped a step: non-finite gradient norm", module.index)
-            if self.on_step is not None:
-                self.on_step(stats)
+        stats = self._step_if_ready()
         grad_input = None if module.is_first else x.grad.detach().cpu()
-        return BackwardResult(grad_input, loss, self.optimizer.step_count, stats)
+        return BackwardResult(grad_input, loss, self.step, stats)
+
+    def _step_if_ready(self) -> dict[str, Any] | None:
+        if not self.stepper.ready:
+            return None
+        stats = self.stepper.step()
+        if stats is None:  # nothing stepped here (e.g. the stage caught up with its peers)
+            return None
+        if stats["skipped"]:
+            log.warning("stage %d skipped a step: non-finite gradient norm", self.module.index)
+        if self.on_step is not None:
+            self.on_step(stats)
+        return stats
+
+    def request_step(self) -> Future | None:
+        """Queue a step for when the worker is free, if the stepper is ready by then.
+
+        For steppers that learn from the network that the stage's batch is full. None if it could
+        not be queued (full queue: the queued tasks check readiness themselves; or shut down).
+        """
+        try:
+            future = self.submit(self._step_if_ready)
+        except (Overloaded, RuntimeError):
+            return None
+        future.add_done_callback(_log_failure)
+        return future
 
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run `fn` on the worker thread (e.g. to read a consistent state_dict) and wait for it."""
@@ -135,6 +159,11 @@ class StageBackend:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("a requested optimizer step failed", exc_info=future.exception())
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -95,18 +95,31 @@ class OptimizerConfig:
 
 @dataclass
 class AveragingConfig:
-    """Averaging of gradients among the servers of one stage."""
+    """Averaging of gradients among the servers of one stage (times in seconds)."""
 
     compression: str = "none"
-    target_group_size: int = 8
-    matchmaking_timeout: float = 10.0
-    allreduce_timeout: float = 30.0
-    state_download_timeout: float = 60.0
+    target_group_size: int = 8  # the most servers one round averages; keep it >= the servers of a stage
+    matchmaking_timeout: float = 10.0  # a round that has not formed its group by then steps locally
+    allreduce_timeout: float = 30.0  # exchanging the gradients once the group is formed
+    state_download_timeout: float = 60.0  # a joining or lagging server downloading its stage's state
+    min_matchmaking_time: float = 5.0  # a round's leader waits this long for servers still missing
+    request_timeout: float = 3.0  # one matchmaking request, and one progress read or write in the DHT
+    next_chunk_timeout: float = 10.0  # a peer silent this long in an all-reduce or download is dropped
+    shutdown_timeout: float = 5.0  # the averaging process gets this long to leave cleanly
+    progress_period: float = 1.0  # how often a server publishes its samples and reads its stage's
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
-        for name in ("target_group_size", "matchmaking_timeout", "allreduce_timeout", "state_download_timeout"):
+        for name in ("target_group_size", "matchmaking_timeout", "allreduce_timeout", "state_download_timeout",
+                     "min_matchmaking_time", "request_timeout", "next_chunk_timeout", "shutdown_timeout",
+                     "progress_period"):
             _positive(self, name, "averaging")
+        if self.target_group_size < 2:
+            raise ConfigError(f"averaging.target_group_size must be at least 2, got {self.target_group_size}")
+        # Matchmaking can deadlock for a request_timeout when two peers ask each other to lead (hivemind's
+        # note); a shorter request_timeout breaks that before the round's window closes.
+        _ordered(self, ("request_timeout", "min_matchmaking_time", "matchmaking_timeout"), "averaging")
+        _ordered(self, ("next_chunk_timeout", "allreduce_timeout"), "averaging")
 
 
 @dataclass
@@ -240,6 +253,16 @@ def _positive(section: Any, name: str, where: str) -> None:
 def _non_negative(section: Any, name: str, where: str) -> None:
     if getattr(section, name) < 0:
         raise ConfigError(f"{where}.{name} must not be negative, got {getattr(section, name)}")
+
+
+def _ordered(section: Any, names: tuple[str, ...], where: str) -> None:
+    """Each of `names` must be smaller than the next."""
+    for smaller, larger in zip(names, names[1:]):
+        if not getattr(section, smaller) < getattr(section, larger):
+            raise ConfigError(
+                f"{where}.{smaller} ({getattr(section, smaller)}) must be less than {where}.{larger} "
+                f"({getattr(section, larger)})"
+            )
 
 
 def _choice(section: Any, name: str, choices: tuple[str, ...], where: str) -> None:

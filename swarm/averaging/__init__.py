@@ -1,0 +1,40 @@
+"""Averaging among the servers of one stage: they step together on the gradient of all their samples.
+
+Map of the subsystem, from what a server uses down to pure logic::
+
+    stepper.py   StageStepper: the narrow interface StageBackend steps through (count samples, ready?,
+                 step); swarm.optim.StageOptimizer is the one-server implementation
+    averager.py  StageAverager: the collective one. Waits until the stage as a whole has a full
+                 batch, averages gradients weighted by sample counts, steps the same math on every
+                 replica; steps alone (and says so) when a round fails; catches up when behind;
+                 load_state_from_peers() for a server joining its stage
+    tracker.py   StageProgressTracker: a thread that publishes this server's progress and reads the
+                 stage's, through the DHT
+    process.py   AveragingProcess: hivemind's DecentralizedAverager (a forked process: matchmaking,
+                 all-reduce, state serving) with every timeout from the config and bounded calls
+    metrics.py   AveragingMetrics: swarm_averaging_* Prometheus metrics
+    progress.py  ProgressRecord, stage_view(): what the records mean (ready, behind, diverged); pure
+    state.py     pack_state / apply_state: a replica's parameters, AdamW moments and step; pure torch
+    codecs.py    pure-torch compression codecs installed into hivemind
+    errors.py    AveragingError and its subclasses
+
+Every network wait is bounded by a value of ``AveragingConfig`` (see swarm.config).
+"""
+
+from swarm.averaging.averager import StageAverager, averaging_prefix
+from swarm.averaging.errors import AveragingError, StateDownloadError, StateMismatch
+from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
+from swarm.averaging.stepper import StageStepper
+
+__all__ = [
+    "FAILED",
+    "LOCAL",
+    "SUCCEEDED",
+    "AveragingError",
+    "AveragingMetrics",
+    "StageAverager",
+    "StageStepper",
+    "StateDownloadError",
+    "StateMismatch",
+    "averaging_prefix",
+]

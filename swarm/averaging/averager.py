@@ -1,0 +1,348 @@
+"""StageAverager: the servers of one stage step together, on the gradient of all their samples.
+
+Each server accumulates gradient sums in ``param.grad`` as a lone server would. When the servers at
+its step hold a full batch between them (collective progress, :mod:`swarm.averaging.tracker`),
+every one of them joins one averaging round, even a server with no samples of its own: it puts its
+mean gradient in the averaging buffers with its sample count as weight, so the all-reduce yields
+``sum of all gradient sums / all samples``. Each then steps the same StageOptimizer math on that
+same gradient (clipping after averaging, the lr of the step), so the replicas stay equal.
+
+A round that fails (no group, a member gone, a timeout) never stops training: the server steps on
+its own gradient and says so (log and metrics). Every replica knows which round made its state; one
+whose state came from another round than a better-ranked replica's at the same step (a lone step, a
+group that formed apart) downloads that replica's state, as does a server behind its stage's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.compression import CompressionBase, CompressionInfo
+from prometheus_client import CollectorRegistry
+
+from swarm.averaging.errors import AveragingError, StateDownloadError, StateMismatch
+from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
+from swarm.averaging.process import AveragingProcess, RoundFailed
+from swarm.averaging.progress import (
+    INITIAL_ROUND,
+    ProgressRecord,
+    StageView,
+    round_of,
+    sharing_priority,
+    stage_view,
+)
+from swarm.averaging.state import apply_state, pack_state
+from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
+from swarm.config import RunConfig
+from swarm.optim import StageOptimizer
+
+log = logging.getLogger(__name__)
+
+PROCESS_START_TIMEOUT = 30.0  # forking the averaging process until it serves
+DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubles on each failure
+DOWNLOAD_RETRY_PAUSE_MAX = 30.0
+
+RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
+
+
+def averaging_prefix(run_id: str, stage: int) -> str:
+    """The DHT key prefix and P2P namespace of a stage's averaging."""
+    return f"{run_id}_stage{stage}_averaging"
+
+
+class StageAverager:
+    """A :class:`~swarm.averaging.stepper.StageStepper` for a stage that several servers serve.
+
+    Create it on the main thread (it forks hivemind's averaging process), load the stage's state
+    with :meth:`load_state_from_peers` if the stage already has servers, then :meth:`start` it.
+    """
+
+    def __init__(self, optimizer: StageOptimizer, dht: hivemind.DHT, config: RunConfig, stage: int, *,
+                 owner_key: bytes, peer_id: str, registry: CollectorRegistry | None = None,
+                 start_timeout: float = PROCESS_START_TIMEOUT):
+        self.optimizer, self.module, self.stage, self.peer_id = optimizer, optimizer.module, stage, peer_id
+        self.config = config.averaging
+        self.batch_size = config.optimizer.batch_size
+        self.metrics = AveragingMetrics(registry or CollectorRegistry(), stage)
+        self.round_id, self.round_group = INITIAL_ROUND, 1  # the round that made this replica's state
+        self.solo = False  # True once the averaging process died: this server then trains alone
+        self._state_lock = threading.Lock()  # held while parameters, moments or the step change
+        self._closing = threading.Event()
+        self._request_step: RequestStep | None = None
+        self._requested: Future | None = None  # the last step requested, until the worker ran it
+        self._download_pause = DOWNLOAD_RETRY_PAUSE
+        self._next_download = 0.0  # monotonic time before which no catch-up is tried
+        prefix = averaging_prefix(config.run_id, stage)
+        ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
+        self._compression = compression_for(self.config.compression)
+        buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in optimizer.params]
+        self._process = AveragingProcess(buffers, dht, prefix=prefix, config=self.config,
+                                         compression=self._compression, state_source=self._state_for_peer,
+                                         declare_period=ttl)
+        self._bytes_per_round = sum(
+            b.numel() * b.element_size() * self._compression.estimate_compression_ratio(CompressionInfo.from_tensor(b))
+            for b in buffers
+        )
+        self._process.start_process(start_timeout)
+        self._tracker = StageProgressTracker(dht, prefix, owner_key, peer_id, self.config.progress_period,
+                                             self.config.request_timeout, self._own_record, self._on_progress)
+
+    # StageStepper
+    @property
+    def step_count(self) -> int:
+        return self.optimizer.step_count
+
+    def add_samples(self, n: int) -> None:
+        self.optimizer.add_samples(n)
+        self._tracker.nudge()
+
+    @property
+    def ready(self) -> bool:
+        view = self.view()
+        return (view.needs_state and self._may_download()) or view.samples >= self.batch_size
+
+    def step(self) -> dict[str, Any] | None:
+        """Catch up with the stage, or average and step, or step alone; never raises for the network's sake."""
+        self._refresh()  # decide on what the others publish now, not a period ago
+        view = self.view()
+        if view.needs_state and self._may_download():
+            self._catch_up(view)
+            return None
+        if view.samples < self.batch_size:
+            return None
+        if view.group_size == 1:  # nobody else at this step or behind it
+            return self._step_alone(LOCAL)
+        return self._average_and_step(view)
+
+    # lifecycle
+    def load_state_from_peers(self, timeout: float | None = None) -> None:
+        """Take the stage's state (parameters, moments, step) from one of its servers.
+
+        Retries until `timeout` (default: averaging.state_download_timeout), then raises StateDownloadError.
+        """
+        timeout = self.config.state_download_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pause, problem = DOWNLOAD_RETRY_PAUSE, "no server of the stage offered its state"
+        while not self._closing.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                if self._download(remaining, older_ok=True):
+                    return
+            except AveragingError as e:
+                problem = str(e)
+            self._closing.wait(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, DOWNLOAD_RETRY_PAUSE_MAX)
+        raise StateDownloadError(
+            f"could not download the state of stage {self.stage} from its servers within {timeout:g}s "
+            f"({problem}); check that this machine can reach them, or raise averaging.state_download_timeout"
+        )
+
+    def start(self, request_step: RequestStep) -> None:
+        """Publish progress, serve this replica's state to peers, and ask for steps via `request_step`."""
+        self._request_step = request_step
+        self._tracker.start()
+        self._share_state()
+
+    def shutdown(self) -> None:
+        """Leave the stage's averaging: others stop counting this server at once. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._tracker.stop(leave=True)
+        self._process.close()
+
+    @property
+    def process_id(self) -> int | None:
+        """The pid of the averaging process (for operators, and tests that kill it)."""
+        return self._process.process_id
+
+    def view(self) -> StageView:
+        """This server's view of its stage now (others as of the last progress read)."""
+        return stage_view(self._own_record(), [] if self.solo else self._tracker.others())
+
+    # rounds
+    def _average_and_step(self, view: StageView) -> dict[str, Any] | None:
+        samples = self.optimizer.samples
+        started = time.monotonic()
+        try:
+            self._load_buffers(samples)
+            self._process.prepare_round(view.step, view.group_size)
+            gathered = self._process.average(float(samples), {"step": view.step, "samples": samples},
+                                             self._closing, lambda: self.view().group_size == 1)
+            total = _total_samples(gathered, view.step)
+            mean = self._read_buffers()
+        except AveragingError as e:
+            self.metrics.round_seconds.observe(time.monotonic() - started)
+            self._check_process()
+            log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
+                        self.stage, view.step + 1, e, samples)
+            return self._step_alone(FAILED)
+        group = len(gathered)
+        self.metrics.round_seconds.observe(time.monotonic() - started)
+        self.metrics.group_size.set(group)
+        self.metrics.bytes_sent.inc(self._bytes_per_round * 2 * (group - 1) / group)
+        self.metrics.rounds[SUCCEEDED].inc()
+        with self._state_lock:
+            self._set_gradients(mean, total)
+            stats = self.optimizer.step()
+            if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
+                members = [peer.to_base58() for peer in gathered]
+                self.round_id, self.round_group = round_of(self.optimizer.step_count, members), group
+        self._after_step()
+        log.debug("stage %d: averaged %d samples over %d servers", self.stage, total, group)
+        return {**stats, "averaging": SUCCEEDED, "group_size": group}
+
+    def _step_alone(self, outcome: str) -> dict[str, Any] | None:
+        if self.optimizer.samples == 0:  # a failed round with nothing of our own: wait to catch up
+            self._tracker.nudge()
+            return None
+        with self._state_lock:
+            stats = self.optimizer.step()
+            if not stats["skipped"]:
+                self.round_id, self.round_group = round_of(self.optimizer.step_count, [self.peer_id]), 1
+        self.metrics.rounds[outcome].inc()
+        self._after_step()
+        return {**stats, "averaging": outcome, "group_size": 1}
+
+    def _after_step(self) -> None:
+        self._share_state()
+        self._tracker.nudge()
+
+    def _load_buffers(self, samples: int) -> None:
+        """Our mean gradient into the averaging buffers (zeros if we have no samples: weight 0)."""
+        with self._process.buffers() as buffers, torch.no_grad():
+            for param, buffer in zip(self.optimizer.params, buffers):
+                if param.grad is None or samples == 0:
+                    buffer.zero_()
+                else:
+                    buffer.copy_(param.grad).div_(samples)
+
+    def _read_buffers(self) -> list[torch.Tensor]:
+        with self._process.buffers() as buffers:
+            return [buffer.clone() for buffer in buffers]
+
+    def _set_gradients(self, mean: list[torch.Tensor], total: int) -> None:
+        """The stage's mean gradient as a sum over `total` samples, as StageOptimizer.step expects."""
+        with torch.no_grad():
+            for param, grad in zip(self.optimizer.params, mean):
+                param.grad = (grad * total).to(device=param.device, dtype=param.dtype)
+        self.optimizer.samples = total
+
+    # state
+    def _catch_up(self, view: StageView) -> None:
+        why = "behind its stage" if view.behind else "its state came from another round than a better-ranked one"
+        try:
+            ok = self._download(self.config.state_download_timeout, older_ok=False)
+        except AveragingError as e:
+            ok, why = False, f"{why}: {e}"
+            self._check_process()
+        if ok:
+            self._download_pause = DOWNLOAD_RETRY_PAUSE
+            log.info("stage %d: caught up with its peers at step %d (was %s)", self.stage, self.step_count, why)
+        else:
+            self._next_download = time.monotonic() + self._download_pause
+            self._download_pause = min(2 * self._download_pause, DOWNLOAD_RETRY_PAUSE_MAX)
+            log.warning("stage %d: could not download the stage's state (%s); will retry", self.stage, why)
+
+    def _download(self, timeout: float, older_ok: bool) -> bool:
+        """Download and apply a peer's state; False if none came, or (unless `older_ok`) it was older than ours."""
+        loaded = self._process.download_state(timeout, self._closing)
+        if loaded is None:
+            self.metrics.downloads[FAILED].inc()
+            return False
+        metadata, tensors = loaded
+        with self._state_lock:
+            step = metadata.get("step") if isinstance(metadata, dict) else None
+            if not older_ok and isinstance(step, int) and step < self.optimizer.step_count:
+                self.metrics.downloads[FAILED].inc()
+                return False
+            try:
+                apply_state(self.module, self.optimizer, self.stage, metadata, tensors)
+            except StateMismatch:
+                self.metrics.downloads[FAILED].inc()
+                raise
+            self.round_id, self.round_group = metadata["round_id"], metadata["group"]
+        self.metrics.downloads[SUCCEEDED].inc()
+        self._after_step()
+        return True
+
+    def _state_for_peer(self) -> tuple[dict, list[torch.Tensor]]:
+        # called by hivemind on a thread of ours when a peer downloads our state
+        with self._state_lock:
+            return pack_state(self.module, self.optimizer, self.stage, self.round_id, self.round_group)
+
+    def _share_state(self) -> None:
+        if self._request_step is not None and not self._closing.is_set():  # started, not closed
+            self._process.share_state(True, self._own_record().priority)
+
+    def _may_download(self) -> bool:
+        return time.monotonic() >= self._next_download
+
+    # progress
+    def _own_record(self) -> ProgressRecord:
+        with self._state_lock:  # one moment's step, samples and round, not either side of a step
+            step, samples, round_, group = (self.optimizer.step_count, self.optimizer.samples, self.round_id,
+                                            self.round_group)
+        return ProgressRecord(peer_id=self.peer_id, step=step, samples=samples, round_id=round_, group=group,
+                              priority=sharing_priority(step, group, round_))
+
+    def _refresh(self) -> None:
+        if not self.solo:
+            try:
+                self._tracker.refresh()
+            except Exception as e:  # a DHT hiccup: decide on the last view
+                log.debug("stage %d: progress refresh failed: %s", self.stage, e)
+
+    def _check_process(self) -> None:
+        """If the averaging process died, leave the stage's averaging for good and train alone.
+
+        Peers would otherwise keep waiting for this server in their rounds, and keep trying to
+        download a state it can no longer serve.
+        """
+        if self.solo or self._closing.is_set() or self._process.is_alive():
+            return
+        self.solo = True
+        self._tracker.stop(leave=True)
+        code = self._process.exitcode
+        stopped = code in (-signal.SIGTERM, -signal.SIGINT)  # most likely with this whole peer
+        log.log(logging.WARNING if stopped else logging.ERROR,
+                "stage %d: the averaging process %s; this server leaves its stage's averaging and steps on its own "
+                "samples from now on: restart it to average again", self.stage,
+                f"was stopped by signal {-code}" if stopped else f"died (exit code {code})")
+
+    def _on_progress(self) -> None:
+        self._check_process()
+        if self._request_step is None or (self._requested is not None and not self._requested.done()):
+            return
+        if self.ready:
+            self._requested = self._request_step()
+
+
+def _total_samples(gathered: dict[Any, Any], step: int) -> int:
+    """Samples behind a round's mean gradient, from what each member sent along."""
+    total = 0
+    for info in gathered.values():
+        if not isinstance(info, dict) or info.get("step") != step or not isinstance(info.get("samples"), int):
+            raise RoundFailed(f"a member of the group sent {info!r}, expected step {step} and its samples")
+        total += info["samples"]
+    if total <= 0:
+        raise RoundFailed("nobody in the group had samples")
+    return total
+
+
+def compression_for(name: str) -> CompressionBase:
+    """The averaging codec a run config names (swarm's own codecs, installed into hivemind)."""
+    from swarm.averaging import codecs
+
+    codecs.install_codecs()  # before the averaging process forks, so it decodes with them too
+    return codecs.compression_for(name)

@@ -1,0 +1,30 @@
+"""Prometheus metrics of a stage's averaging rounds and state downloads."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+SUCCEEDED, FAILED, LOCAL = "succeeded", "failed", "local"  # outcomes of a round
+ROUND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class AveragingMetrics:
+    """One set per registry: every metric is labelled by stage."""
+
+    def __init__(self, registry: CollectorRegistry, stage: int):
+        label = str(stage)
+        rounds = Counter("swarm_averaging_rounds", "Optimizer steps by how their gradient was made: averaged "
+                         "with peers (succeeded), local after a failed round (failed), local with no peer (local)",
+                         ["stage", "outcome"], registry=registry)
+        self.rounds = {outcome: rounds.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED, LOCAL)}
+        self.group_size = Gauge("swarm_averaging_group_size", "Servers in the last successful averaging round",
+                                ["stage"], registry=registry).labels(stage=label)
+        self.bytes_sent = Counter("swarm_averaging_bytes_sent", "Estimated bytes this server sent in all-reduce "
+                                  "rounds (tensor sizes x compression ratio)", ["stage"],
+                                  registry=registry).labels(stage=label)
+        self.round_seconds = Histogram("swarm_averaging_round_seconds", "Time from the start of matchmaking to "
+                                       "the end of the all-reduce, failed rounds included", ["stage"],
+                                       buckets=ROUND_BUCKETS, registry=registry).labels(stage=label)
+        downloads = Counter("swarm_averaging_state_downloads", "Downloads of the stage's state from its peers "
+                            "(joining, or catching up)", ["stage", "outcome"], registry=registry)
+        self.downloads = {outcome: downloads.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED)}

@@ -1,0 +1,246 @@
+"""hivemind's DecentralizedAverager behind a small sync API where every wait is bounded.
+
+The averager is a child process (forked) that owns a set of shared-memory buffers: matchmaking
+forms a group in the DHT, then a butterfly all-reduce replaces every member's buffers with the
+weighted mean of the group's. The same process serves this replica's state to peers that download
+it. What this wrapper adds:
+
+- every hivemind timeout set from the config, and every call here bounded (hivemind's own
+  ``step``/``set_group_bits``/``run_in_background`` can wait forever);
+- ``prepare_round``: the group key carries the step, so only servers at the same step ever meet,
+  and the target group size is the number of servers expected, so a round starts as soon as all
+  of them have joined instead of waiting out ``min_matchmaking_time``;
+- signals: hivemind ignores SIGINT in the parent for good when it starts its child; we keep the
+  parent's handler, and the child dies with its parent (no orphaned averagers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
+from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.utils import MPFuture
+
+from swarm.averaging.errors import AveragingError
+from swarm.config import AveragingConfig
+
+STEP_KEY_BITS = 16  # the group key holds the step modulo 2**16
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+StateSource = Callable[[], tuple[Any, Sequence[torch.Tensor]]]
+
+
+class RoundFailed(AveragingError):
+    """An averaging round ended without a result (no group, a timeout, a broken all-reduce)."""
+
+
+class AveragingProcess(DecentralizedAverager):
+    """Averages ``buffers`` with the servers of one stage; serves ``state_source()`` to downloaders."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], dht: Any, *, prefix: str, config: AveragingConfig,
+                 compression: CompressionBase, state_source: StateSource, declare_period: float):
+        self._state_source = state_source
+        self.config = config
+        super().__init__(
+            buffers,
+            dht,
+            start=False,
+            prefix=prefix,
+            target_group_size=config.target_group_size,
+            min_group_size=2,
+            initial_group_bits=step_bits(0),
+            min_matchmaking_time=config.min_matchmaking_time,
+            request_timeout=config.request_timeout,
+            allreduce_timeout=config.allreduce_timeout,
+            next_chunk_timeout=config.next_chunk_timeout,
+            sender_timeout=config.next_chunk_timeout,
+            reducer_timeout=2 * config.next_chunk_timeout,
+            compression=compression,
+            allow_state_sharing=False,  # not before this replica holds the stage's state
+            declare_state_period=declare_period,  # how long a "download my state here" entry lives
+            client_mode=False,
+            shutdown_timeout=config.shutdown_timeout,
+        )
+
+    def start_process(self, timeout: float) -> None:
+        """Fork the averaging process and wait until it serves.
+
+        The process ignores the SIGINT a terminal sends to the whole process group (this process
+        stops it, after leaving cleanly), and dies with this process. This process keeps its own
+        SIGINT handler (hivemind would ignore SIGINT here for good).
+        """
+        self._forked_by_main_thread = threading.current_thread() is threading.main_thread()
+        self._owner_pid = os.getpid()
+        if self._forked_by_main_thread:
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                self.start()  # the child inherits "ignore"
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        else:
+            self.start()  # signal handlers can only change on the main thread; the child keeps ours
+        try:
+            self.wait_until_ready(timeout)
+        except Exception as e:
+            self.close()
+            if isinstance(e, TimeoutError):
+                raise AveragingError(f"the averaging process did not start within {timeout:g}s") from None
+            raise AveragingError(f"the averaging process failed to start: {type(e).__name__}: {e}") from e
+
+    def run(self) -> None:
+        # in the child. The death signal comes when the thread that forked us ends: only the main one
+        # lives as long as its process.
+        if self._forked_by_main_thread:
+            _die_with_parent(self._owner_pid)
+        super().run()
+
+    @contextlib.contextmanager
+    def buffers(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaging buffers, while no all-reduce touches them (hivemind's get_tensors, bounded)."""
+        if not self.is_alive():
+            raise RoundFailed("the averaging process is not running")
+        # a process killed amid an all-reduce would hold this lock forever
+        timeout = self.config.allreduce_timeout + self.config.request_timeout
+        if not self.lock_averaged_tensors.acquire(timeout=timeout):
+            raise RoundFailed(f"the averaging buffers stayed locked for {timeout:g}s")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
+
+    @property
+    def process_id(self) -> int | None:
+        """The averaging process's pid (for operators, and tests that kill it)."""
+        return self.pid
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
+        # hivemind calls this on a thread of the parent process when a peer downloads our state
+        metadata, tensors = self._state_source()
+        return metadata, tensors, [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
+
+    def prepare_round(self, step: int, group_size: int) -> None:
+        """Meet only servers at `step`; start the all-reduce as soon as `group_size` have joined."""
+        size = max(2, min(group_size, self.config.target_group_size))
+        self._call("_set_round", self.config.request_timeout, group_bits=step_bits(step), group_size=size)
+
+    async def _set_round(self, group_bits: str, group_size: int, future: MPFuture) -> None:
+        # runs in the child, between rounds (the parent waits for each round before the next)
+        try:
+            matchmaking = self._matchmaking
+            matchmaking.group_key_manager.group_bits = group_bits
+            matchmaking.target_group_size = matchmaking.group_key_manager.target_group_size = group_size
+            future.set_result(None)
+        except Exception as e:  # the caller gets it
+            future.set_exception(e)
+
+    def average(self, weight: float, gather: dict, stop: threading.Event,
+                nobody_left: Callable[[], bool]) -> dict[Any, Any]:
+        """One round: the buffers become the group's weighted mean; returns each member's `gather`.
+
+        Raises RoundFailed after at most the matchmaking and all-reduce timeouts (plus a
+        request_timeout), soon after `stop` is set, or when `nobody_left()` while still matchmaking.
+        """
+        config = self.config
+        if not self.is_alive():
+            raise RoundFailed("the averaging process is not running")
+        control = self.step(gather=gather, weight=weight, timeout=config.matchmaking_timeout, wait=False)
+        limit = config.matchmaking_timeout + config.allreduce_timeout + config.request_timeout
+
+        def give_up() -> bool:
+            return stop.is_set() or (control.stage == AveragingStage.LOOKING_FOR_GROUP and nobody_left())
+
+        try:
+            gathered = _wait(control, limit, give_up)
+        except GaveUp:
+            control.cancel()
+            reason = "left before the group formed" if stop.is_set() else "nobody left to average with"
+            raise RoundFailed(reason) from None
+        except TimeoutError:
+            control.cancel()
+            raise RoundFailed(f"no result within {limit:g}s") from None
+        except (Exception, asyncio.CancelledError) as e:  # hivemind's matchmaking and all-reduce errors
+            raise RoundFailed(f"{type(e).__name__}: {e}") from None
+        if not gathered:
+            raise RoundFailed("no group formed")
+        return gathered
+
+    def download_state(self, timeout: float, stop: threading.Event) -> tuple[Any, list[torch.Tensor]] | None:
+        """The state of the best-ranked peer that shares one, or None if none came within `timeout`."""
+        if not self.is_alive():
+            raise AveragingError("the averaging process is not running")
+        # hivemind turns any timeout given into next_chunk_timeout between chunks (and None into no
+        # limit at all); the whole download is bounded here
+        future = self.load_state_from_peers(wait=False, timeout=timeout)
+        try:
+            return _wait(future, timeout, stop.is_set)
+        except TimeoutError:  # GaveUp included
+            future.cancel()
+            return None
+
+    def share_state(self, allowed: bool, priority: float) -> None:
+        """Let peers download this replica's state (or not), ranked by `priority`."""
+        if self.is_alive():
+            self.state_sharing_priority = priority
+            self.allow_state_sharing = allowed
+
+    def close(self) -> None:
+        """Stop the process (at most shutdown_timeout, then it is terminated)."""
+        if self.is_alive():
+            self.shutdown()
+
+    def _call(self, method: str, timeout: float, **kwargs: Any) -> Any:
+        if not self.is_alive():
+            raise AveragingError("the averaging process is not running")
+        future = MPFuture()
+        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            raise AveragingError(f"the averaging process did not answer {method} within {timeout:g}s") from None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel kill this process when its parent dies (no orphaned averagers)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the parent's shutdown stops us, as in hivemind
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class GaveUp(TimeoutError):
+    """A wait ended early because there was no point waiting on."""
+
+
+def _wait(future: MPFuture, timeout: float, give_up: Callable[[], bool], poll: float = 0.2) -> Any:
+    """future.result(timeout), but GaveUp as soon as `give_up()` (checked every `poll` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if give_up():
+            raise GaveUp
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            return future.result(timeout=min(poll, remaining))
+        except TimeoutError:
+            if future.done():  # the future's own error is a timeout (asyncio's is the builtin one)
+                raise AveragingError(f"timed out: {future.exception()}") from None
+
+
+def step_bits(step: int) -> str:
+    """The group key suffix of a step."""
+    return format(step % 2**STEP_KEY_BITS, f"0{STEP_KEY_BITS}b")

@@ -1,0 +1,81 @@
+"""Collective progress of one stage: what each server publishes, and what a server concludes from it.
+
+Pure logic, no I/O. Every server of a stage publishes a :class:`ProgressRecord`: its step, the
+samples it accumulated towards the next step, and which round made its current state (the round's
+id and group size; replicas made by the same round are equal). From the others' records,
+:func:`stage_view` decides:
+
+- ready: the servers at this server's step hold a full batch between them;
+- who to expect in a round: every server not ahead of this one (one behind catches up and joins);
+- behind: some server is at a later step, so this one downloads the stage's state;
+- diverged: a server at the same step holds a state made by another round that ranks higher (a
+  lone step after a failed round, or a group that formed apart); this one downloads that state.
+
+Ranks (:func:`sharing_priority`) are also what hivemind's state download picks its source by: later
+steps first, then states averaged by larger groups, then a tie-break fixed by the round, so two
+diverged replicas never both download from each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pydantic.v1 import StrictStr, confloat, conint
+
+from swarm.dht.schemas import WireRecord
+
+INITIAL_ROUND = "init"  # the state every replica starts from: the run's seeded initialization
+MAX_RANKED_GROUP = 1023  # groups larger than this rank as this large
+
+
+class ProgressRecord(WireRecord):
+    """One server's progress towards its stage's next step (DHT key ``{run}_stage{k}_averaging.progress``)."""
+
+    peer_id: StrictStr
+    step: conint(strict=True, ge=0)
+    samples: conint(strict=True, ge=0)  # accumulated since `step`
+    round_id: StrictStr  # the round that made this server's state at `step`
+    group: conint(strict=True, ge=1)  # how many servers that round averaged
+    priority: confloat(strict=True)  # its rank as a source of state (sharing_priority)
+
+
+def round_of(step: int, members: Sequence[str]) -> str:
+    """Id of the round that took a stage to `step` by averaging over `members` (one: a lone step)."""
+    source = f"{step}:" + ",".join(sorted(members))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def sharing_priority(step: int, group: int, round_: str) -> float:
+    """Rank of a replica as a source of state: step first, then the size of its round, then the round."""
+    tie_break = int(hashlib.sha256(round_.encode()).hexdigest()[:8], 16) / 16**8  # in [0, 1)
+    return float(step) + (min(group, MAX_RANKED_GROUP) + tie_break) / (MAX_RANKED_GROUP + 1)
+
+
+@dataclass(frozen=True)
+class StageView:
+    """What one server knows about its stage at a moment."""
+
+    step: int  # this server's
+    samples: int  # the stage's at this server's step, this server's own included
+    group_size: int  # servers a round at this step should gather: itself and every one not ahead
+    behind: bool
+    diverged: bool
+
+    @property
+    def needs_state(self) -> bool:
+        return self.behind or self.diverged
+
+
+def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord]) -> StageView:
+    """This server's view of the stage, given its own record and the live records of the others."""
+    others = list(others)
+    same_step = [r for r in others if r.step == own.step]
+    return StageView(
+        step=own.step,
+        samples=own.samples + sum(r.samples for r in same_step),
+        group_size=1 + sum(r.step <= own.step for r in others),
+        behind=any(r.step > own.step for r in others),
+        diverged=any(r.round_id != own.round_id and r.priority > own.priority for r in same_step),
+    )

@@ -1,0 +1,208 @@
+"""Servers of one stage step together: weighted averaging, joining with the stage's state, losing a member.
+
+The servers are real (DHT, averaging process, P2P) on 127.0.0.1, in this process; micro-batches go
+straight into their backends, so no trainer is needed. The tests share one pair of servers of stage 1
+and each brings it to the state it needs; the last one shuts a member down, so keep it last.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from peer.server import StageServer
+from swarm.averaging import StateDownloadError
+from swarm.config import AveragingConfig
+from swarm.dht import ServerRecord, ServerState, visible_maddrs
+from swarm.model import build_stage
+from swarm.optim import StageOptimizer
+from tests.helpers import wait_until
+from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers, tiny_config
+
+pytestmark = pytest.mark.timeout(150)
+
+STAGE = 1  # the last stage: its input is hidden states, and it takes targets
+MICRO = 4  # samples per micro-batch
+ROUND_TIMEOUT = 30.0  # a round, including matchmaking; far above what one takes here
+SEE_TIMEOUT = 15.0  # a server's progress record reaches the others
+
+
+def averaging_config() -> AveragingConfig:
+    """Short timeouts, so a failed round costs seconds."""
+    return AveragingConfig(target_group_size=4, min_matchmaking_time=2.0, request_timeout=1.0,
+                           matchmaking_timeout=5.0, allreduce_timeout=10.0, next_chunk_timeout=3.0,
+                           state_download_timeout=20.0, shutdown_timeout=3.0, progress_period=0.3)
+
+
+def make_config(run_id: str):
+    config = tiny_config(run_id, num_stages=2, batch_size=3 * MICRO, micro_batch_size=MICRO)
+    config.averaging = averaging_config()
+    return config.validate()
+
+
+def micro_batch(config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(MICRO, config.model.seq_len, config.model.d_model, generator=g)
+    return x, torch.randint(0, config.model.vocab_size, (MICRO, config.model.seq_len), generator=g)
+
+
+def feed(server: StageServer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One backward on `server`'s stage, as a trainer's request would run it (a round may run inside)."""
+    x, y = batch
+    server.backend.submit(server.backend.backward, x, None, y).result(ROUND_TIMEOUT + BACKEND_CALL_TIMEOUT)
+
+
+def snapshot(server: StageServer) -> dict:
+    """Parameters, AdamW state and step of a replica, copied on its worker thread (between tasks)."""
+    backend = server.backend
+
+    def read() -> dict:
+        return {"params": copy.deepcopy(backend.module.state_dict()),
+                "optimizer": copy.deepcopy(backend.optimizer.state_dict()), "step": backend.step}
+
+    return backend.call(read, BACKEND_CALL_TIMEOUT)
+
+
+def rounds(server: StageServer, outcome: str) -> float:
+    labels = {"stage": str(STAGE), "outcome": outcome}
+    return server.registry.get_sample_value("swarm_averaging_rounds_total", labels) or 0.0
+
+
+def wait_until_peers_see_each_other(servers: list[StageServer]) -> None:
+    """Every server counts all the others at its step, so a round gathers them all."""
+    wait_until(lambda: all(s.averager.view().group_size == len(servers) for s in servers), SEE_TIMEOUT,
+               interval=0.1, what=f"{len(servers)} servers of stage {STAGE} seeing each other")
+
+
+def run_round(servers: list[StageServer], batches: list[list], wait_to_see: bool = True) -> None:
+    """Feed servers[i] the micro-batches batches[i] (one full batch in all); wait until every one stepped."""
+    if wait_to_see:
+        wait_until_peers_see_each_other(servers)
+    steps = [s.backend.step for s in servers]
+    for server, mine in zip(servers, batches):
+        for batch in mine:
+            feed(server, batch)
+    wait_until(lambda: all(s.backend.step == step + 1 for s, step in zip(servers, steps)), ROUND_TIMEOUT,
+               interval=0.1, what="every server's step after the round")
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for name, tensor in a["params"].items():
+        torch.testing.assert_close(b["params"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    moments_a, moments_b = a["optimizer"]["optimizer"]["state"], b["optimizer"]["optimizer"]["state"]
+    assert moments_a.keys() == moments_b.keys()
+    for index, slots in moments_a.items():
+        for key, value in slots.items():
+            torch.testing.assert_close(moments_b[index][key], value, atol=1e-6, rtol=1e-5, msg=f"{index}.{key}")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two servers of stage 1 of one run; the second joins with the first's state."""
+    config = make_config("avg-pair")
+    with running_peers(config.run_id, 2) as peers, stage_servers(config, peers, [STAGE, STAGE]) as servers:
+        yield config, peers, servers
+
+
+def test_one_round_equals_one_optimizer_on_all_samples_weighted_by_count(pair):
+    config, _, (a, b) = pair
+    before = snapshot(a)
+    batches_a = [micro_batch(config, 1)]  # 4 samples here and 8 there: a plain mean of the two servers'
+    batches_b = [micro_batch(config, 2), micro_batch(config, 3)]  # mean gradients would weigh them 1:1
+    succeeded = [rounds(a, "succeeded"), rounds(b, "succeeded")]
+
+    run_round([a, b], [batches_a, batches_b])
+
+    after_a, after_b = snapshot(a), snapshot(b)
+    assert_same_state(after_a, after_b)
+    assert [rounds(a, "succeeded"), rounds(b, "succeeded")] == [succeeded[0] + 1, succeeded[1] + 1]
+    assert a.registry.get_sample_value("swarm_averaging_group_size", {"stage": str(STAGE)}) == 2
+    assert a.registry.get_sample_value("swarm_averaging_bytes_sent_total", {"stage": str(STAGE)}) > 0
+
+    reference = build_stage(config, STAGE)
+    reference.load_state_dict(before["params"])
+    optimizer = StageOptimizer(reference, config.optimizer)
+    optimizer.load_state_dict(before["optimizer"])
+    for x, y in batches_a + batches_b:
+        (reference(x, y) * x.shape[0]).backward()
+        optimizer.add_samples(x.shape[0])
+    stats = optimizer.step()
+    assert stats["samples"] == 12 and after_a["step"] == optimizer.step_count
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(after_a["params"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_joining_server_gets_the_stage_state_before_online_then_averages(pair):
+    config, peers, (a, b) = pair
+    if a.backend.step == 0:  # the stage must hold a state that fresh weights would not match
+        run_round([a, b], [[micro_batch(config, 4)], [micro_batch(config, 5), micro_batch(config, 6)]])
+
+    with running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_c,), \
+            stage_servers(config, [peer_c], [STAGE]) as (c,):
+        # start() returned: c is ONLINE, and it had downloaded the state before that
+        downloads = {"stage": str(STAGE), "outcome": "succeeded"}
+        assert c.registry.get_sample_value("swarm_averaging_state_downloads_total", downloads) == 1
+        assert_same_state(snapshot(a), snapshot(c))
+
+        run_round([a, b, c], [[micro_batch(config, 7)], [micro_batch(config, 8)], [micro_batch(config, 9)]])
+
+        states = [snapshot(s) for s in (a, b, c)]
+        assert_same_state(states[0], states[1])
+        assert_same_state(states[0], states[2])
+        assert rounds(c, "succeeded") == 1
+        assert c.registry.get_sample_value("swarm_averaging_group_size", {"stage": str(STAGE)}) == 3
+
+
+def test_members_left_average_when_one_averaging_process_dies(pair):
+    config, peers, (a, b) = pair
+    with running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_c,), \
+            stage_servers(config, [peer_c], [STAGE]) as (c,):
+        wait_until_peers_see_each_other([a, b, c])
+        succeeded = [rounds(a, "succeeded"), rounds(b, "succeeded")]
+        os.kill(c.averager.process_id, signal.SIGKILL)  # c's server still runs; a and b may still count on c
+
+        run_round([a, b], [[micro_batch(config, 14)], [micro_batch(config, 15), micro_batch(config, 16)]],
+                  wait_to_see=False)
+
+        assert [rounds(a, "succeeded"), rounds(b, "succeeded")] == [succeeded[0] + 1, succeeded[1] + 1]
+        assert a.registry.get_sample_value("swarm_averaging_group_size", {"stage": str(STAGE)}) == 2
+        assert_same_state(snapshot(a), snapshot(b))
+        wait_until(lambda: c.averager.solo, SEE_TIMEOUT, what="c leaving its stage's averaging")
+        step = c.backend.step
+        for seed in (17, 18, 19):
+            feed(c, micro_batch(config, seed))
+        assert c.backend.step == step + 1 and rounds(c, "local") == 1  # c trains on alone
+
+
+def test_server_refuses_to_start_fresh_when_its_stage_has_servers_but_no_state_comes(pair):
+    config, peers, _ = pair
+    impatient = copy.deepcopy(config)
+    impatient.averaging.state_download_timeout = 2.0
+    # an ONLINE server of stage 0 that shares no state (a record without a server behind it)
+    ghost = ServerRecord(peer_id=peers[1].peer_id, stage=0, state=ServerState.ONLINE.value, throughput=1.0)
+    assert peers[1].records.announce_server(ghost, ttl=60.0)
+
+    with pytest.raises(StateDownloadError, match="stage 0"), stage_servers(impatient, [peers[0]], [0]):
+        pass
+
+
+def test_member_shut_down_mid_run_does_not_stop_the_other(pair):
+    config, _, (a, b) = pair
+    wait_until_peers_see_each_other([a, b])
+    step = a.backend.step
+    alone = rounds(a, "local") + rounds(a, "failed")
+    feed(a, micro_batch(config, 10))
+    feed(b, micro_batch(config, 11))  # 8 of 12 samples: no round yet
+    assert a.backend.step == step
+
+    b.shutdown()
+    feed(a, micro_batch(config, 12))
+    feed(a, micro_batch(config, 13))  # a has a batch on its own now, whatever it knows of b
+
+    wait_until(lambda: a.backend.step == step + 1, ROUND_TIMEOUT, interval=0.1, what="a's step without b")
+    assert rounds(a, "local") + rounds(a, "failed") == alone + 1

@@ -1,0 +1,164 @@
+"""Stage averaging without processes: what progress records mean, moving a replica's state, the backend seam."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from swarm.averaging.errors import StateMismatch
+from swarm.averaging.progress import ProgressRecord, round_of, sharing_priority, stage_view
+from swarm.averaging.state import apply_state, pack_state
+from swarm.backend import StageBackend
+from swarm.config import RunConfig
+from swarm.model import build_stage
+from swarm.optim import StageOptimizer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def record(peer: str, step: int, samples: int = 0, members: tuple[str, ...] | None = None) -> ProgressRecord:
+    """A server's record; its state came from a round over `members` (default: a lone step of its own)."""
+    members = members or (peer,)
+    made_by = round_of(step, members)
+    return ProgressRecord(peer_id=peer, step=step, samples=samples, round_id=made_by, group=len(members),
+                          priority=sharing_priority(step, len(members), made_by))
+
+
+def test_only_samples_at_this_servers_step_count_but_servers_behind_are_expected():
+    group = ("me", "a", "c")
+    others = [record("a", 3, 5, group), record("b", 2, 100), record("c", 3, 0, group)]
+    view = stage_view(record("me", 3, 4, group), others)
+    assert view.samples == 9  # b's samples belong to step 2
+    assert view.group_size == 4  # b catches up and joins
+    assert not view.needs_state
+
+
+def test_a_server_behind_its_stage_needs_the_state_and_rounds_give_up_on_nobody():
+    view = stage_view(record("me", 3, 4), [record("a", 4)])
+    assert view.behind and view.needs_state and view.group_size == 1
+
+
+def test_replicas_of_one_round_agree_and_lone_steps_converge_on_the_best_ranked():
+    group = ("p1", "p2", "p3")
+    together = [record(p, 5, members=group) for p in group]
+    assert not any(stage_view(r, [o for o in together if o is not r]).diverged for r in together)
+
+    alone = [record(p, 5) for p in group]  # a failed round: each stepped on its own
+    diverged = [stage_view(r, [o for o in alone if o is not r]).diverged for r in alone]
+    assert sum(diverged) == 2  # all but the best-ranked download, and all from the same one
+
+    pair = [record(p, 5, members=("p1", "p2")) for p in ("p1", "p2")]  # a group that formed without p3
+    assert stage_view(alone[2], pair).diverged and not stage_view(pair[0], [pair[1], alone[2]]).diverged
+
+
+def test_sharing_priority_orders_by_step_then_group_size_then_round():
+    assert sharing_priority(6, 1, "x") > sharing_priority(5, 8, "y")
+    assert sharing_priority(5, 3, "x") > sharing_priority(5, 2, "y")
+    assert sharing_priority(5, 2, "x") == sharing_priority(5, 2, "x") != sharing_priority(5, 2, "y")
+    assert sharing_priority(5, 10**6, "x") < 6
+
+
+def test_progress_record_parses_tolerantly():
+    wire = {**record("a", 1, 2).to_wire(), "from_a_newer_version": 1}
+    assert ProgressRecord.from_wire(wire).samples == 2
+    assert ProgressRecord.from_wire({**wire, "step": -1}) is None
+    assert ProgressRecord.from_wire("garbage") is None
+
+
+def tiny_config() -> RunConfig:
+    return RunConfig.from_dict({
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 8},
+        "stages": {"num_stages": 2},
+        "optimizer": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 0},
+    })
+
+
+def trained_replica(config: RunConfig, seed: int, steps: int) -> StageOptimizer:
+    torch.manual_seed(seed)
+    module = build_stage(config, 1)
+    optimizer = StageOptimizer(module, config.optimizer)
+    for _ in range(steps):
+        x = torch.randn(4, 8, 16)
+        y = torch.randint(0, 256, (4, 8))
+        (module(x, y) * 4).backward()
+        optimizer.add_samples(4)
+        optimizer.step()
+    return optimizer
+
+
+def test_state_moves_parameters_moments_and_step_and_keeps_gradients():
+    config = tiny_config()
+    source, target = trained_replica(config, 1, steps=3), trained_replica(config, 2, steps=1)
+    param = target.params[0]
+    param.grad = torch.ones_like(param)
+    target.add_samples(2)
+    metadata, tensors = pack_state(source.module, source, 1, "r", 2)
+
+    apply_state(target.module, target, 1, metadata, tensors)
+
+    assert target.step_count == 3 and target.samples == 2 and torch.equal(param.grad, torch.ones_like(param))
+    for (name, mine), theirs in zip(target.module.state_dict().items(), source.module.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    for index, slots in source.optimizer.state_dict()["state"].items():
+        for key, value in slots.items():
+            assert torch.equal(target.optimizer.state_dict()["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("damage", ["stage", "shape", "count", "moment"])
+def test_a_state_that_does_not_fit_is_rejected_and_changes_nothing(damage):
+    config = tiny_config()
+    source, target = trained_replica(config, 1, steps=2), trained_replica(config, 2, steps=1)
+    metadata, tensors = pack_state(source.module, source, 1, "r", 2)
+    if damage == "stage":
+        metadata["stage"] = 0
+    elif damage == "shape":
+        tensors[0] = torch.zeros(3)
+    elif damage == "count":
+        tensors = tensors[:-1]
+    else:
+        tensors[-1] = torch.zeros(7, 7)  # the last parameter's AdamW `step`, a scalar
+    before = {k: v.clone() for k, v in target.module.state_dict().items()}
+
+    with pytest.raises(StateMismatch):
+        apply_state(target.module, target, 1, metadata, tensors)
+
+    assert target.step_count == 1
+    assert all(torch.equal(before[k], v) for k, v in target.module.state_dict().items())
+
+
+class FakeStepper:
+    """Steps when told to, for the backend seam: its step may also report that nothing stepped."""
+
+    def __init__(self):
+        self.step_count, self.samples, self.ready, self.result = 0, 0, False, None
+        self.stepped = threading.Event()
+
+    def add_samples(self, n: int) -> None:
+        self.samples += n
+
+    def step(self):
+        self.stepped.set()
+        return self.result
+
+
+def test_backend_steps_through_its_stepper_and_on_request():
+    config = tiny_config()
+    module = build_stage(config, 1)
+    stepper, seen = FakeStepper(), []
+    backend = StageBackend(module, StageOptimizer(module, config.optimizer), on_step=seen.append, stepper=stepper)
+    try:
+        x, y = torch.randn(2, 8, 16), torch.randint(0, 256, (2, 8))
+        assert backend.backward(x, targets=y).step_stats is None and stepper.samples == 2
+
+        stepper.ready = True  # a stepper that learns from the network that the stage's batch is full
+        backend.request_step().result(10)
+        assert stepper.stepped.is_set() and seen == []  # its step reported nothing stepped: no stats
+
+        stepper.result = {"step": 1, "skipped": False}
+        stepper.step_count = 1
+        assert backend.backward(x, targets=y).step_stats == stepper.result and backend.step == 1
+        assert seen == [stepper.result]
+    finally:
+        backend.shutdown()

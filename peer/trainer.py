@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import hivemind
@@ -16,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
-from swarm.routing import PipelineError, PipelineSettings, RemotePipeline
+from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
 
 log = logging.getLogger("swarm.trainer")
 
@@ -48,8 +50,12 @@ class Trainer:
     """Drives micro-batches through the remote pipeline until stopped (or `max_samples`)."""
 
     def __init__(self, config: RunConfig, dht: hivemind.DHT, records: SwarmRecords, loop: BackgroundLoop,
-                 options: TrainerOptions | None = None, registry: CollectorRegistry | None = None):
+                 options: TrainerOptions | None = None, registry: CollectorRegistry | None = None,
+                 balancer_factory: Callable[[], StageBalancer] | None = None):
         self.config = config
+        # How each stage picks its servers (benchmarks swap it); by default with the run's ban times.
+        self.balancer_factory = balancer_factory or functools.partial(
+            StageBalancer, ban_base=config.network.ban_seconds, ban_max=config.network.max_ban_seconds)
         self.dht = dht
         self.records = records
         self.loop = loop
@@ -75,9 +81,9 @@ class Trainer:
     def run(self, stop: threading.Event) -> None:
         """Train until `stop` is set or `max_samples` are done."""
         p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
-        settings = PipelineSettings(request_timeout=self.config.network.request_timeout)
+        settings = PipelineSettings.from_config(self.config.network)
         self.pipeline = RemotePipeline(p2p, self.config.run_id, self.config.stages.num_stages,
-                                       self.config.stages.wire_dtype, settings)
+                                       self.config.stages.wire_dtype, settings, self.balancer_factory)
         future = asyncio.run_coroutine_threadsafe(self._main(), self.loop.loop)
         try:
             while not future.done():

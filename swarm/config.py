@@ -146,12 +146,21 @@ class NetworkConfig:
 
     announce_period: float = 10.0  # how often a server renews its DHT record
     record_ttl: float = 30.0  # a server record expires this long after its last renewal
-    request_timeout: float = 60.0  # one forward or backward RPC
+    request_timeout: float = 60.0  # the most one forward or backward RPC may take (the ceiling)
+    timeout_multiplier: float = 5.0  # an RPC times out after this many times the server's measured time...
+    timeout_floor: float = 5.0  # ...but never sooner than this
+    ban_seconds: float = 15.0  # a failed server is avoided this long, doubling per repeated failure...
+    max_ban_seconds: float = 300.0  # ...up to this; a success resets it
     bootstrap_timeout: float = 30.0  # joining the DHT and finding the run config
 
     def validate(self) -> None:
-        for name in ("announce_period", "record_ttl", "request_timeout", "bootstrap_timeout"):
+        for name in ("announce_period", "record_ttl", "request_timeout", "timeout_multiplier", "timeout_floor",
+                     "ban_seconds", "max_ban_seconds", "bootstrap_timeout"):
             _positive(self, name, "network")
+        _ordered(self, ("timeout_floor", "request_timeout"), "network")
+        if self.max_ban_seconds < self.ban_seconds:
+            raise ConfigError(f"network.max_ban_seconds ({self.max_ban_seconds}) must be at least "
+                              f"network.ban_seconds ({self.ban_seconds})")
         if self.record_ttl <= self.announce_period:
             raise ConfigError(
                 f"network.record_ttl ({self.record_ttl}) must exceed network.announce_period "

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from swarm.config import NetworkConfig
 from swarm.protocol import (
     BACKWARD,
     BAD_REQUEST,
@@ -53,6 +54,11 @@ class PipelineSettings:
     max_wait: float = 600.0  # how long a micro-batch may wait for a stage with no usable server
     retry_pause: float = 0.5  # first pause before retrying a stage whose servers all failed
     max_retry_pause: float = 15.0  # the pause doubles per round up to this
+
+    @classmethod
+    def from_config(cls, network: NetworkConfig) -> PipelineSettings:
+        return cls(request_timeout=network.request_timeout, timeout_multiplier=network.timeout_multiplier,
+                   timeout_floor=network.timeout_floor)
 
 
 @dataclass

@@ -80,3 +80,16 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
         RunConfig.load(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="mapping"):
         RunConfig.from_yaml("- a list")
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"network": {"timeout_floor": 90.0, "request_timeout": 60.0}}, "network.timeout_floor"),
+        ({"network": {"ban_seconds": 30.0, "max_ban_seconds": 10.0}}, "network.max_ban_seconds"),
+        ({"network": {"timeout_multiplier": 0}}, "network.timeout_multiplier"),
+    ],
+)
+def test_bad_routing_settings_are_rejected(data, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        RunConfig.from_dict(data)

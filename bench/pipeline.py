@@ -43,7 +43,7 @@ def measure(config_path: str, ref_steps: int, swarm_steps: int, stages: int) -> 
         "reference_before_after": [before, after],
         "swarm_samples_per_second": swarm["samples_per_second"],
         "ratio": swarm["samples_per_second"] / reference,
-        "reference_steps": reference["steps"],
+        "reference_steps": ref_steps,
         "swarm_steps": swarm["steps"],
     }
 

@@ -103,6 +103,13 @@ class AveragingProcess(DecentralizedAverager):
         # lives as long as its process.
         if self._forked_by_main_thread:
             _die_with_parent(self._owner_pid)
+        # The DHT object still holds the parent's P2P replica, and hivemind replicates anew here
+        # (another pid). Once the inherited copy is collected, P2P.__del__ would unlink the parent's
+        # listen socket, and the parent's stage handlers would never receive a request again. With
+        # no path, the copy's cleanup removes nothing (its TypeError is suppressed).
+        inherited = getattr(self.dht, "_p2p_replica", None)
+        if inherited is not None:
+            inherited._client_listen_maddr = None
         super().run()
 
     @contextlib.contextmanager

@@ -48,8 +48,10 @@ class Child:
         return lines[-1] if lines else "(no output)"
 
     def terminate(self) -> None:
+        # Only the program itself: it shuts down its own DHT and averaging processes, and a
+        # server must still be able to announce OFFLINE through them.
         if self.alive():
-            _signal_group(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
 
     def end(self, timeout: float = END_TIMEOUT) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`; also kills whatever the program forked."""

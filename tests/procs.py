@@ -17,7 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import wait_until
 
@@ -228,3 +231,59 @@ def start_coordinator(procs: ProcSet, config_path: Path, *args: str, metrics_por
     proc = procs.start("swarm-coordinator", "--config", str(config_path), *LOCALHOST, *extra, *args)
     line = proc.wait_for_line(INITIAL_PEERS_LINE, COORDINATOR_START_TIMEOUT)
     return Coordinator(proc, line.group(1).split(), metrics_port)
+
+
+# --- peers and what they serve over HTTP ------------------------------------------------------------
+
+SERVER_START_TIMEOUT = 150.0  # exec to "serving stage K" (imports, join, build and time the stage)
+SERVING_LINE = r"serving stage (\d+) of \d+ .* as (\S+)$"
+HTTP_TIMEOUT = 5.0
+
+
+def http_get(port: int, path: str) -> str | None:
+    """The body of http://127.0.0.1:PORT/PATH, or None while nothing answers there."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=HTTP_TIMEOUT) as reply:
+            return reply.read().decode()
+    except OSError:  # not listening yet, reset, timed out
+        return None
+
+
+def metric(port: int, name: str, **labels: str) -> float | None:
+    """Sum of the /metrics samples called `name` whose labels include `labels`; None if there is none."""
+    body = http_get(port, "/metrics")
+    if body is None:
+        return None
+    values = [sample.value for family in text_string_to_metric_families(body) for sample in family.samples
+              if sample.name == name and labels.items() <= sample.labels.items()]
+    return sum(values) if values else None
+
+
+class Peer:
+    """A running swarm-peer with /metrics on `metrics_port`."""
+
+    def __init__(self, proc: Proc, metrics_port: int):
+        self.proc = proc
+        self.metrics_port = metrics_port
+        self.peer_id: str | None = None  # a server's, once wait_serving() has read it
+
+    def __repr__(self) -> str:
+        return f"<peer {self.peer_id or '?'} {self.proc!r}>"
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """metric() of this peer: None while its /metrics does not answer or has no such sample."""
+        return metric(self.metrics_port, name, **labels)
+
+    def wait_serving(self, timeout: float = SERVER_START_TIMEOUT) -> int:
+        """Wait until a server prints that it serves its stage; returns the stage and sets `peer_id`."""
+        line = self.proc.wait_for_line(SERVING_LINE, timeout, stream="stderr")
+        self.peer_id = line.group(2)
+        return int(line.group(1))
+
+
+def start_peer(procs: ProcSet, coordinator: Coordinator, *args: str) -> Peer:
+    """Start swarm-peer joined to `coordinator` on loopback, with /metrics on a free port (does not wait)."""
+    port = free_port()
+    proc = procs.start("swarm-peer", "--initial-peers", *coordinator.maddrs, *LOCALHOST,
+                       "--metrics-port", str(port), *args)
+    return Peer(proc, port)

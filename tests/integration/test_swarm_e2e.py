@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import json
 import signal
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.config import RunConfig
-from tests.procs import LOCALHOST, Coordinator, Proc, ProcSet, free_port, group_members, start_coordinator
+from tests.procs import (
+    LOCALHOST,
+    Coordinator,
+    Proc,
+    ProcSet,
+    free_port,
+    group_members,
+    http_get,
+    metric,
+    start_coordinator,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,7 +36,6 @@ FIRST_LOSS_TIMEOUT = 60.0  # both stages ONLINE to the trainer's first loss repo
 LOSS_DROP_TIMEOUT = 90.0  # first loss report to a clearly lower one
 OFFLINE_TIMEOUT = 20.0  # SIGTERM to the server's OFFLINE record in /status (announce + status refresh)
 SHUTDOWN_TIMEOUT = 30.0  # SIGTERM to exit, and then to the last process of its group gone
-HTTP_TIMEOUT = 5.0
 LOSS_DROP = 0.8  # the loss must fall below this fraction of its first report...
 LOSS_CEILING = 4.0  # ...and below this (an untrained byte model's loss is ln 256 = 5.55)
 SERVING_LINE = r"serving stage (\d+) of \d+ .* as (\S+)$"
@@ -60,25 +67,6 @@ class Swarm:
         except AssertionError as e:
             others = "\n".join(proc.describe() for proc in self.procs[1:])
             raise AssertionError(f"{e}\nlast /status: {self.status()}\n{others}") from None
-
-
-def http_get(port: int, path: str) -> str | None:
-    """The body of http://127.0.0.1:PORT/PATH, or None while nothing answers there."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=HTTP_TIMEOUT) as reply:
-            return reply.read().decode()
-    except OSError:  # not listening yet, reset, timed out
-        return None
-
-
-def metric(port: int, name: str, **labels: str) -> float | None:
-    """Sum of the /metrics samples called `name` whose labels include `labels`; None if there is none."""
-    body = http_get(port, "/metrics")
-    if body is None:
-        return None
-    values = [sample.value for family in text_string_to_metric_families(body) for sample in family.samples
-              if sample.name == name and labels.items() <= sample.labels.items()]
-    return sum(values) if values else None
 
 
 def server_states(status: dict[str, Any] | None) -> dict[str, str]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from coordinator.launcher import Child
+from coordinator.launcher import Child, end_all
 from peer.trainer import Trainer, TrainerOptions
 from swarm.config import RunConfig
 from swarm.data import eval_batches, load_tokenizer, load_tokens
@@ -43,24 +43,10 @@ from swarm.routing import RemotePipeline
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 180.0  # a program's start, and every stage getting its servers ONLINE
-STOP_TIMEOUT = 30.0  # a program's exit after SIGTERM, before its group is killed
 EVAL_TIMEOUT = 120.0  # one validation batch through the swarm
 LAST_MICRO_BATCHES = 32  # the training loss at the end: mean over this many last micro-batches
 POLL = 0.2
 SERVING = re.compile(r"serving stage \d+ of \d+ ")
-
-
-def stop_all(children: list[Child]) -> None:
-    """SIGTERM to each main process only (so it can still announce OFFLINE through its own DHT
-    process), a bounded wait, then whatever is left of each group is killed."""
-    for child in children:
-        if child.alive():
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT
-    while any(child.alive() for child in children) and time.monotonic() < deadline:
-        time.sleep(POLL)
-    for child in children:
-        child.end()
 
 
 class Swarm:
@@ -124,8 +110,9 @@ class Swarm:
             time.sleep(POLL)
 
     def close(self) -> None:
-        stop_all([c for stage in self.servers for c in stage])
-        stop_all([self.coordinator])
+        # Servers before the coordinator, so they can still announce OFFLINE through the DHT.
+        end_all([c for stage in self.servers for c in stage])
+        end_all([self.coordinator])
         self.dht.shutdown()
         self.loop.stop()
 

@@ -23,7 +23,6 @@ import argparse
 import logging
 import os
 import re
-import signal
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.launcher import Child
+from coordinator.launcher import Child, end_all
 from coordinator.local_swarm import free_port
 from peer.trainer import Trainer, TrainerOptions
 from swarm.config import RunConfig
@@ -44,7 +43,6 @@ from swarm.routing import StageBalancer
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 180.0  # a program's start, and servers showing up ONLINE (2 shared cores, torch imports)
-STOP_TIMEOUT = 30.0  # a program's exit after SIGTERM, before its group is killed
 HTTP_TIMEOUT = 5.0
 POLL = 0.2
 
@@ -184,17 +182,9 @@ class Bench:
                 "failed_calls": trainer.pipeline.stats.failures}
 
     def close(self) -> None:
-        # SIGTERM to each main process only, so servers can still announce OFFLINE through their
-        # own DHT process; then whatever is left of each group is killed. Servers before the coordinator.
-        for batch in (self.children[1:], self.children[:1]):
-            for child in batch:
-                if child.alive():
-                    child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT
-            while any(child.alive() for child in batch) and time.monotonic() < deadline:
-                time.sleep(POLL)
-            for child in batch:
-                child.end()
+        # Servers before the coordinator, so they can still announce OFFLINE through the DHT.
+        end_all(self.children[1:])
+        end_all(self.children[:1])
         if self.dht is not None:
             self.dht.shutdown()
         self.loop.stop()

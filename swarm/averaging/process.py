@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import threading
@@ -30,10 +31,12 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 
 from swarm.averaging.errors import AveragingError
 from swarm.config import AveragingConfig
+
+logger = logging.getLogger(__name__)
 
 STEP_KEY_BITS = 16  # the group key holds the step modulo 2**16
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -111,6 +114,42 @@ class AveragingProcess(DecentralizedAverager):
         if inherited is not None:
             inherited._client_listen_maddr = None
         super().run()
+
+    async def _declare_for_download_periodically(self) -> None:
+        # In the child. hivemind's own version re-declares this replica in the DHT whenever its
+        # tensors change, which during an all-reduce is once per averaged tensor: dozens of DHT
+        # stores competing with the round for CPU (measured: rounds 40% slower). This one declares
+        # when sharing or its priority changes, and to renew the entry each declare period.
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        changed = self._sharing_changed()
+        was_allowed = False
+        while True:
+            expiration = get_dht_time() + self.declare_state_period
+            allowed = self.allow_state_sharing
+            if allowed or was_allowed:  # None overwrites the entry once sharing is switched off
+                value = self.state_sharing_priority if allowed else None
+                asyncio.create_task(self._declare(key, value, expiration))
+            was_allowed = allowed
+            changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=max(0.0, expiration - get_dht_time()))
+
+    async def _trigger_declare_load_state(self) -> None:
+        # in the child: the parent changed allow_state_sharing or state_sharing_priority
+        self._sharing_changed().set()
+
+    def _sharing_changed(self) -> asyncio.Event:
+        if getattr(self, "_sharing_event", None) is None:
+            self._sharing_event = asyncio.Event()  # created in the child, on its event loop
+        return self._sharing_event
+
+    async def _declare(self, key: str, value: float | None, expiration: float) -> None:
+        try:
+            await asyncio.wait_for(self.dht.store(key, subkey=self.peer_id.to_bytes(), value=value,
+                                                  expiration_time=expiration, return_future=True),
+                                   timeout=max(0.0, expiration - get_dht_time()))
+        except Exception as e:  # noqa: BLE001 - a peer downloading our state will try another one
+            logger.debug("declaring the state for download failed: %s", e)
 
     @contextlib.contextmanager
     def buffers(self) -> Iterator[Sequence[torch.Tensor]]:

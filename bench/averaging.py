@@ -134,10 +134,8 @@ def ours_round(group: list[Member], batch_size: int) -> dict:
     for member in group:
         optimizer = member.ours.optimizer
         optimizer.zero_grad()
-        with torch.no_grad():
-            for param in optimizer.params:
-                param.grad = torch.randn_like(param)
-        member.ours.add_samples(-(-batch_size // n))  # the group holds a full batch between them
+        grads = [torch.randn_like(param) for param in optimizer.params]
+        member.ours.accumulate(grads, -(-batch_size // n))  # the group holds a full batch between them
     deadline = time.monotonic() + READY_TIMEOUT
     while not all(m.ours.view().samples >= batch_size for m in group):
         if time.monotonic() > deadline:

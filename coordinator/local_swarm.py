@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 import threading
@@ -94,7 +95,7 @@ class LocalSwarm:
         }
 
     def _child(self, name: str, module: str, maddr: str | None, *args: str) -> Child:
-        common = ["--host-maddrs", LOCAL, "--log-level", "INFO"]
+        common = ["--host-maddrs", LOCAL, "--log-level", os.environ.get("SWARM_LOG_LEVEL", "INFO")]
         if maddr is not None:
             common += ["--initial-peers", maddr]
         child = Child(name, module, [*args, *common], self.log_dir)

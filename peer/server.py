@@ -14,7 +14,7 @@ import hivemind
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from swarm.averaging import StageAverager
+from swarm.averaging import ProgressChannel, StageAverager, averaging_prefix
 from swarm.backend import BackwardResult, Overloaded, StageBackend
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
@@ -117,7 +117,8 @@ class StageServer:
         handler = StageRequestHandler(self)
         namespace = stage_namespace(self.config.run_id, stage)
         self._service = self.loop.run(register(self._p2p, handler, namespace), LOOP_CALL_TIMEOUT)
-        self.averager.start(self.backend.request_step)
+        channel = ProgressChannel(self._p2p, self.loop, averaging_prefix(self.config.run_id, stage))
+        self.averager.start(self.backend.request_step, channel)
         self.state = ServerState.ONLINE
         self.announce()
         self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)

@@ -103,7 +103,7 @@ class StageBackend:
     def backward(
         self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None
     ) -> BackwardResult:
-        """Recompute the forward from `x`, accumulate parameter gradients, step when a batch is full.
+        """Recompute the forward from `x`, hand the parameter gradients to the stepper, step when it is ready.
 
         Gradients are of the SUM of per-sample losses (the last stage scales its mean loss by the
         micro-batch size), so the optimizer can average over however many samples arrived.
@@ -114,15 +114,24 @@ class StageBackend:
         if not module.is_first:
             module.check_input(x, targets)  # before .float(), which would pass integers off as hidden states
             x = x.detach().float().requires_grad_(True)
-        out = module(x, _to(targets, self.device))  # validates x and targets
-        if module.is_last:
-            loss = float(out.detach())
-            (out * n).backward()
-        else:
-            loss = None
-            _check_grad_output(grad_output, out)
-            out.backward(grad_output.to(device=self.device, dtype=out.dtype))
-        self.stepper.add_samples(n)
+        params = self.optimizer.params
+        kept = [p.grad for p in params]  # this micro-batch's gradients are computed apart, then handed over
+        for p in params:
+            p.grad = None
+        try:
+            out = module(x, _to(targets, self.device))  # validates x and targets
+            if module.is_last:
+                loss = float(out.detach())
+                (out * n).backward()
+            else:
+                loss = None
+                _check_grad_output(grad_output, out)
+                out.backward(grad_output.to(device=self.device, dtype=out.dtype))
+            grads = [p.grad for p in params]
+        finally:  # a request that fails changes nothing
+            for p, grad in zip(params, kept):
+                p.grad = grad
+        self.stepper.accumulate(grads, n)
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if module.is_first else x.grad.detach().cpu()

@@ -9,6 +9,7 @@ trainers) add up to the same mean gradient a single big batch would give.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,6 +68,20 @@ class StageOptimizer:
         if n <= 0:
             raise ValueError(f"sample count must be positive, got {n}")
         self.samples += n
+
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
+        """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient)."""
+        if len(grads) != len(self.params):
+            raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+        self.add_samples(n)
+        with torch.no_grad():
+            for param, grad in zip(self.params, grads):
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
 
     @property
     def ready(self) -> bool:

@@ -2,14 +2,17 @@
 
 Map of the subsystem, from what a server uses down to pure logic::
 
-    stepper.py   StageStepper: the narrow interface StageBackend steps through (count samples, ready?,
-                 step); swarm.optim.StageOptimizer is the one-server implementation
+    stepper.py   StageStepper: the narrow interface StageBackend steps through (take a micro-batch's
+                 gradients, ready?, step); swarm.optim.StageOptimizer is the one-server implementation
     averager.py  StageAverager: the collective one. Waits until the stage as a whole has a full
-                 batch, averages gradients weighted by sample counts, steps the same math on every
-                 replica; steps alone (and says so) when a round fails; catches up when behind;
-                 load_state_from_peers() for a server joining its stage
+                 batch (samples that come after it are held for the next step), averages gradients
+                 weighted by sample counts, steps the same math on every replica; steps alone (and
+                 says so) when a round fails; catches up when behind; load_state_from_peers() for a
+                 server joining its stage
     tracker.py   StageProgressTracker: a thread that publishes this server's progress and reads the
                  stage's, through the DHT
+    channel.py   ProgressChannel: progress pushed straight to the stage's other servers over libp2p,
+                 so a full batch is known at once rather than at the next DHT read
     process.py   AveragingProcess: hivemind's DecentralizedAverager (a forked process: matchmaking,
                  all-reduce, state serving) with every timeout from the config and bounded calls
     metrics.py   AveragingMetrics: swarm_averaging_* Prometheus metrics
@@ -22,6 +25,7 @@ Every network wait is bounded by a value of ``AveragingConfig`` (see swarm.confi
 """
 
 from swarm.averaging.averager import StageAverager, averaging_prefix
+from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.errors import AveragingError, StateDownloadError, StateMismatch
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
 from swarm.averaging.stepper import StageStepper
@@ -32,6 +36,7 @@ __all__ = [
     "SUCCEEDED",
     "AveragingError",
     "AveragingMetrics",
+    "ProgressChannel",
     "StageAverager",
     "StageStepper",
     "StateDownloadError",

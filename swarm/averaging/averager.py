@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from hivemind.compression import CompressionBase, CompressionInfo
 from prometheus_client import CollectorRegistry
 
+from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.errors import AveragingError, StateDownloadError, StateMismatch
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
 from swarm.averaging.process import AveragingProcess, RoundFailed
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 PROCESS_START_TIMEOUT = 30.0  # forking the averaging process until it serves
 DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubles on each failure
 DOWNLOAD_RETRY_PAUSE_MAX = 30.0
+CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
 
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
 
@@ -80,6 +82,10 @@ class StageAverager:
         self._requested: Future | None = None  # the last step requested, until the worker ran it
         self._download_pause = DOWNLOAD_RETRY_PAUSE
         self._next_download = 0.0  # monotonic time before which no catch-up is tried
+        self._channel: ProgressChannel | None = None
+        # gradients of samples that came after the stage's batch was full: they count towards the next step
+        self._held: list[torch.Tensor | None] | None = None
+        self.held_samples = 0
         prefix = averaging_prefix(config.run_id, stage)
         ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
         self._compression = compression_for(self.config.compression)
@@ -100,8 +106,13 @@ class StageAverager:
     def step_count(self) -> int:
         return self.optimizer.step_count
 
-    def add_samples(self, n: int) -> None:
-        self.optimizer.add_samples(n)
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
+        """Count the samples towards this step, or hold them for the next if the stage's batch is full."""
+        if self.view().samples >= self.batch_size:  # a round is due: these would make the batch larger
+            self._hold(grads, n)
+        else:
+            with self._state_lock:
+                self.optimizer.accumulate(grads, n)
         self._tracker.nudge()
 
     @property
@@ -111,7 +122,8 @@ class StageAverager:
 
     def step(self) -> dict[str, Any] | None:
         """Catch up with the stage, or average and step, or step alone; never raises for the network's sake."""
-        self._refresh()  # decide on what the others publish now, not a period ago
+        if self._channel is None:
+            self._refresh()  # decide on what the others publish now, not a period ago
         view = self.view()
         if view.needs_state and self._may_download():
             self._catch_up(view)
@@ -147,10 +159,17 @@ class StageAverager:
             f"({problem}); check that this machine can reach them, or raise averaging.state_download_timeout"
         )
 
-    def start(self, request_step: RequestStep) -> None:
-        """Publish progress, serve this replica's state to peers, and ask for steps via `request_step`."""
+    def start(self, request_step: RequestStep, channel: ProgressChannel | None = None) -> None:
+        """Publish progress, serve this replica's state to peers, and ask for steps via `request_step`.
+
+        With a `channel`, progress also goes straight to the stage's other servers and theirs comes
+        straight here (see :mod:`swarm.averaging.channel`); without one, only through the DHT.
+        """
         self._request_step = request_step
-        self._tracker.start()
+        if channel is not None:
+            channel.loop.run(channel.open(self._tracker.receive), CHANNEL_CALL_TIMEOUT)
+            self._channel = channel
+        self._tracker.start(self._channel)
         self._share_state()
 
     def shutdown(self) -> None:
@@ -159,6 +178,7 @@ class StageAverager:
             return
         self._closing.set()
         self._tracker.stop(leave=True)
+        self._close_channel()
         self._process.close()
 
     @property
@@ -198,8 +218,10 @@ class StageAverager:
             if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
                 members = [peer.to_base58() for peer in gathered]
                 self.round_id, self.round_group = round_of(self.optimizer.step_count, members), group
+            self._release_held()
         self._after_step()
-        log.debug("stage %d: averaged %d samples over %d servers", self.stage, total, group)
+        log.debug("stage %d: averaged %d samples over %d servers in %.3fs", self.stage, total, group,
+                  time.monotonic() - started)
         return {**stats, "averaging": SUCCEEDED, "group_size": group}
 
     def _step_alone(self, outcome: str) -> dict[str, Any] | None:
@@ -210,6 +232,7 @@ class StageAverager:
             stats = self.optimizer.step()
             if not stats["skipped"]:
                 self.round_id, self.round_group = round_of(self.optimizer.step_count, [self.peer_id]), 1
+            self._release_held()
         self.metrics.rounds[outcome].inc()
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": 1}
@@ -218,6 +241,22 @@ class StageAverager:
         self._share_state()
         self._tracker.nudge()
 
+    def _hold(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
+        if self._held is None:
+            self._held = list(grads)
+        else:
+            for i, grad in enumerate(grads):
+                if grad is not None:
+                    held = self._held[i]
+                    self._held[i] = grad if held is None else held.add_(grad)
+        self.held_samples += n
+
+    def _release_held(self) -> None:
+        """After a step: the held samples start the next one (call with the state lock held)."""
+        if self._held is not None:
+            self.optimizer.accumulate(self._held, self.held_samples)
+            self._held, self.held_samples = None, 0
+
     def _load_buffers(self, samples: int) -> None:
         """Our mean gradient into the averaging buffers (zeros if we have no samples: weight 0)."""
         with self._process.buffers() as buffers, torch.no_grad():
@@ -225,7 +264,7 @@ class StageAverager:
                 if param.grad is None or samples == 0:
                     buffer.zero_()
                 else:
-                    buffer.copy_(param.grad).div_(samples)
+                    torch.div(param.grad, samples, out=buffer)
 
     def _read_buffers(self) -> list[torch.Tensor]:
         with self._process.buffers() as buffers:
@@ -234,8 +273,8 @@ class StageAverager:
     def _set_gradients(self, mean: list[torch.Tensor], total: int) -> None:
         """The stage's mean gradient as a sum over `total` samples, as StageOptimizer.step expects."""
         with torch.no_grad():
-            for param, grad in zip(self.optimizer.params, mean):
-                param.grad = (grad * total).to(device=param.device, dtype=param.dtype)
+            for param, grad in zip(self.optimizer.params, mean):  # (`mean` is ours: a copy of the buffers)
+                param.grad = grad.mul_(total).to(device=param.device, dtype=param.dtype)
         self.optimizer.samples = total
 
     # state
@@ -271,6 +310,10 @@ class StageAverager:
             except StateMismatch:
                 self.metrics.downloads[FAILED].inc()
                 raise
+            if self._held is not None:  # computed on the state just replaced, like the samples it dropped
+                log.info("stage %d: dropped %d held samples computed on the replaced state", self.stage,
+                         self.held_samples)
+                self._held, self.held_samples = None, 0
             self.round_id, self.round_group = metadata["round_id"], metadata["group"]
         self.metrics.downloads[SUCCEEDED].inc()
         self._after_step()
@@ -303,6 +346,14 @@ class StageAverager:
             except Exception as e:  # a DHT hiccup: decide on the last view
                 log.debug("stage %d: progress refresh failed: %s", self.stage, e)
 
+    def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None and channel.loop.is_running:
+            try:
+                channel.loop.run(channel.close(), CHANNEL_CALL_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - leaving anyway
+                log.debug("closing the progress channel: %s", e)
+
     def _check_process(self) -> None:
         """If the averaging process died, leave the stage's averaging for good and train alone.
 
@@ -313,6 +364,7 @@ class StageAverager:
             return
         self.solo = True
         self._tracker.stop(leave=True)
+        self._close_channel()
         code = self._process.exitcode
         stopped = code in (-signal.SIGTERM, -signal.SIGINT)  # most likely with this whole peer
         log.log(logging.WARNING if stopped else logging.ERROR,

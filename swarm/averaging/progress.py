@@ -39,6 +39,11 @@ class ProgressRecord(WireRecord):
     round_id: StrictStr  # the round that made this server's state at `step`
     group: conint(strict=True, ge=1)  # how many servers that round averaged
     priority: confloat(strict=True)  # its rank as a source of state (sharing_priority)
+    updated: confloat(strict=True) = 0.0  # DHT time it was published: of two copies, the later counts
+
+    def same_progress(self, other: ProgressRecord | None) -> bool:
+        """Whether `other` says the same, whenever it was published."""
+        return other is not None and self.dict(exclude={"updated"}) == other.dict(exclude={"updated"})
 
 
 def round_of(step: int, members: Sequence[str]) -> str:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+import torch
 
 
 class StageStepper(Protocol):
     """Counts samples, says when the stage should step, and steps.
 
-    The backend calls every method on its single worker thread, right after the backward that
-    accumulated the samples into ``param.grad`` (sums over samples, never means). Implementations:
+    The backend calls every method on its single worker thread; after each backward it hands over
+    that micro-batch's gradients (sums over its samples, never means). Implementations:
 
     - :class:`swarm.optim.StageOptimizer`: one server alone; steps on its own full batch.
     - :class:`swarm.averaging.StageAverager`: the servers of a stage together; steps when the stage
@@ -21,8 +24,8 @@ class StageStepper(Protocol):
         """Optimizer steps this replica of the stage has taken (or adopted from its peers)."""
         ...
 
-    def add_samples(self, n: int) -> None:
-        """Gradients of ``n`` more samples were summed into ``param.grad``."""
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
+        """Take the gradient sums of ``n`` more samples (one tensor per parameter, None: no gradient)."""
         ...
 
     @property

@@ -17,6 +17,7 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
+from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.progress import ProgressRecord
 from swarm.dht.errors import SwarmDHTError
 from swarm.dht.node import wait_future
@@ -32,7 +33,13 @@ def progress_key(prefix: str) -> str:
 
 
 class StageProgressTracker:
-    """Keeps this server's record fresh and the others' at hand; calls `on_update` after each read."""
+    """Keeps this server's record fresh and the others' at hand; calls `on_update` after each change.
+
+    With a :class:`~swarm.averaging.channel.ProgressChannel`, each change of this server's record
+    is also pushed to the others at once, and theirs arrive the same way; the DHT, read every
+    period (sooner when nudged, but at most every MIN_PAUSE_PERIODS), still decides who is in the
+    stage and carries the records of servers that cannot be reached directly.
+    """
 
     def __init__(self, dht: hivemind.DHT, prefix: str, owner_key: bytes, peer_id: str, period: float,
                  request_timeout: float, own_record: Callable[[], ProgressRecord], on_update: Callable[[], None]):
@@ -40,56 +47,110 @@ class StageProgressTracker:
         self.period, self.request_timeout = period, request_timeout
         self.ttl = PROGRESS_TTL_PERIODS * period
         self._own_record, self._on_update = own_record, on_update
-        self._others: list[tuple[ProgressRecord, float]] = []  # (record, expiration)
-        self._published: tuple[ProgressRecord, float] | None = None  # (record, monotonic time)
-        self._nudged = threading.Event()
+        self._lock = threading.Lock()  # guards _others and _current
+        self._others: dict[str, tuple[ProgressRecord, float]] = {}  # peer id -> (record, expiration)
+        self._current: ProgressRecord | None = None  # this server's record, stamped when it last changed
+        self._published: tuple[ProgressRecord, float] | None = None  # (record, monotonic time) in the DHT
+        self._channel: ProgressChannel | None = None
+        self._nudged = threading.Event()  # our record changed: publish soon
+        self._wake = threading.Event()  # something changed: look again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, channel: ProgressChannel | None = None) -> None:
+        self._channel = channel
         self._thread = threading.Thread(target=self._run, name=f"progress:{self.key}", daemon=True)
         self._thread.start()
 
     def nudge(self) -> None:
-        """Publish and read again soon: this server's samples or step changed."""
+        """This server's samples or step changed: push the record now, publish it in the DHT soon."""
+        if self._channel is not None and not self._stop.is_set():
+            record, changed = self._stamp()
+            if changed:
+                self._channel.push(record, [peer for peer, _ in self._live()])
         self._nudged.set()
+        self._wake.set()
+
+    def receive(self, record: ProgressRecord, sender: str) -> bool:
+        """A record pushed by `sender`: taken if it is a known server's own and newer than what we hold."""
+        with self._lock:
+            known = self._others.get(sender)
+            if self._stop.is_set() or known is None or record.peer_id != sender or record.updated <= known[0].updated:
+                return False
+            self._others[sender] = (record, max(known[1], get_dht_time() + self.ttl))
+        self._wake.set()
+        return True
 
     def others(self) -> list[ProgressRecord]:
-        """Live records of the stage's other servers, as of the last read."""
-        now = get_dht_time()
-        return [record for record, expiration in self._others if expiration > now]
+        """Live records of the stage's other servers, as of the last read or push."""
+        return [record for _, record in self._live()]
 
     def refresh(self) -> None:
         """Publish this server's record if it changed (or is getting old), then read everyone's."""
         if self._stop.is_set():  # left: publishing again would undo that
             return
-        record = self._own_record()
+        record, _ = self._stamp()
         last = self._published
-        if last is None or last[0] != record or time.monotonic() - last[1] > self.ttl / 2:
+        if last is None or last[0] is not record or time.monotonic() - last[1] > self.ttl / 2:
             if self._store(record.to_wire()):
                 self._published = (record, time.monotonic())
-        self._others = self._read()
+        self._merge(self._read())
 
     def stop(self, leave: bool = True) -> None:
         """Stop the thread; with `leave`, replace this server's record with None so others stop counting it."""
         self._stop.set()
-        self._nudged.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.request_timeout * 2 + self.period)
-        self._others = []
+        with self._lock:
+            self._others = {}
         if leave and self._published is not None:
             self._store(None)
 
+    def _stamp(self) -> tuple[ProgressRecord, bool]:
+        """This server's record now, stamped with the DHT time it last changed; and whether it just did."""
+        record = self._own_record()
+        with self._lock:
+            if record.same_progress(self._current):
+                return self._current, False
+            self._current = record.copy(update={"updated": get_dht_time()})
+            return self._current, True
+
+    def _live(self) -> list[tuple[str, ProgressRecord]]:
+        now = get_dht_time()
+        with self._lock:
+            return [(peer, record) for peer, (record, expiration) in self._others.items() if expiration > now]
+
+    def _merge(self, read: dict[str, tuple[ProgressRecord, float]] | None) -> None:
+        """The DHT's records replace ours, except where a push brought a newer copy of the same server's."""
+        if read is None:  # the read failed: keep the last view; its records still expire on time
+            return
+        with self._lock:
+            for peer, (record, expiration) in read.items():
+                known = self._others.get(peer)
+                if known is not None and known[0].updated > record.updated:
+                    read[peer] = (known[0], max(expiration, known[1]))
+            self._others = read
+
     def _run(self) -> None:
+        last = -float("inf")  # monotonic time of the last refresh
+        pause = self.period * MIN_PAUSE_PERIODS
         while not self._stop.is_set():
+            due = last + (pause if self._nudged.is_set() else self.period)
+            if time.monotonic() >= due:
+                self._nudged.clear()
+                try:
+                    self.refresh()
+                except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop the tracking
+                    log.warning("stage progress %s: %s", self.key, e)
+                last = time.monotonic()
             try:
-                self.refresh()
                 self._on_update()
-            except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop the tracking
+            except Exception as e:  # noqa: BLE001
                 log.warning("stage progress %s: %s", self.key, e)
-            self._nudged.wait(self.period)
-            self._nudged.clear()
-            self._stop.wait(self.period * MIN_PAUSE_PERIODS)
+            due = last + (pause if self._nudged.is_set() else self.period)
+            self._wake.wait(max(0.0, due - time.monotonic()))
+            self._wake.clear()
 
     def _store(self, value: Any) -> bool:
         future = self.dht.store(self.key, subkey=self.owner_key, value=value,
@@ -100,18 +161,18 @@ class StageProgressTracker:
             log.debug("%s", e)
             return False
 
-    def _read(self) -> list[tuple[ProgressRecord, float]]:
+    def _read(self) -> dict[str, tuple[ProgressRecord, float]] | None:
         future = self.dht.get(self.key, latest=True, return_future=True)
         try:
             found = wait_future(future, self.request_timeout, f"reading {self.key}")
         except SwarmDHTError as e:
             log.debug("%s", e)
-            return self._others  # keep the last view; its records still expire on time
+            return None
         if found is None or not isinstance(found.value, dict):
-            return []
-        others = []
+            return {}
+        others = {}
         for item in found.value.values():
             record = ProgressRecord.from_wire(item.value) if item.value is not None else None
             if record is not None and record.peer_id != self.peer_id:
-                others.append((record, item.expiration_time))
+                others[record.peer_id] = (record, item.expiration_time)
         return others

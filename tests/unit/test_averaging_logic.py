@@ -135,7 +135,7 @@ class FakeStepper:
         self.step_count, self.samples, self.ready, self.result = 0, 0, False, None
         self.stepped = threading.Event()
 
-    def add_samples(self, n: int) -> None:
+    def accumulate(self, grads, n: int) -> None:
         self.samples += n
 
     def step(self):

@@ -48,6 +48,16 @@ def non_negative(value: str) -> float:
     return x
 
 
+def positive_int(value: str) -> int:
+    try:
+        x = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swarm-peer", description="Join a swarm training run.")
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of peers already in the run")
@@ -63,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="trainer: corpus file, directory or glob (default: the run config's)")
     p.add_argument("--trainer-index", type=int, help="trainer: which share of the data (default: from peer id)")
     p.add_argument("--max-samples", type=int, help="trainer: stop after this many samples")
-    p.add_argument("--in-flight", type=int, default=4, help="trainer: micro-batches in flight at once")
+    p.add_argument("--in-flight", type=positive_int,
+                   help="trainer: micro-batches in flight at once (default: a quarter of a batch, at least 1; "
+                   "more keeps stages busier but makes gradients staler)")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
@@ -160,7 +172,7 @@ def run_trainer(args, config, dht, records, loop, registry, stop) -> None:
                              max_samples=args.max_samples)
     trainer = Trainer(config, dht, records, loop, options, registry)
     log.info("training on stages 0..%d with %d micro-batches in flight", config.stages.num_stages - 1,
-             options.in_flight)
+             trainer.in_flight)
     trainer.run(stop)
     log.info("trainer done: %d samples", trainer.samples_done)
 

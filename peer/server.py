@@ -65,6 +65,10 @@ class ServerMetrics:
             lambda: backend_ref.backend.step if backend_ref.backend else 0)
         self.throughput = Gauge("swarm_server_throughput_samples_per_second", "Announced throughput",
                                 registry=registry)
+        self.staleness = Histogram(
+            "swarm_server_backward_staleness_steps",
+            "Optimizer steps this stage took between a micro-batch's forward and its backward (0: exact)",
+            buckets=(0, 1, 2, 4, 8, 16), registry=registry)
         self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
                                registry=registry)
 
@@ -199,7 +203,7 @@ class StageRequestHandler(StageHandler):
         first = task is None
         if first:
             task = asyncio.ensure_future(self._run(request, backend.backward, request.inputs,
-                                                   request.grad_outputs, request.targets))
+                                                   request.grad_outputs, request.targets, request.forward_step))
             self._recent[request.request_id] = task
             while len(self._recent) > BACKWARD_CACHE_SIZE:
                 self._recent.popitem(last=False)
@@ -207,6 +211,8 @@ class StageRequestHandler(StageHandler):
         result = await asyncio.shield(task)
         if first:
             self.server.metrics.samples.inc(request.inputs.shape[0])
+            if result.staleness is not None:
+                self.server.metrics.staleness.observe(result.staleness)
         self._done(request, started)
         tensors = [] if result.grad_input is None else [result.grad_input]
         info = {} if result.loss is None else {"loss": result.loss}

@@ -38,6 +38,7 @@ class BackwardResult:
     loss: float | None  # the micro-batch's mean loss, on the last stage
     step: int  # the stage's optimizer step after this task
     step_stats: dict[str, Any] | None  # set when this task completed a batch and the stage stepped
+    staleness: int | None = None  # steps the stage took between the micro-batch's forward and this backward
 
 
 class StageBackend:
@@ -101,13 +102,18 @@ class StageBackend:
         return out.float().cpu()
 
     def backward(
-        self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+        forward_step: int | None = None,
     ) -> BackwardResult:
         """Recompute the forward from `x`, hand the parameter gradients to the stepper, step when it is ready.
 
         Gradients are of the SUM of per-sample losses (the last stage scales its mean loss by the
         micro-batch size), so the optimizer can average over however many samples arrived.
+        `forward_step`, the step at which this stage ran the micro-batch's forward, tells how stale
+        the gradient is: the recomputed forward uses the parameters of now, `grad_output` came from
+        activations of then.
         """
+        staleness = None if forward_step is None else max(0, self.step - forward_step)
         module = self.module
         n = x.shape[0]
         x = x.to(self.device)
@@ -135,7 +141,7 @@ class StageBackend:
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if module.is_first else x.grad.detach().cpu()
-        return BackwardResult(grad_input, loss, self.step, stats)
+        return BackwardResult(grad_input, loss, self.step, stats, staleness)
 
     def _step_if_ready(self) -> dict[str, Any] | None:
         if not self.stepper.ready:

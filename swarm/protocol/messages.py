@@ -9,6 +9,8 @@ float tensors travel in, both ways) and `has_targets` (last stage only). Its ten
     backward, last stage        [inputs, targets]         -> reply [grad_inputs]
 
 The last stage's backward has no grad_outputs: the gradient of the loss is implicitly 1.
+A backward may carry `forward_step`: the step the stage reported in its forward reply, so the
+server can tell how many of its own steps the micro-batch's gradient is stale by.
 Reply metadata: `{"ok": true, "server_step": N, ...}` or `{"ok": false, "code": C, "error": MESSAGE}`.
 Fields a reader does not know are ignored, so newer peers can add some.
 """
@@ -49,6 +51,7 @@ class StageRequest:
     targets: torch.Tensor | None = None  # last stage only
     grad_outputs: torch.Tensor | None = None  # backward on every stage but the last
     wire_dtype: str = "float32"
+    forward_step: int | None = None  # backward: the step this stage reported when it ran the forward
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -59,6 +62,8 @@ class StageRequest:
             raise ProtocolError(f"request_id must be a string of at most {MAX_REQUEST_ID_CHARS} characters")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ProtocolError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.forward_step is not None and (not _is_int(self.forward_step) or self.forward_step < 0):
+            raise ProtocolError(f"forward_step must be a non-negative integer, got {self.forward_step!r}")
         if self.targets is not None and (self.targets.is_floating_point() or self.targets.is_complex()):
             raise ProtocolError(f"targets must be integer token ids, got {self.targets.dtype}")
         if self.grad_outputs is not None and not self.grad_outputs.is_floating_point():
@@ -75,13 +80,16 @@ class StageRequest:
         return [self.inputs] if second is None else [self.inputs, second]
 
     def metadata(self) -> dict[str, Any]:
-        return dict(
+        meta = dict(
             kind=self.kind,
             stage=self.stage,
             request_id=self.request_id,
             wire_dtype=self.wire_dtype,
             has_targets=self.targets is not None,
         )
+        if self.forward_step is not None:
+            meta["forward_step"] = self.forward_step
+        return meta
 
 
 @dataclass
@@ -126,6 +134,7 @@ def parse_request(meta: dict, tensors: list[torch.Tensor]) -> StageRequest:
         targets=second if has_targets else None,
         grad_outputs=None if has_targets else second,
         wire_dtype=meta.get("wire_dtype", "float32"),
+        forward_step=meta.get("forward_step"),
     )
 
 

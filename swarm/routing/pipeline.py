@@ -97,16 +97,18 @@ class RemotePipeline:
 
     async def train(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
         """Forward and backward of one micro-batch through every stage; returns its mean loss."""
-        inputs = [x]
+        inputs, steps = [x], []
         for stage in range(self.num_stages - 1):
             reply = await self._call(stage, FORWARD, request_id, inputs[stage])
             inputs.append(reply.tensors[0])
+            steps.append(reply.server_step)
         last = self.num_stages - 1
         reply = await self._call(last, BACKWARD, request_id, inputs[last], targets=y)
         loss = float(reply.info["loss"])
         for stage in range(last - 1, -1, -1):
             grad = reply.tensors[0]
-            reply = await self._call(stage, BACKWARD, request_id, inputs[stage], grad_outputs=grad)
+            reply = await self._call(stage, BACKWARD, request_id, inputs[stage], grad_outputs=grad,
+                                     forward_step=steps[stage])
         return loss
 
     async def evaluate(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
@@ -126,9 +128,10 @@ class RemotePipeline:
         inputs: torch.Tensor,
         targets: torch.Tensor | None = None,
         grad_outputs: torch.Tensor | None = None,
+        forward_step: int | None = None,
     ) -> StageReply:
         request = StageRequest(kind, stage, request_id, inputs, targets=targets, grad_outputs=grad_outputs,
-                               wire_dtype=self.wire_dtype)
+                               wire_dtype=self.wire_dtype, forward_step=forward_step)
         balancer = self.balancers[stage]
         size = int(inputs.shape[0])
         deadline = time.monotonic() + self.settings.max_wait

@@ -92,6 +92,13 @@ def test_out_of_range_flag_is_an_argparse_error(procs: ProcSet, coordinator: Coo
     assert_clear_error(proc, "swarm-peer", "--inject-failure-rate", "2")
 
 
+def test_in_flight_must_be_positive(procs: ProcSet, coordinator: Coordinator):
+    proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "trainer", "--in-flight", "0",
+                     *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
+    assert proc.returncode == 2, proc.describe()
+    assert_clear_error(proc, "swarm-peer", "--in-flight", "at least 1")
+
+
 def test_missing_config_is_a_clear_error(procs: ProcSet, tmp_path: Path):
     missing = tmp_path / "missing.yaml"
     proc = procs.run("swarm-coordinator", "--config", str(missing), *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)

@@ -94,3 +94,34 @@ def test_queue_is_bounded():
     assert all(f.result(timeout=30) for f in blocked)
     assert backend.call(lambda: backend.queue_depth, timeout=30) == 1  # only this call is queued
     backend.shutdown()
+
+
+def test_a_backward_that_fails_midway_leaves_the_accumulated_gradients_as_they_were():
+    config = tiny_config()
+    first, last = make_backends(config)
+    x, y = batch(4)
+    h = first.forward(x)
+    first.backward(x, grad_output=torch.ones_like(h))
+    kept = [p.grad.clone() for p in first.optimizer.params]
+
+    def fail(_):
+        raise RuntimeError("device lost")
+
+    hook = first.optimizer.params[0].register_hook(fail)  # the embedding: autograd reaches it last
+    with pytest.raises(RuntimeError, match="device lost"):
+        first.backward(x, grad_output=torch.ones_like(h))
+    hook.remove()
+    assert first.optimizer.samples == 2
+    for param, grad in zip(first.optimizer.params, kept):
+        assert torch.equal(param.grad, grad)
+
+
+def test_backward_reports_how_stale_its_gradient_is():
+    config = tiny_config()
+    first, last = make_backends(config)
+    x, y = batch(5)
+    h = first.forward(x)
+    assert first.backward(x, grad_output=torch.ones_like(h), forward_step=0).staleness == 0
+    assert first.backward(x, grad_output=torch.ones_like(h), forward_step=0).step == 1  # a batch of 4: stepped
+    assert first.backward(x, grad_output=torch.ones_like(h), forward_step=0).staleness == 1
+    assert first.backward(x, grad_output=torch.ones_like(h)).staleness is None  # an older trainer sends none

@@ -140,12 +140,13 @@ def _gather(frames, receive=receive_request, limits=DEFAULT_LIMITS):
 def test_request_round_trip_in_parts():
     limits = WireLimits(part_bytes=1000)
     inputs, grad = torch.randn(8, 100), torch.randn(8, 100)
-    request = StageRequest(BACKWARD, 2, "batch-7/mb-3", inputs, grad_outputs=grad, wire_dtype="float16")
+    request = StageRequest(BACKWARD, 2, "batch-7/mb-3", inputs, grad_outputs=grad, wire_dtype="float16",
+                           forward_step=41)
     frames = list(request_frames(request, limits))
     assert len(frames) > 3 and all(frame.ByteSize() < 2000 for frame in frames)
     received = _gather(frames, limits=limits)
     assert (received.kind, received.stage, received.request_id) == (BACKWARD, 2, "batch-7/mb-3")
-    assert received.targets is None and received.wire_dtype == "float16"
+    assert received.targets is None and received.wire_dtype == "float16" and received.forward_step == 41
     assert torch.allclose(received.grad_outputs, grad, rtol=1e-3, atol=1e-4)
 
 
@@ -185,6 +186,9 @@ def test_reply_round_trip_and_error_reply():
         (dict(kind=FORWARD, stage=0, request_id="r"), 2, "1 tensor"),
         (dict(kind=BACKWARD, stage=0, request_id="r"), 1, "2 tensor"),
         (dict(kind=FORWARD, stage=0, request_id="r", has_targets="yes"), 2, "has_targets"),
+        (dict(kind=BACKWARD, stage=0, request_id="r", forward_step=-1), 2, "forward_step"),
+        (dict(kind=BACKWARD, stage=0, request_id="r", forward_step="3"), 2, "forward_step"),
+        (dict(kind=BACKWARD, stage=0, request_id="r", forward_step=True), 2, "forward_step"),
     ],
 )
 def test_invalid_requests_raise_protocol_error(meta, tensor_count, match):

@@ -36,6 +36,7 @@ from swarm.averaging.progress import (
     INITIAL_ROUND,
     ProgressRecord,
     StageView,
+    param_fingerprint,
     round_of,
     sharing_priority,
     stage_view,
@@ -86,6 +87,8 @@ class StageAverager:
         # gradients of samples that came after the stage's batch was full: they count towards the next step
         self._held: list[torch.Tensor | None] | None = None
         self.held_samples = 0
+        self._fingerprint: list[float] = []
+        self._params_changed()
         prefix = averaging_prefix(config.run_id, stage)
         ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
         self._compression = compression_for(self.config.compression)
@@ -194,6 +197,7 @@ class StageAverager:
     def _average_and_step(self, view: StageView) -> dict[str, Any] | None:
         samples = self.optimizer.samples
         started = time.monotonic()
+        self.metrics.in_round.set(1)
         try:
             self._load_buffers(samples)
             self._process.prepare_round(view.step, view.group_size)
@@ -202,12 +206,14 @@ class StageAverager:
             total = _total_samples(gathered, view.step)
             mean = self._read_buffers()
         except AveragingError as e:
+            self.metrics.in_round.set(0)
             self.metrics.round_seconds.observe(time.monotonic() - started)
             self._check_process()
             log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
                         self.stage, view.step + 1, e, samples)
             return self._step_alone(FAILED)
         group = len(gathered)
+        self.metrics.in_round.set(0)
         self.metrics.round_seconds.observe(time.monotonic() - started)
         self.metrics.group_size.set(group)
         self.metrics.bytes_sent.inc(self._bytes_per_round * 2 * (group - 1) / group)
@@ -218,6 +224,7 @@ class StageAverager:
             if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
                 members = [peer.to_base58() for peer in gathered]
                 self.round_id, self.round_group = round_of(self.optimizer.step_count, members), group
+            self._params_changed()
             self._release_held()
         self._after_step()
         log.debug("stage %d: averaged %d samples over %d servers in %.3fs", self.stage, total, group,
@@ -232,6 +239,7 @@ class StageAverager:
             stats = self.optimizer.step()
             if not stats["skipped"]:
                 self.round_id, self.round_group = round_of(self.optimizer.step_count, [self.peer_id]), 1
+            self._params_changed()
             self._release_held()
         self.metrics.rounds[outcome].inc()
         self._after_step()
@@ -240,6 +248,12 @@ class StageAverager:
     def _after_step(self) -> None:
         self._share_state()
         self._tracker.nudge()
+
+    def _params_changed(self) -> None:
+        """Fingerprint the parameters just made (call with the state lock held, or before start)."""
+        self._fingerprint = param_fingerprint(self.optimizer.params)
+        for part, value in zip(("sum", "sum_of_squares"), self._fingerprint):
+            self.metrics.fingerprint.labels(stage=str(self.stage), part=part).set(value)
 
     def _hold(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
         if self._held is None:
@@ -279,7 +293,9 @@ class StageAverager:
 
     # state
     def _catch_up(self, view: StageView) -> None:
-        why = "behind its stage" if view.behind else "its state came from another round than a better-ranked one"
+        why = ("behind its stage" if view.behind else
+               "its state differs from a better-ranked replica's at the same step (another round, or a round "
+               "that lost a member partway)")
         try:
             ok = self._download(self.config.state_download_timeout, older_ok=False)
         except AveragingError as e:
@@ -315,6 +331,7 @@ class StageAverager:
                          self.held_samples)
                 self._held, self.held_samples = None, 0
             self.round_id, self.round_group = metadata["round_id"], metadata["group"]
+            self._params_changed()
         self.metrics.downloads[SUCCEEDED].inc()
         self._after_step()
         return True
@@ -334,10 +351,11 @@ class StageAverager:
     # progress
     def _own_record(self) -> ProgressRecord:
         with self._state_lock:  # one moment's step, samples and round, not either side of a step
-            step, samples, round_, group = (self.optimizer.step_count, self.optimizer.samples, self.round_id,
-                                            self.round_group)
+            step, samples, round_, group, fingerprint = (self.optimizer.step_count, self.optimizer.samples,
+                                                         self.round_id, self.round_group, self._fingerprint)
         return ProgressRecord(peer_id=self.peer_id, step=step, samples=samples, round_id=round_, group=group,
-                              priority=sharing_priority(step, group, round_))
+                              priority=sharing_priority(step, group, round_, self.peer_id),
+                              fingerprint=fingerprint)
 
     def _refresh(self) -> None:
         if not self.solo:

@@ -27,4 +27,8 @@ class AveragingMetrics:
                                        buckets=ROUND_BUCKETS, registry=registry).labels(stage=label)
         downloads = Counter("swarm_averaging_state_downloads", "Downloads of the stage's state from its peers "
                             "(joining, or catching up)", ["stage", "outcome"], registry=registry)
+        self.fingerprint = Gauge("swarm_averaging_param_fingerprint", "Sum and sum of squares of the stage's "
+                                 "parameters: equal on replicas in sync", ["stage", "part"], registry=registry)
+        self.in_round = Gauge("swarm_averaging_round_in_progress", "1 while this server takes part in an "
+                              "averaging round", ["stage"], registry=registry).labels(stage=label)
         self.downloads = {outcome: downloads.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED)}

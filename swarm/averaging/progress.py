@@ -9,25 +9,31 @@ id and group size; replicas made by the same round are equal). From the others' 
 - who to expect in a round: every server not ahead of this one (one behind catches up and joins);
 - behind: some server is at a later step, so this one downloads the stage's state;
 - diverged: a server at the same step holds a state made by another round that ranks higher (a
-  lone step after a failed round, or a group that formed apart); this one downloads that state.
+  lone step after a failed round, or a group that formed apart), or one made by the same round
+  whose parameters differ (an all-reduce that lost a member partway: hivemind leaves the part that
+  member reduced with each survivor's own values), and that ranks higher; this one downloads that
+  state.
 
 Ranks (:func:`sharing_priority`) are also what hivemind's state download picks its source by: later
-steps first, then states averaged by larger groups, then a tie-break fixed by the round, so two
-diverged replicas never both download from each other.
+steps first, then states averaged by larger groups, then a tie-break fixed by the round and, within
+a round, by the server, so two diverged replicas never both download from each other.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pydantic.v1 import StrictStr, confloat, conint
+import torch
+from pydantic.v1 import StrictStr, confloat, conint, conlist
 
 from swarm.dht.schemas import WireRecord
 
 INITIAL_ROUND = "init"  # the state every replica starts from: the run's seeded initialization
 MAX_RANKED_GROUP = 1023  # groups larger than this rank as this large
+FINGERPRINT_RTOL = 1e-6  # replicas made by the same round agree this closely (identical where the hardware is)
 
 
 class ProgressRecord(WireRecord):
@@ -40,6 +46,7 @@ class ProgressRecord(WireRecord):
     group: conint(strict=True, ge=1)  # how many servers that round averaged
     priority: confloat(strict=True)  # its rank as a source of state (sharing_priority)
     updated: confloat(strict=True) = 0.0  # DHT time it was published: of two copies, the later counts
+    fingerprint: conlist(confloat(strict=True), min_items=2, max_items=2) | None = None  # param_fingerprint
 
     def same_progress(self, other: ProgressRecord | None) -> bool:
         """Whether `other` says the same, whenever it was published."""
@@ -52,10 +59,31 @@ def round_of(step: int, members: Sequence[str]) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def sharing_priority(step: int, group: int, round_: str) -> float:
-    """Rank of a replica as a source of state: step first, then the size of its round, then the round."""
-    tie_break = int(hashlib.sha256(round_.encode()).hexdigest()[:8], 16) / 16**8  # in [0, 1)
-    return float(step) + (min(group, MAX_RANKED_GROUP) + tie_break) / (MAX_RANKED_GROUP + 1)
+def sharing_priority(step: int, group: int, round_: str, peer_id: str = "") -> float:
+    """Rank of a replica as a source of state: step first, then the size of its round, then the round,
+    then the server. A float64 holds about 16 digits: up to 6 for the step, 3 for the group and about
+    4 for each tie-break (an exact tie is rare, and stage_view breaks it by peer id)."""
+    round_tie = int(hashlib.sha256(round_.encode()).hexdigest()[:3], 16) / 16**3  # in [0, 1)
+    server_tie = int(hashlib.sha256(peer_id.encode()).hexdigest()[:3], 16) / 16**6  # in [0, 1/4096)
+    return float(step) + (min(group, MAX_RANKED_GROUP) + round_tie + server_tie) / (MAX_RANKED_GROUP + 1)
+
+
+def param_fingerprint(params: Iterable[torch.Tensor]) -> list[float]:
+    """Two numbers that differ between replicas whose parameters differ: the sum and the sum of squares."""
+    total, squares = 0.0, 0.0
+    with torch.no_grad():
+        for p in params:
+            p = p.detach().double()
+            total += float(p.sum())
+            squares += float(p.square().sum())
+    return [total, squares]
+
+
+def fingerprints_differ(a: Sequence[float] | None, b: Sequence[float] | None) -> bool:
+    """Whether two replicas' parameters differ (unknown fingerprints never do)."""
+    if a is None or b is None:
+        return False
+    return any(not math.isclose(x, y, rel_tol=FINGERPRINT_RTOL, abs_tol=FINGERPRINT_RTOL) for x, y in zip(a, b))
 
 
 @dataclass(frozen=True)
@@ -82,5 +110,7 @@ def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord]) -> StageVi
         samples=own.samples + sum(r.samples for r in same_step),
         group_size=1 + sum(r.step <= own.step for r in others),
         behind=any(r.step > own.step for r in others),
-        diverged=any(r.round_id != own.round_id and r.priority > own.priority for r in same_step),
+        diverged=any((r.priority, r.peer_id) > (own.priority, own.peer_id)
+                     and (r.round_id != own.round_id or fingerprints_differ(r.fingerprint, own.fingerprint))
+                     for r in same_step),
     )

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from swarm.averaging.errors import StateMismatch
-from swarm.averaging.progress import ProgressRecord, round_of, sharing_priority, stage_view
+from swarm.averaging.progress import (
+    ProgressRecord,
+    fingerprints_differ,
+    param_fingerprint,
+    round_of,
+    sharing_priority,
+    stage_view,
+)
 from swarm.averaging.state import apply_state, pack_state
 from swarm.backend import StageBackend
 from swarm.config import RunConfig
@@ -18,12 +25,13 @@ from swarm.optim import StageOptimizer
 pytestmark = pytest.mark.timeout(60)
 
 
-def record(peer: str, step: int, samples: int = 0, members: tuple[str, ...] | None = None) -> ProgressRecord:
+def record(peer: str, step: int, samples: int = 0, members: tuple[str, ...] | None = None,
+           fingerprint: list[float] | None = None) -> ProgressRecord:
     """A server's record; its state came from a round over `members` (default: a lone step of its own)."""
     members = members or (peer,)
     made_by = round_of(step, members)
     return ProgressRecord(peer_id=peer, step=step, samples=samples, round_id=made_by, group=len(members),
-                          priority=sharing_priority(step, len(members), made_by))
+                          priority=sharing_priority(step, len(members), made_by, peer), fingerprint=fingerprint)
 
 
 def test_only_samples_at_this_servers_step_count_but_servers_behind_are_expected():
@@ -51,6 +59,29 @@ def test_replicas_of_one_round_agree_and_lone_steps_converge_on_the_best_ranked(
 
     pair = [record(p, 5, members=("p1", "p2")) for p in ("p1", "p2")]  # a group that formed without p3
     assert stage_view(alone[2], pair).diverged and not stage_view(pair[0], [pair[1], alone[2]]).diverged
+
+
+def test_replicas_of_one_round_whose_parameters_differ_converge_on_the_best_ranked():
+    group = ("p1", "p2", "p3")  # an all-reduce that lost a member partway: each kept its own values there
+    apart = [record(p, 5, members=group, fingerprint=[1.0 + i, 2.0]) for i, p in enumerate(group)]
+    diverged = [stage_view(r, [o for o in apart if o is not r]).diverged for r in apart]
+    assert sum(diverged) == 2
+    best = max(apart, key=lambda r: (r.priority, r.peer_id))
+    assert not diverged[apart.index(best)]
+
+    close = [record(p, 5, members=group, fingerprint=[1.0 + 1e-9 * i, 2.0]) for i, p in enumerate(group)]
+    assert not any(stage_view(r, [o for o in close if o is not r]).diverged for r in close)  # rounding, not drift
+    unknown = [record(p, 5, members=group) for p in group]  # peers of a version that publishes none
+    assert not any(stage_view(r, [o for o in unknown if o is not r]).diverged for r in unknown)
+
+
+def test_param_fingerprint_tells_apart_parameters_that_differ_slightly():
+    params = [torch.randn(64, 64), torch.randn(64)]
+    moved = [params[0].clone(), params[1].clone()]
+    moved[0][3, 5] += 1e-3  # one weight, one Adam step of lr 1e-3 apart
+    assert fingerprints_differ(param_fingerprint(params), param_fingerprint(moved))
+    assert not fingerprints_differ(param_fingerprint(params), param_fingerprint([p.clone() for p in params]))
+    assert not fingerprints_differ(param_fingerprint(params), None)
 
 
 def test_sharing_priority_orders_by_step_then_group_size_then_round():

@@ -303,7 +303,7 @@ class StageAverager:
             self._check_process()
         if ok:
             self._download_pause = DOWNLOAD_RETRY_PAUSE
-            log.info("stage %d: caught up with its peers at step %d (was %s)", self.stage, self.step_count, why)
+            log.info("stage %d: caught up with its peers at step %d: %s", self.stage, self.step_count, why)
         else:
             self._next_download = time.monotonic() + self._download_pause
             self._download_pause = min(2 * self._download_pause, DOWNLOAD_RETRY_PAUSE_MAX)

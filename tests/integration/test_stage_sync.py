@@ -28,10 +28,11 @@ pytestmark = pytest.mark.timeout(180)
 
 STAGES = [0, 0, 1, 1]  # the stage of each server
 TRAINERS = 2
-# Batches' worth of samples the trainers train in all. The stage makes fewer steps: each server
-# learns of the others' samples a DHT round trip late, and takes in micro-batches meanwhile, so a
-# round on this tiny model gathers 20..32 samples, not 16 (6 steps here).
+# Batches' worth of samples the trainers train in all. A server holds the samples that come after
+# its stage's batch is full for the next step; two servers adding their last micro-batches at the
+# same moment (before either hears of the other) still make a step of a micro-batch more.
 STEPS = 10
+MAX_OVERSIZED_STEPS = 0.3  # share of steps allowed to take more than a batch
 BATCH, MICRO = 16, 4
 TRAIN_TIMEOUT = 90.0  # both trainers' whole budget on 2 shared CPU cores (~10-20 s here)
 ONLINE_TIMEOUT = 30.0  # every trainer sees every server ONLINE
@@ -160,7 +161,8 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
             wait_until(lambda: settled(servers), SETTLE_TIMEOUT, interval=0.2,
                        what="every stage's replicas at one final step")
             states = [snapshot(s) for s in servers]
-            left = [s.backend.call(lambda b=s.backend: b.optimizer.samples, BACKEND_CALL_TIMEOUT) for s in servers]
+            left = [s.backend.call(lambda s=s: s.backend.optimizer.samples + s.averager.held_samples,
+                                   BACKEND_CALL_TIMEOUT) for s in servers]
     served = [samples_served(s) for s in servers]
     assert all(n > 0 for n in served), f"a server got no samples, so nothing was averaged: {served}"
 
@@ -174,6 +176,8 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         samples_per_step = [x["samples"] for x in steps_a]
         assert samples_per_step == [x["samples"] for x in steps_b]
         assert min(samples_per_step) >= BATCH
+        oversized = sum(n > BATCH for n in samples_per_step)
+        assert oversized <= MAX_OVERSIZED_STEPS * len(samples_per_step), samples_per_step
         stage_left = sum(n for n, s in zip(left, STAGES) if s == stage)
         assert sum(samples_per_step) + stage_left == STEPS * BATCH
 

@@ -6,12 +6,16 @@ loss is measured through the swarm. The single-process ReferenceTrainer then tra
 samples as the swarm's trainers completed (in steps of the config's batch) and is evaluated on the
 same validation windows. Printed: both losses and swarm / reference (goal <= 1.02).
 
-The two differ in data order (two trainers with their own sampler seeds vs one), and a swarm step
-may gather more than a batch (each server learns of the others' samples a DHT round trip late),
-so the swarm takes fewer, larger steps for the same samples.
+What can make them differ: data order (two trainers with their own sampler seeds vs one), and
+stale gradients. A micro-batch whose stage steps between its forward and its backward is trained
+on a gradient mixing two versions of the parameters; how often that happens grows with the samples
+in flight (trainers x --in-flight x micro-batch) relative to the batch. Averaging itself is exact:
+with one server per stage, one trainer and one micro-batch in flight the swarm reproduces the
+reference's loss to the last digit (--servers-per-stage 1 --trainers 1 --in-flight 1).
 
     .venv/bin/python bench/convergence.py                  # configs/tiny.yaml, 200 steps
     .venv/bin/python bench/convergence.py --quick          # 40 steps
+    .venv/bin/python bench/convergence.py --batch-size 64 --steps 30   # 8 micro-batches a step
     .venv/bin/python bench/convergence.py --config configs/small.yaml --steps 50
 """
 
@@ -29,25 +33,29 @@ from coordinator.local_swarm import LocalSwarm
 from swarm.config import RunConfig
 from swarm.reference import ReferenceTrainer
 
-SERVERS_PER_STAGE = 2
-TRAINERS = 2
 
-
-def measure(config_path: str, steps: int, stages: int, log_dir: str | None) -> dict:
+def measure(config_path: str, steps: int, stages: int, log_dir: str | None, servers_per_stage: int = 2,
+            trainers: int = 2, in_flight: int | None = None, batch_size: int | None = None) -> dict:
     config = RunConfig.load(config_path)
     config.stages.num_stages = stages
+    if batch_size is not None:
+        config.optimizer.batch_size = batch_size
     config.validate()
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
         path = Path(tmp) / "run.yaml"
         config.save(path)
-        swarm = LocalSwarm(str(path), config, servers_per_stage=SERVERS_PER_STAGE, trainers=TRAINERS,
+        swarm = LocalSwarm(str(path), config, servers_per_stage=servers_per_stage, trainers=trainers,
                            log_dir=log_dir or str(Path(tmp) / "logs"), metrics_port=None,
-                           stop=threading.Event()).run(steps)
+                           stop=threading.Event(), in_flight=in_flight).run(steps)
     reference_steps = max(1, math.ceil(swarm["samples"] / config.optimizer.batch_size))
     started = time.monotonic()
     reference = ReferenceTrainer(config).run(reference_steps)
     return {
         "config": config_path,
+        "batch_size": config.optimizer.batch_size,
+        "servers_per_stage": servers_per_stage,
+        "trainers": trainers,
+        "in_flight": in_flight,
         "swarm_val_loss": swarm["val_loss"],
         "reference_val_loss": reference["val_loss"],
         "ratio": swarm["val_loss"] / reference["val_loss"],
@@ -65,13 +73,21 @@ def main() -> None:
     p.add_argument("--config", default="configs/tiny.yaml")
     p.add_argument("--steps", type=int, help="swarm steps of the slowest stage (default 200; --quick: 40)")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--servers-per-stage", type=int, default=2)
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--in-flight", type=int, help="each trainer's micro-batches in flight (default: the trainers')")
+    p.add_argument("--batch-size", type=int, help="override the config's optimizer.batch_size")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--log-dir", help="keep the swarm's logs here (default: a temporary directory)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args()
     steps = args.steps or (40 if args.quick else 200)
-    r = measure(args.config, steps, args.stages, args.log_dir)
-    print(f"{r['config']}: {r['samples']} samples; val loss swarm {r['swarm_val_loss']:.4f} "
+    r = measure(args.config, steps, args.stages, args.log_dir, args.servers_per_stage, args.trainers,
+                args.in_flight, args.batch_size)
+    in_flight = "default" if r["in_flight"] is None else r["in_flight"]
+    print(f"{r['config']} (batch {r['batch_size']}; {args.stages} stages x {r['servers_per_stage']} servers, "
+          f"{r['trainers']} trainers, in flight {in_flight}): {r['samples']} samples; "
+          f"val loss swarm {r['swarm_val_loss']:.4f} "
           f"({r['swarm_steps']} steps, {r['swarm_wall_seconds']:.0f}s), reference {r['reference_val_loss']:.4f} "
           f"({r['reference_steps']} steps, {r['reference_wall_seconds']:.0f}s); "
           f"swarm/reference {r['ratio']:.3f} (goal <= 1.02)", flush=True)

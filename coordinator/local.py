@@ -13,7 +13,7 @@ from pathlib import Path
 from swarm.config import ConfigError, RunConfig
 from swarm.data import DataError
 from swarm.dht import SwarmDHTError
-from swarm.envflags import apply_env_defaults
+from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 
 from .progress import ProgressLine
@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=50, help="optimizer steps to train for")
     p.add_argument("--servers-per-stage", type=int, default=1, help="server processes per pipeline stage")
     p.add_argument("--trainers", type=int, default=1, help="trainer processes")
+    p.add_argument("--in-flight", type=positive_int, help="each trainer's micro-batches in flight (default: "
+                   "swarm-peer's, a quarter of a batch)")
     p.add_argument("--reference", action="store_true", help="train the whole model in this one process")
     p.add_argument("--metrics-port", type=int, help="the coordinator's /metrics and /status port (default: free)")
     p.add_argument("--log-dir", help="where each process writes its log (default: a new temporary directory)")
@@ -65,7 +67,7 @@ def run_swarm(args: argparse.Namespace, config: RunConfig) -> dict:
     print(f"local swarm: {config.run_id}, {S} stages x {R} server(s), {T} trainer(s), {args.steps} steps", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    swarm = LocalSwarm(args.config, config, R, T, args.log_dir, args.metrics_port, stop)
+    swarm = LocalSwarm(args.config, config, R, T, args.log_dir, args.metrics_port, stop, in_flight=args.in_flight)
     try:
         return swarm.run(args.steps)
     except KeyboardInterrupt:

@@ -36,8 +36,9 @@ class LocalSwarm:
     """Starts, watches and ends the processes of a local swarm; `run` returns the JSON summary."""
 
     def __init__(self, config_path: str, config: RunConfig, servers_per_stage: int, trainers: int,
-                 log_dir: str | None, metrics_port: int | None, stop: threading.Event):
+                 log_dir: str | None, metrics_port: int | None, stop: threading.Event, in_flight: int | None = None):
         self.config_path = config_path
+        self.in_flight = in_flight  # each trainer's micro-batches in flight (None: the trainers' default)
         self.config = config
         self.servers_per_stage = servers_per_stage
         self.trainers = trainers
@@ -57,8 +58,9 @@ class LocalSwarm:
             self._start_servers(maddr)
             self._join(maddr)
             self._wait_for_servers()
-            trainers = [self._child(f"trainer-{i}", "peer.cli", maddr, "--role", "trainer", "--trainer-index", str(i))
-                        for i in range(self.trainers)]
+            extra = [] if self.in_flight is None else ["--in-flight", str(self.in_flight)]
+            trainers = [self._child(f"trainer-{i}", "peer.cli", maddr, "--role", "trainer", "--trainer-index", str(i),
+                                    *extra) for i in range(self.trainers)]
             status = self._train(steps)
             end_all(trainers)  # trainers publish their last metrics as they exit
             metrics = [m for m in self.records.lookup_metrics() if m.role == "trainer"]

@@ -15,7 +15,7 @@ from swarm.averaging import AveragingError
 from swarm.config import ConfigError, RunConfig
 from swarm.data import DataError
 from swarm.dht import BackgroundLoop, SwarmDHTError, SwarmRecords, join_run, load_identity, serve_run_info
-from swarm.envflags import apply_env_defaults
+from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer
 
@@ -45,16 +45,6 @@ def non_negative(value: str) -> float:
     x = float(value)
     if x < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return x
-
-
-def positive_int(value: str) -> int:
-    try:
-        x = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
-    if x < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return x
 
 

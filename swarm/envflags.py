@@ -7,6 +7,7 @@ on. A flag given on the command line wins over the environment. The programs cal
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -39,3 +40,14 @@ def apply_env_defaults(parser: Any, environ: Mapping[str, str] | None = None) ->
         else:
             action.default = raw
             action.required = False
+
+
+def positive_int(value: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        x = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {value!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return x

@@ -2,9 +2,11 @@
 
 The swarm (LocalSwarm: coordinator, servers and trainers as separate processes on 127.0.0.1)
 trains until its slowest stage reaches --steps; its trainers are then stopped and the validation
-loss is measured through the swarm. The single-process ReferenceTrainer then trains on as many
-samples as the swarm's trainers completed (in steps of the config's batch) and is evaluated on the
-same validation windows. Printed: both losses and swarm / reference (goal <= 1.02).
+loss is measured through the swarm. The single-process ReferenceTrainer then takes as many steps
+(of one batch each) as the swarm's model had taken at that moment (its slowest stage; the servers
+say their step in every reply), and is evaluated on the same validation windows. Printed: both
+losses and swarm / reference (goal <= 1.02), and the samples the swarm's trainers completed (some
+are held for a step that never came, or were lost with a failed call).
 
 What can make them differ: data order (two trainers with their own sampler seeds vs one), and
 stale gradients. A micro-batch whose stage steps between its forward and its backward is trained
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import threading
 import time
@@ -47,7 +48,10 @@ def measure(config_path: str, steps: int, stages: int, log_dir: str | None, serv
         swarm = LocalSwarm(str(path), config, servers_per_stage=servers_per_stage, trainers=trainers,
                            log_dir=log_dir or str(Path(tmp) / "logs"), metrics_port=None,
                            stop=threading.Event(), in_flight=in_flight).run(steps)
-    reference_steps = max(1, math.ceil(swarm["samples"] / config.optimizer.batch_size))
+    # the steps the swarm's model had taken when its validation loss was measured (each of one batch,
+    # or a micro-batch more now and then): the samples the trainers computed but no step applied yet
+    # are not in it
+    reference_steps = max(1, min(swarm["model_steps"]))
     started = time.monotonic()
     reference = ReferenceTrainer(config).run(reference_steps)
     return {
@@ -60,7 +64,7 @@ def measure(config_path: str, steps: int, stages: int, log_dir: str | None, serv
         "reference_val_loss": reference["val_loss"],
         "ratio": swarm["val_loss"] / reference["val_loss"],
         "samples": swarm["samples"],
-        "swarm_steps": swarm["steps"],
+        "swarm_steps": swarm["model_steps"],
         "reference_steps": reference_steps,
         "reference_samples": reference["samples"],
         "swarm_wall_seconds": swarm["wall_seconds"],
@@ -86,7 +90,7 @@ def main() -> None:
                 args.in_flight, args.batch_size)
     in_flight = "default" if r["in_flight"] is None else r["in_flight"]
     print(f"{r['config']} (batch {r['batch_size']}; {args.stages} stages x {r['servers_per_stage']} servers, "
-          f"{r['trainers']} trainers, in flight {in_flight}): {r['samples']} samples; "
+          f"{r['trainers']} trainers, in flight {in_flight}): trainers completed {r['samples']} samples; "
           f"val loss swarm {r['swarm_val_loss']:.4f} "
           f"({r['swarm_steps']} steps, {r['swarm_wall_seconds']:.0f}s), reference {r['reference_val_loss']:.4f} "
           f"({r['reference_steps']} steps, {r['reference_wall_seconds']:.0f}s); "

@@ -65,7 +65,7 @@ class LocalSwarm:
             end_all(trainers)  # trainers publish their last metrics as they exit
             metrics = [m for m in self.records.lookup_metrics() if m.role == "trainer"]
             print("measuring the validation loss through the swarm...", flush=True)
-            val_loss = self._validation_loss()
+            val_loss, model_steps = self._validation_loss()
         finally:
             end_all(self.children)
             if self.dht is not None:
@@ -87,6 +87,7 @@ class LocalSwarm:
             "final_loss": sum(finals) / len(finals) if finals else None,
             "val_loss": val_loss,
             "steps": status["step"],
+            "model_steps": model_steps,  # each stage's step when the validation loss was measured
             "samples": samples,
             "samples_per_second": speed,
             "wall_seconds": time.monotonic() - started,
@@ -181,7 +182,8 @@ class LocalSwarm:
         finally:
             progress.close()
 
-    def _validation_loss(self) -> float:
+    def _validation_loss(self) -> tuple[float, list[int]]:
+        """Mean validation loss through the swarm, and the step of each stage that answered."""
         config = self.config
         pipeline = self.loop.run(self._make_pipeline(), EVAL_CALL_TIMEOUT)
         tokens = load_tokens(config.data, "val", load_tokenizer(config.data))
@@ -191,7 +193,7 @@ class LocalSwarm:
             loss = self.loop.run(pipeline.evaluate(x, y, request_id=f"eval:{i}"), EVAL_CALL_TIMEOUT)
             total += loss * x.shape[0]
             count += x.shape[0]
-        return total / count
+        return total / count, [pipeline.stage_steps.get(stage, 0) for stage in range(config.stages.num_stages)]
 
     async def _make_pipeline(self) -> RemotePipeline:
         p2p = await self.dht.replicate_p2p()

@@ -87,6 +87,7 @@ class RemotePipeline:
         self.settings = settings or PipelineSettings()
         self.balancers = [balancer_factory() for _ in range(num_stages)]
         self.stats = PipelineStats()
+        self.stage_steps: dict[int, int] = {}  # the optimizer step each stage's server last replied with
         self._servers_changed = asyncio.Event()
 
     def update_servers(self, peers_by_stage: dict[int, Sequence[str]]) -> None:
@@ -176,6 +177,8 @@ class RemotePipeline:
                             stage, kind, peer[-8:], len(reply.tensors), expected)
                 continue
             balancer.report_success(peer, size, time.perf_counter() - started)
+            if reply.server_step is not None:
+                self.stage_steps[stage] = reply.server_step
             return reply
 
     async def _pause(self, stage: int, seconds: float, deadline: float) -> None:

@@ -198,6 +198,7 @@ class StageAverager:
         samples = self.optimizer.samples
         started = time.monotonic()
         self.metrics.in_round.set(1)
+        failure: AveragingError | None = None
         try:
             self._load_buffers(samples)
             self._process.prepare_round(view.step, view.group_size)
@@ -206,15 +207,16 @@ class StageAverager:
             total = _total_samples(gathered, view.step)
             mean = self._read_buffers()
         except AveragingError as e:
+            failure = e
+        finally:
             self.metrics.in_round.set(0)
             self.metrics.round_seconds.observe(time.monotonic() - started)
+        if failure is not None:
             self._check_process()
             log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
-                        self.stage, view.step + 1, e, samples)
+                        self.stage, view.step + 1, failure, samples)
             return self._step_alone(FAILED)
         group = len(gathered)
-        self.metrics.in_round.set(0)
-        self.metrics.round_seconds.observe(time.monotonic() - started)
         self.metrics.group_size.set(group)
         self.metrics.bytes_sent.inc(self._bytes_per_round * 2 * (group - 1) / group)
         self.metrics.rounds[SUCCEEDED].inc()

@@ -72,10 +72,9 @@ def param_fingerprint(params: Iterable[torch.Tensor]) -> list[float]:
     """Two numbers that differ between replicas whose parameters differ: the sum and the sum of squares."""
     total, squares = 0.0, 0.0
     with torch.no_grad():
-        for p in params:
-            p = p.detach().double()
-            total += float(p.sum())
-            squares += float(p.square().sum())
+        for p in params:  # accumulated in float64 without a float64 copy of the parameters
+            total += float(p.sum(dtype=torch.float64))
+            squares += float(torch.linalg.vector_norm(p, dtype=torch.float64)) ** 2
     return [total, squares]
 
 

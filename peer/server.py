@@ -69,6 +69,9 @@ class ServerMetrics:
             "swarm_server_backward_staleness_steps",
             "Optimizer steps this stage took between a micro-batch's forward and its backward (0: exact)",
             buckets=(0, 1, 2, 4, 8, 16), registry=registry)
+        self.stashed = Counter("swarm_server_stashed_samples", "Samples whose gradient was computed on the "
+                               "parameters from before the stage's last step, which their forward used",
+                               registry=registry)
         self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
                                registry=registry)
 
@@ -190,9 +193,9 @@ class StageRequestHandler(StageHandler):
     async def _forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
         backend = await self._admit(request)
-        out = await self._run(request, backend.forward, request.inputs, request.targets)
+        out, step = await self._run(request, backend.forward_at, request.inputs, request.targets)
         self._done(request, started)
-        return StageReply([out], server_step=backend.step)
+        return StageReply([out], server_step=step)
 
     async def _backward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
@@ -213,6 +216,8 @@ class StageRequestHandler(StageHandler):
             self.server.metrics.samples.inc(request.inputs.shape[0])
             if result.staleness is not None:
                 self.server.metrics.staleness.observe(result.staleness)
+            if result.stashed:
+                self.server.metrics.stashed.inc(request.inputs.shape[0])
         self._done(request, started)
         tensors = [] if result.grad_input is None else [result.grad_input]
         info = {} if result.loss is None else {"loss": result.loss}

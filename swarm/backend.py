@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch.func import functional_call
 
 from swarm.model import StageModule
 from swarm.optim import StageOptimizer
@@ -39,6 +40,7 @@ class BackwardResult:
     step: int  # the stage's optimizer step after this task
     step_stats: dict[str, Any] | None  # set when this task completed a batch and the stage stepped
     staleness: int | None = None  # steps the stage took between the micro-batch's forward and this backward
+    stashed: bool = False  # the gradient was computed on the parameters the forward used, kept from before a step
 
 
 class StageBackend:
@@ -52,6 +54,7 @@ class StageBackend:
         max_queue: int = 64,
         on_step: Callable[[dict[str, Any]], None] | None = None,
         stepper: StageStepper | None = None,
+        stash_weights: bool = True,
     ):
         self.device = torch.device(device)
         self.module = module.to(self.device)
@@ -64,6 +67,13 @@ class StageBackend:
         self._queued = 0
         self.busy_seconds = 0.0  # compute time spent, for throughput estimates
         self.samples_processed = 0
+        # Weight stashing: a copy of the parameters from before the last step, so a micro-batch whose
+        # forward ran before that step gets its gradient from the parameters that forward used. The
+        # last stage runs forward and backward in one call and needs none.
+        self.stash_weights = stash_weights and not module.is_last
+        self._param_names = [name for name, p in module.named_parameters() if p.requires_grad]
+        self._stash: list[torch.Tensor] | None = None
+        self._stash_step: int | None = None  # the step whose parameters _stash holds
 
     @property
     def queue_depth(self) -> int:
@@ -96,10 +106,14 @@ class StageBackend:
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Stage output for `x` (the mean loss on the last stage); no gradients are kept."""
+        return self.forward_at(x, targets)[0]
+
+    def forward_at(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """forward(), and the step whose parameters it used (what a trainer sends back with the backward)."""
         with torch.no_grad():
             out = self.module(x.to(self.device), _to(targets, self.device))
         self.samples_processed += x.shape[0]
-        return out.float().cpu()
+        return out.float().cpu(), self.step
 
     def backward(
         self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -110,10 +124,12 @@ class StageBackend:
         Gradients are of the SUM of per-sample losses (the last stage scales its mean loss by the
         micro-batch size), so the optimizer can average over however many samples arrived.
         `forward_step`, the step at which this stage ran the micro-batch's forward, tells how stale
-        the gradient is: the recomputed forward uses the parameters of now, `grad_output` came from
-        activations of then.
+        the gradient is: `grad_output` came from activations of then. If the stage has stepped once
+        since, the forward is recomputed on the stashed parameters of then, so the gradient is
+        consistent (one step old); if more, on the parameters of now.
         """
         staleness = None if forward_step is None else max(0, self.step - forward_step)
+        stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
         module = self.module
         n = x.shape[0]
         x = x.to(self.device)
@@ -125,7 +141,12 @@ class StageBackend:
         for p in params:
             p.grad = None
         try:
-            out = module(x, _to(targets, self.device))  # validates x and targets
+            if stashed:  # fresh leaves each time, so their gradients are this micro-batch's alone
+                leaves = [t.detach().requires_grad_(True) for t in self._stash]
+                out = functional_call(module, dict(zip(self._param_names, leaves)), (x, _to(targets, self.device)))
+            else:
+                leaves = params
+                out = module(x, _to(targets, self.device))  # validates x and targets
             if module.is_last:
                 loss = float(out.detach())
                 (out * n).backward()
@@ -133,7 +154,7 @@ class StageBackend:
                 loss = None
                 _check_grad_output(grad_output, out)
                 out.backward(grad_output.to(device=self.device, dtype=out.dtype))
-            grads = [p.grad for p in params]
+            grads = [leaf.grad for leaf in leaves]
         finally:  # a request that fails changes nothing
             for p, grad in zip(params, kept):
                 p.grad = grad
@@ -141,12 +162,16 @@ class StageBackend:
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if module.is_first else x.grad.detach().cpu()
-        return BackwardResult(grad_input, loss, self.step, stats, staleness)
+        return BackwardResult(grad_input, loss, self.step, stats, staleness, stashed)
 
     def _step_if_ready(self) -> dict[str, Any] | None:
         if not self.stepper.ready:
             return None
+        step = self.step
+        before = [p.detach().clone() for p in self.optimizer.params] if self.stash_weights else None
         stats = self.stepper.step()
+        if self.step != step:  # the parameters moved on (a step, or a catch-up with the stage)
+            self._stash, self._stash_step = before, step
         if stats is None:  # nothing stepped here (e.g. the stage caught up with its peers)
             return None
         if stats["skipped"]:

@@ -1,5 +1,6 @@
 """StageBackend: recomputed backward equals plain autograd; bad input changes nothing."""
 
+import copy
 import threading
 
 import pytest
@@ -125,3 +126,26 @@ def test_backward_reports_how_stale_its_gradient_is():
     assert first.backward(x, grad_output=torch.ones_like(h), forward_step=0).step == 1  # a batch of 4: stepped
     assert first.backward(x, grad_output=torch.ones_like(h), forward_step=0).staleness == 1
     assert first.backward(x, grad_output=torch.ones_like(h)).staleness is None  # an older trainer sends none
+
+
+def test_a_backward_one_step_late_uses_the_parameters_its_forward_used():
+    config = tiny_config()
+    first, _ = make_backends(config)
+    then = copy.deepcopy(first.module)  # the parameters at step 0
+    x, _ = batch(6)
+    h, forward_step = first.forward_at(x)
+    grad = torch.randn_like(h)
+    for seed in (7, 8):  # a batch of 4 from other micro-batches: the stage steps to 1
+        other, _ = batch(seed)
+        first.backward(other, grad_output=torch.ones_like(h))
+    assert (forward_step, first.step) == (0, 1)
+
+    result = first.backward(x, grad_output=grad, forward_step=forward_step)
+    assert result.stashed and result.staleness == 1
+    then(x).backward(grad)
+    for param, expected in zip(first.optimizer.params, then.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad)
+    assert not any(torch.equal(p, q) for p, q in zip(first.optimizer.params, then.parameters()) if p.dim() > 1)
+
+    first.backward(x, grad_output=grad, forward_step=forward_step)  # the step: 4 samples; stash now holds step 1
+    assert not first.backward(x, grad_output=grad, forward_step=0).stashed  # two steps old: recomputed on now's

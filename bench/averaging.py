@@ -10,8 +10,10 @@ Printed per n, medians over the repeats:
 - ours: a round as StageAverager times it (swarm_averaging_round_seconds: gradients into the
   buffers, matchmaking, all-reduce, mean out of the buffers); "step" adds the progress refresh in
   the DHT and the AdamW step, i.e. all of StageAverager.step();
-- raw: DecentralizedAverager.step() as its caller sees it;
-- ours/raw of the round (goal <= 1.1);
+- raw: DecentralizedAverager.step() as its caller sees it, and the same with what a caller
+  averaging gradients must add: copying them into the averager's tensors and the mean back out
+  (ours does both inside its round);
+- ours/raw of the round (goal <= 1.1), against both;
 - bytes each peer sent: what its averaging process wrote (/proc/PID/io wchar: its all-reduce
   parts, written to the local p2pd's socket, plus small control messages), beside the
   2(n-1)/n x (payload after compression) an all-reduce must send, and our
@@ -137,7 +139,8 @@ def ours_round(group: list[Member], batch_size: int) -> dict:
         grads = [torch.randn_like(param) for param in optimizer.params]
         member.ours.accumulate(grads, -(-batch_size // n))  # the group holds a full batch between them
     deadline = time.monotonic() + READY_TIMEOUT
-    while not all(m.ours.view().samples >= batch_size for m in group):
+    # every member sees the batch, and every other member (else it would expect a smaller group)
+    while not all(m.ours.view().samples >= batch_size and m.ours.view().group_size == n for m in group):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the averagers did not see the stage's batch within {READY_TIMEOUT:g}s")
         time.sleep(POLL)
@@ -156,15 +159,26 @@ def ours_round(group: list[Member], batch_size: int) -> dict:
 
 def raw_round(group: list[Member], timeout: float) -> dict:
     n = len(group)
-    for member in group:
+    grads = {id(m): [torch.randn_like(t) for t in m.ours.optimizer.params] for m in group}
+
+    def averaged(member: Member) -> tuple[object, float]:
+        """Gradients in, step, mean out, as a caller averaging gradients must; and the step's own time."""
         with member.raw.get_tensors() as tensors, torch.no_grad():
-            for tensor in tensors:
-                tensor.copy_(torch.randn_like(tensor))
+            for tensor, grad in zip(tensors, grads[id(member)]):
+                tensor.copy_(grad)
+        started = time.perf_counter()
+        gathered = member.raw.step(weight=1.0, timeout=timeout)
+        seconds = time.perf_counter() - started
+        with member.raw.get_tensors() as tensors:
+            [tensor.clone() for tensor in tensors]
+        return gathered, seconds
+
     before = [written(m.raw.pid) for m in group]
-    results = together([lambda m=m: m.raw.step(weight=1.0, timeout=timeout) for m in group])
-    if any(not gathered or len(gathered) != n for _, gathered in results):
-        raise RuntimeError(f"a raw round did not average all {n}: {[gathered for _, gathered in results]}")
-    return {"round": max(seconds for seconds, _ in results),
+    results = together([lambda m=m: averaged(m) for m in group])
+    if any(not gathered or len(gathered) != n for _, (gathered, _) in results):
+        raise RuntimeError(f"a raw round did not average all {n}: {[gathered for _, (gathered, _) in results]}")
+    return {"round": max(seconds for _, (_, seconds) in results),
+            "with_copies": max(seconds for seconds, _ in results),
             "sent": statistics.mean(written(m.raw.pid) - b for m, b in zip(group, before))}
 
 
@@ -191,6 +205,7 @@ def measure(base: RunConfig, n: int, repeats: int) -> dict:
         "ours_round": median(r["round"] for r in ours),
         "ours_step": median(r["step"] for r in ours),
         "raw_round": median(r["round"] for r in raw),
+        "raw_with_copies": median(r["with_copies"] for r in raw),
         "ours_sent": median(r["sent"] for r in ours),
         "raw_sent": median(r["sent"] for r in raw),
         "ours_estimated": median(r["estimated"] for r in ours),
@@ -216,8 +231,10 @@ def main() -> None:
     for n in sizes:
         r = measure(base, n, repeats)
         print(f"n={n}: round ours {r['ours_round']:.2f}s (whole step {r['ours_step']:.2f}s), "
-              f"raw {r['raw_round']:.2f}s, "
-              f"ours/raw {r['ours_round'] / r['raw_round']:.2f}; sent per peer: ours {r['ours_sent'] / mb:.1f} MB, "
+              f"raw {r['raw_round']:.2f}s ({r['raw_with_copies']:.2f}s with the gradients copied in and out), "
+              f"ours/raw {r['ours_round'] / r['raw_round']:.2f} "
+              f"(/ raw with copies {r['ours_round'] / r['raw_with_copies']:.2f}); "
+              f"sent per peer: ours {r['ours_sent'] / mb:.1f} MB, "
               f"raw {r['raw_sent'] / mb:.1f} MB, 2(n-1)/n bound {r['lower_bound'] / mb:.1f} MB "
               f"(ours/bound {r['ours_sent'] / r['lower_bound']:.2f}; "
               f"metric estimate {r['ours_estimated'] / mb:.1f} MB)",

@@ -36,6 +36,7 @@ from swarm.averaging.progress import (
     INITIAL_ROUND,
     ProgressRecord,
     StageView,
+    fingerprint_rtol,
     param_fingerprint,
     round_of,
     sharing_priority,
@@ -88,6 +89,7 @@ class StageAverager:
         self._held: list[torch.Tensor | None] | None = None
         self.held_samples = 0
         self._fingerprint: list[float] = []
+        self._fingerprint_rtol = fingerprint_rtol(self.config.compression)
         self._params_changed()
         prefix = averaging_prefix(config.run_id, stage)
         ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
@@ -191,7 +193,7 @@ class StageAverager:
 
     def view(self) -> StageView:
         """This server's view of its stage now (others as of the last progress read)."""
-        return stage_view(self._own_record(), [] if self.solo else self._tracker.others())
+        return stage_view(self._own_record(), [] if self.solo else self._tracker.others(), self._fingerprint_rtol)
 
     # rounds
     def _average_and_step(self, view: StageView) -> dict[str, Any] | None:

@@ -48,6 +48,15 @@ class RoundFailed(AveragingError):
     """An averaging round ended without a result (no group, a timeout, a broken all-reduce)."""
 
 
+class PartialRound(RuntimeError):
+    """An all-reduce that lost part of the averaged vector (a member failed partway).
+
+    hivemind keeps the member's own values for the missing part and reports success, so the
+    survivors' buffers would differ; raised instead, in the averaging process, and not retried by
+    hivemind (it is none of the errors it retries on).
+    """
+
+
 class AveragingProcess(DecentralizedAverager):
     """Averages ``buffers`` with the servers of one stage; serves ``state_source()`` to downloaders."""
 
@@ -169,6 +178,18 @@ class AveragingProcess(DecentralizedAverager):
     def process_id(self) -> int | None:
         """The averaging process's pid (for operators, and tests that kill it)."""
         return self.pid
+
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+        # in the child: the round's runner is still registered under its group id until we return
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        registered = self._running_groups.get(group_info.group_id)
+        runner = registered.result() if registered is not None and registered.done() else None
+        container = getattr(runner, "tensor_part_container", None)
+        failed, total = getattr(container, "failed_size", 0), getattr(container, "total_size", 0)
+        if failed:
+            raise PartialRound(f"the all-reduce returned {100 * (1 - failed / max(total, 1)):.1f}% of the averaged "
+                               f"vector: a member failed partway")
+        return gathered
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
         # hivemind calls this on a thread of the parent process when a peer downloads our state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -193,3 +194,35 @@ def test_backend_steps_through_its_stepper_and_on_request():
         assert seen == [stepper.result]
     finally:
         backend.shutdown()
+
+
+def test_an_all_reduce_that_lost_part_of_the_vector_is_a_failed_round(monkeypatch):
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from swarm.averaging.process import AveragingProcess, PartialRound
+
+    async def finished(self, group_info, min_vector_size, **kwargs):
+        return {"peer": {"step": 1}}
+
+    monkeypatch.setattr(DecentralizedAverager, "_aggregate_with_group", finished)
+    process = AveragingProcess.__new__(AveragingProcess)  # only the round bookkeeping is used
+    process._parent_pid = None  # (what its __del__ looks at)
+    group = SimpleNamespace(group_id=b"g")
+
+    def registered(failed: int) -> None:
+        runner = Future()
+        runner.set_result(SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=failed, total_size=40)))
+        process._running_groups = {b"g": runner}
+
+    registered(0)
+    assert asyncio.run(process._aggregate_with_group(group, 0)) == {"peer": {"step": 1}}
+    registered(10)
+    with pytest.raises(PartialRound, match="75.0%"):
+        asyncio.run(process._aggregate_with_group(group, 0))
+    # what the check reads is hivemind's own bookkeeping: fail here if a new hivemind renames it
+    container = TensorPartContainer([torch.zeros(8)], peer_fractions=(1.0,))
+    assert container.failed_size == 0 and container.total_size == 8

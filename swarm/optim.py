@@ -92,10 +92,31 @@ class StageOptimizer:
         """Average, clip, step AdamW and zero grads; skips (and says so) on non-finite gradients."""
         if self.samples <= 0:
             raise OptimizerError("step() with no accumulated samples; call add_samples(n) after backward")
-        samples = self.samples
-        grads = [p.grad for p in self.params if p.grad is not None]
-        for g in grads:
-            g.div_(samples)
+        grads, samples = self.take_gradients()
+        with torch.no_grad():
+            for g in grads:
+                if g is not None:
+                    g.div_(samples)
+        return self.step_with(grads, samples)
+
+    def take_gradients(self) -> tuple[list[torch.Tensor | None], int]:
+        """Hand over the accumulated gradient sums and their sample count; accumulation starts afresh.
+
+        For steppers that step later, on another thread's schedule, while new samples accumulate.
+        """
+        grads, samples = [p.grad for p in self.params], self.samples
+        self.zero_grad()
+        return grads, samples
+
+    def step_with(self, mean_grads: Sequence[torch.Tensor | None], samples: int) -> dict[str, Any]:
+        """Clip and step AdamW on `mean_grads` (one per parameter, None: none), the mean over `samples`.
+
+        The gradients being accumulated meanwhile are left as they are. The tensors given may be
+        changed in place (clipping).
+        """
+        if len(mean_grads) != len(self.params):
+            raise ValueError(f"got {len(mean_grads)} gradients for {len(self.params)} parameters")
+        grads = [g for g in mean_grads if g is not None]
         grad_norm = _total_norm(grads)
         lr = lr_at(self.step_count, self.config)
         skipped = not math.isfinite(grad_norm)
@@ -106,9 +127,15 @@ class StageOptimizer:
                     g.mul_(scale)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            accumulating = [p.grad for p in self.params]
+            for param, grad in zip(self.params, mean_grads):  # AdamW reads .grad
+                param.grad = None if grad is None else grad.to(device=param.device, dtype=param.dtype)
+            try:
+                self.optimizer.step()
+            finally:
+                for param, grad in zip(self.params, accumulating):
+                    param.grad = grad
             self.step_count += 1
-        self.zero_grad()
         return {
             "step": self.step_count,
             "lr": lr,

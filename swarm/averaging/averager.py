@@ -1,26 +1,34 @@
 """StageAverager: the servers of one stage step together, on the gradient of all their samples.
 
-Each server accumulates gradient sums in ``param.grad`` as a lone server would. When the servers at
-its step hold a full batch between them (collective progress, :mod:`swarm.averaging.tracker`),
-every one of them joins one averaging round, even a server with no samples of its own: it puts its
-mean gradient in the averaging buffers with its sample count as weight, so the all-reduce yields
-``sum of all gradient sums / all samples``. Each then steps the same StageOptimizer math on that
-same gradient (clipping after averaging, the lr of the step), so the replicas stay equal.
+Each server accumulates gradient sums as a lone server would. When the servers whose samples make
+the same step hold a full batch between them (collective progress, :mod:`swarm.averaging.tracker`),
+each closes its batch: it hands the batch's gradient to an averaging round and goes on serving. The
+round runs on a thread of its own, beside compute: every server of the stage joins it, even one
+with no samples (weight 0), and the all-reduce yields ``sum of all gradient sums / all samples``.
+Meanwhile the compute thread keeps answering forwards and backwards on the parameters of step t,
+and their gradients count towards step t+2 (one step of delay: they are applied to the parameters
+of step t+1; weight stashing keeps each consistent with the parameters its forward used). When the
+round ends, the compute thread applies the step between two requests: the same StageOptimizer math
+on the same averaged gradient on every replica, so the replicas stay equal. The compute thread
+never waits on the network; what it spends on averaging (closing a batch, applying a step or a
+downloaded state) is exported as ``swarm_averaging_compute_seconds_total``.
 
 A round that fails (no group, a member gone, a timeout) never stops training: the server steps on
 its own gradient and says so (log and metrics). Every replica knows which round made its state; one
 whose state came from another round than a better-ranked replica's at the same step (a lone step, a
-group that formed apart) downloads that replica's state, as does a server behind its stage's step.
+group that formed apart) downloads that replica's state, as does a server behind its stage's step;
+the download too runs beside compute, and its state replaces the replica's between two requests.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import hivemind
@@ -82,6 +90,13 @@ class StageAverager:
         self._closing = threading.Event()
         self._request_step: RequestStep | None = None
         self._requested: Future | None = None  # the last step requested, until the worker ran it
+        # Rounds and catch-up downloads run here, beside compute, one at a time; each job returns what
+        # the compute thread then applies between two requests.
+        self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"averaging{stage}")
+        self._job: Future | None = None  # (set and cleared on the compute thread)
+        self._averaging = False  # a round for the next step is under way: new samples count towards the one after
+        self._late = 0  # samples accumulated while the last round ran
+        self._late_in_round = 0  # ...and those of the batch the round now under way averages
         self._download_pause = DOWNLOAD_RETRY_PAUSE
         self._next_download = 0.0  # monotonic time before which no catch-up is tried
         self._channel: ProgressChannel | None = None
@@ -106,38 +121,92 @@ class StageAverager:
         self._tracker = StageProgressTracker(dht, prefix, owner_key, peer_id, self.config.progress_period,
                                              self.config.request_timeout, self._own_record, self._on_progress)
 
-    # StageStepper
+    # StageStepper (every method on the backend's compute thread)
     @property
     def step_count(self) -> int:
         return self.optimizer.step_count
 
     def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
-        """Count the samples towards this step, or hold them for the next if the stage's batch is full."""
-        if self.view().samples >= self.batch_size:  # a round is due: these would make the batch larger
+        """Count the samples towards the step they make, or hold them for the next if its batch is full.
+
+        While a round runs, samples count towards the step after it however many come: holding them
+        for later would make them two steps stale, and refusing them would make the servers wait.
+        So a stage whose rounds take longer than a batch's compute takes larger steps (the samples
+        that came during the round are in the step's stats as ``late``).
+        """
+        if not self._averaging and self._full(self.view()):  # a batch is due: these would make it larger
             self._hold(grads, n)
         else:
             with self._state_lock:
                 self.optimizer.accumulate(grads, n)
+                if self._averaging:
+                    self._late += n
         self._tracker.nudge()
 
     @property
     def ready(self) -> bool:
+        job = self._job
+        if job is not None:  # a round or a download runs beside compute: nothing to do until it ends
+            return job.done()
         view = self.view()
-        return (view.needs_state and self._may_download()) or view.samples >= self.batch_size
+        return (view.needs_state and self._may_download()) or self._full(view)
 
     def step(self) -> dict[str, Any] | None:
-        """Catch up with the stage, or average and step, or step alone; never raises for the network's sake."""
+        """Apply what a finished round or download brought, or start one; never waits on the network.
+
+        Returns the stats of a step of this replica's own, None otherwise (a round started, or the
+        parameters came from a peer's state).
+        """
+        started = time.perf_counter()
+        try:
+            return self._advance()
+        finally:
+            self.metrics.compute_seconds.inc(time.perf_counter() - started)
+
+    def _advance(self) -> dict[str, Any] | None:
+        job = self._job
+        if job is not None:
+            if not job.done():
+                return None
+            self._job = None
+            try:
+                apply = job.result()  # what to apply, here on the compute thread
+            except Exception:  # a bug: the batch it had is lost, training goes on
+                log.exception("stage %d: an averaging job failed", self.stage)
+                self._end_round()
+                return None
+            return apply()
         if self._channel is None:
             self._refresh()  # decide on what the others publish now, not a period ago
         view = self.view()
         if view.needs_state and self._may_download():
-            self._catch_up(view)
+            self._start_job(self._catch_up, view)
             return None
-        if view.samples < self.batch_size:
+        if not self._full(view):
             return None
+        with self._state_lock:  # the batch goes to the round; held samples start the next one
+            grads, samples = self.optimizer.take_gradients()
+            self._late_in_round, self._late = self._late, 0
+            self._release_held()
+            if view.group_size > 1:
+                self._averaging = True
         if view.group_size == 1:  # nobody else at this step or behind it
-            return self._step_alone(LOCAL)
-        return self._average_and_step(view)
+            return self._apply(self._mean(grads, samples), samples, LOCAL, [self.peer_id], self._late_in_round)
+        self._start_job(self._average, view, grads, samples)
+        self._tracker.nudge()  # the others count our new samples towards the step after this round's
+        return None
+
+    def _full(self, view: StageView) -> bool:
+        return view.closed or view.samples >= self.batch_size
+
+    def _start_job(self, fn: Callable[..., Callable[[], Any]], *args: Any) -> None:
+        self._job = self._jobs.submit(fn, *args)
+        self._job.add_done_callback(self._job_done)
+
+    def _job_done(self, _: Future) -> None:
+        # (a callback, so the job counts as done for the step it asks for)
+        if self._request_step is not None and not self._closing.is_set():
+            self._requested = self._request_step()
 
     # lifecycle
     def load_state_from_peers(self, timeout: float | None = None) -> None:
@@ -184,7 +253,13 @@ class StageAverager:
         self._closing.set()
         self._tracker.stop(leave=True)
         self._close_channel()
+        self._jobs.shutdown(wait=False, cancel_futures=True)  # a job under way ends soon: it watches _closing
         self._process.close()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a round or a download is under way beside compute."""
+        return self._job is not None
 
     @property
     def process_id(self) -> int | None:
@@ -195,18 +270,19 @@ class StageAverager:
         """This server's view of its stage now (others as of the last progress read)."""
         return stage_view(self._own_record(), [] if self.solo else self._tracker.others(), self._fingerprint_rtol)
 
-    # rounds
-    def _average_and_step(self, view: StageView) -> dict[str, Any] | None:
-        samples = self.optimizer.samples
+    # rounds (on the averaging thread; each returns what the compute thread applies)
+    def _average(self, view: StageView, grads: list[torch.Tensor | None], samples: int) -> Callable[[], Any]:
         started = time.monotonic()
         self.metrics.in_round.set(1)
         failure: AveragingError | None = None
         try:
-            self._load_buffers(samples)
+            self._load_buffers(grads, samples)
             self._process.prepare_round(view.step, view.group_size)
-            gathered = self._process.average(float(samples), {"step": view.step, "samples": samples},
-                                             self._closing, lambda: self.view().group_size == 1)
-            total = _total_samples(gathered, view.step)
+            gathered, start_latency = self._process.average(
+                float(samples), {"step": view.step, "samples": samples, "late": self._late_in_round}, self._closing,
+                lambda: self.view().group_size == 1)
+            self.metrics.round_start_seconds.observe(start_latency)
+            total, late = _total_samples(gathered, view.step)
             mean = self._read_buffers()
         except AveragingError as e:
             failure = e
@@ -217,37 +293,42 @@ class StageAverager:
             self._check_process()
             log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
                         self.stage, view.step + 1, failure, samples)
-            return self._step_alone(FAILED)
+            if samples == 0:  # nothing of our own to step on: wait to catch up
+                return self._end_round
+            return functools.partial(self._apply, self._mean(grads, samples), samples, FAILED, [self.peer_id],
+                                     self._late_in_round)
         group = len(gathered)
         self.metrics.group_size.set(group)
         self.metrics.bytes_sent.inc(self._bytes_per_round * 2 * (group - 1) / group)
-        self.metrics.rounds[SUCCEEDED].inc()
-        with self._state_lock:
-            self._set_gradients(mean, total)
-            stats = self.optimizer.step()
-            if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
-                members = [peer.to_base58() for peer in gathered]
-                self.round_id, self.round_group = round_of(self.optimizer.step_count, members), group
-            self._params_changed()
-            self._release_held()
-        self._after_step()
-        log.debug("stage %d: averaged %d samples over %d servers in %.3fs", self.stage, total, group,
-                  time.monotonic() - started)
-        return {**stats, "averaging": SUCCEEDED, "group_size": group}
+        log.debug("stage %d: averaged %d samples over %d servers in %.3fs (group formed after %.3fs)", self.stage,
+                  total, group, time.monotonic() - started, start_latency)
+        return functools.partial(self._apply, mean, total, SUCCEEDED, [peer.to_base58() for peer in gathered], late)
 
-    def _step_alone(self, outcome: str) -> dict[str, Any] | None:
-        if self.optimizer.samples == 0:  # a failed round with nothing of our own: wait to catch up
-            self._tracker.nudge()
-            return None
+    def _apply(self, mean: list[torch.Tensor | None], samples: int, outcome: str, members: list[str],
+               late: int) -> dict[str, Any]:
+        """Step on the stage's mean gradient (compute thread): the same math on every member of the round.
+
+        `late`: how many of the `samples` came while the round before ran.
+        """
         with self._state_lock:
-            stats = self.optimizer.step()
-            if not stats["skipped"]:
-                self.round_id, self.round_group = round_of(self.optimizer.step_count, [self.peer_id]), 1
+            stats = self.optimizer.step_with(mean, samples)
+            if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
+                self.round_id, self.round_group = round_of(self.optimizer.step_count, members), len(members)
+            self._averaging = False
             self._params_changed()
-            self._release_held()
         self.metrics.rounds[outcome].inc()
         self._after_step()
-        return {**stats, "averaging": outcome, "group_size": 1}
+        return {**stats, "averaging": outcome, "group_size": len(members), "late": late}
+
+    def _end_round(self) -> None:
+        with self._state_lock:
+            self._averaging = False
+        self._tracker.nudge()
+
+    @staticmethod
+    def _mean(grads: list[torch.Tensor | None], samples: int) -> list[torch.Tensor | None]:
+        with torch.no_grad():
+            return [None if g is None else g.div_(samples) for g in grads]
 
     def _after_step(self) -> None:
         self._share_state()
@@ -275,36 +356,39 @@ class StageAverager:
             self.optimizer.accumulate(self._held, self.held_samples)
             self._held, self.held_samples = None, 0
 
-    def _load_buffers(self, samples: int) -> None:
+    def _load_buffers(self, grads: list[torch.Tensor | None], samples: int) -> None:
         """Our mean gradient into the averaging buffers (zeros if we have no samples: weight 0)."""
         with self._process.buffers() as buffers, torch.no_grad():
-            for param, buffer in zip(self.optimizer.params, buffers):
-                if param.grad is None or samples == 0:
+            for grad, buffer in zip(grads, buffers):
+                if grad is None or samples == 0:
                     buffer.zero_()
                 else:
-                    torch.div(param.grad, samples, out=buffer)
+                    torch.div(grad, samples, out=buffer)
 
     def _read_buffers(self) -> list[torch.Tensor]:
         with self._process.buffers() as buffers:
             return [buffer.clone() for buffer in buffers]
 
-    def _set_gradients(self, mean: list[torch.Tensor], total: int) -> None:
-        """The stage's mean gradient as a sum over `total` samples, as StageOptimizer.step expects."""
-        with torch.no_grad():
-            for param, grad in zip(self.optimizer.params, mean):  # (`mean` is ours: a copy of the buffers)
-                param.grad = grad.mul_(total).to(device=param.device, dtype=param.dtype)
-        self.optimizer.samples = total
-
     # state
-    def _catch_up(self, view: StageView) -> None:
+    def _catch_up(self, view: StageView) -> Callable[[], None]:
+        """Download the stage's state (averaging thread); what it returns adopts it on the compute thread."""
         why = ("behind its stage" if view.behind else
                "its state differs from a better-ranked replica's at the same step (another round, or a round "
                "that lost a member partway)")
         try:
-            ok = self._download(self.config.state_download_timeout, older_ok=False)
+            loaded = self._fetch(self.config.state_download_timeout)
         except AveragingError as e:
-            ok, why = False, f"{why}: {e}"
+            loaded, why = None, f"{why}: {e}"
             self._check_process()
+        return functools.partial(self._end_catch_up, loaded, why)
+
+    def _end_catch_up(self, loaded: tuple[Any, list[torch.Tensor]] | None, why: str) -> None:
+        ok = False
+        if loaded is not None:
+            try:
+                ok = self._adopt(loaded, older_ok=False)
+            except StateMismatch as e:
+                why = f"{why}: {e}"
         if ok:
             self._download_pause = DOWNLOAD_RETRY_PAUSE
             log.info("stage %d: caught up with its peers at step %d: %s", self.stage, self.step_count, why)
@@ -312,13 +396,21 @@ class StageAverager:
             self._next_download = time.monotonic() + self._download_pause
             self._download_pause = min(2 * self._download_pause, DOWNLOAD_RETRY_PAUSE_MAX)
             log.warning("stage %d: could not download the stage's state (%s); will retry", self.stage, why)
+            self._tracker.nudge()  # (so the retry is not left to the next progress period)
 
     def _download(self, timeout: float, older_ok: bool) -> bool:
         """Download and apply a peer's state; False if none came, or (unless `older_ok`) it was older than ours."""
+        loaded = self._fetch(timeout)
+        return loaded is not None and self._adopt(loaded, older_ok)
+
+    def _fetch(self, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
         loaded = self._process.download_state(timeout, self._closing)
         if loaded is None:
             self.metrics.downloads[FAILED].inc()
-            return False
+        return loaded
+
+    def _adopt(self, loaded: tuple[Any, list[torch.Tensor]], older_ok: bool) -> bool:
+        """Replace this replica's state with a downloaded one (on the thread that may change parameters)."""
         metadata, tensors = loaded
         with self._state_lock:
             step = metadata.get("step") if isinstance(metadata, dict) else None
@@ -330,6 +422,7 @@ class StageAverager:
             except StateMismatch:
                 self.metrics.downloads[FAILED].inc()
                 raise
+            self._late = 0  # (the accumulated samples went with the replaced state)
             if self._held is not None:  # computed on the state just replaced, like the samples it dropped
                 log.info("stage %d: dropped %d held samples computed on the replaced state", self.stage,
                          self.held_samples)
@@ -355,11 +448,12 @@ class StageAverager:
     # progress
     def _own_record(self) -> ProgressRecord:
         with self._state_lock:  # one moment's step, samples and round, not either side of a step
-            step, samples, round_, group, fingerprint = (self.optimizer.step_count, self.optimizer.samples,
-                                                         self.round_id, self.round_group, self._fingerprint)
+            step, samples, round_, group, fingerprint, averaging = (
+                self.optimizer.step_count, self.optimizer.samples, self.round_id, self.round_group,
+                self._fingerprint, self._averaging)
         return ProgressRecord(peer_id=self.peer_id, step=step, samples=samples, round_id=round_, group=group,
                               priority=sharing_priority(step, group, round_, self.peer_id),
-                              fingerprint=fingerprint)
+                              fingerprint=fingerprint, averaging=averaging)
 
     def _refresh(self) -> None:
         if not self.solo:
@@ -402,16 +496,18 @@ class StageAverager:
             self._requested = self._request_step()
 
 
-def _total_samples(gathered: dict[Any, Any], step: int) -> int:
-    """Samples behind a round's mean gradient, from what each member sent along."""
-    total = 0
+def _total_samples(gathered: dict[Any, Any], step: int) -> tuple[int, int]:
+    """Samples behind a round's mean gradient, and how many of them came late, from what each member sent."""
+    total = late = 0
     for info in gathered.values():
-        if not isinstance(info, dict) or info.get("step") != step or not isinstance(info.get("samples"), int):
+        if not isinstance(info, dict) or info.get("step") != step or not isinstance(info.get("samples"), int) \
+                or not isinstance(info.get("late", 0), int):
             raise RoundFailed(f"a member of the group sent {info!r}, expected step {step} and its samples")
         total += info["samples"]
+        late += info.get("late", 0)
     if total <= 0:
         raise RoundFailed("nobody in the group had samples")
-    return total
+    return total, late
 
 
 def compression_for(name: str) -> CompressionBase:

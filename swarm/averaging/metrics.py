@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SUCCEEDED, FAILED, LOCAL = "succeeded", "failed", "local"  # outcomes of a round
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+START_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class AveragingMetrics:
@@ -31,4 +32,12 @@ class AveragingMetrics:
                                  "parameters: equal on replicas in sync", ["stage", "part"], registry=registry)
         self.in_round = Gauge("swarm_averaging_round_in_progress", "1 while this server takes part in an "
                               "averaging round", ["stage"], registry=registry).labels(stage=label)
+        self.round_start_seconds = Histogram(
+            "swarm_averaging_round_start_seconds", "Time from this server handing its batch to a round until the "
+            "round's group formed and the all-reduce began", ["stage"], buckets=START_BUCKETS,
+            registry=registry).labels(stage=label)
+        self.compute_seconds = Counter(
+            "swarm_averaging_compute_seconds", "Time the stage's compute thread spent on averaging's behalf "
+            "(closing a batch, applying a step or a downloaded state) instead of serving requests; it never "
+            "waits on the network", ["stage"], registry=registry).labels(stage=label)
         self.downloads = {outcome: downloads.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED)}

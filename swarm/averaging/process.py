@@ -212,23 +212,28 @@ class AveragingProcess(DecentralizedAverager):
             future.set_exception(e)
 
     def average(self, weight: float, gather: dict, stop: threading.Event,
-                nobody_left: Callable[[], bool]) -> dict[Any, Any]:
-        """One round: the buffers become the group's weighted mean; returns each member's `gather`.
+                nobody_left: Callable[[], bool]) -> tuple[dict[Any, Any], float]:
+        """One round: the buffers become the group's weighted mean.
 
-        Raises RoundFailed after at most the matchmaking and all-reduce timeouts (plus a
-        request_timeout), soon after `stop` is set, or when `nobody_left()` while still matchmaking.
+        Returns each member's `gather`, and the seconds from this call until the group was formed
+        (the all-reduce began). Raises RoundFailed after at most the matchmaking and all-reduce
+        timeouts (plus a request_timeout), soon after `stop` is set, or when `nobody_left()` while
+        still matchmaking.
         """
         config = self.config
         if not self.is_alive():
             raise RoundFailed("the averaging process is not running")
+        started = time.monotonic()
         control = self.step(gather=gather, weight=weight, timeout=config.matchmaking_timeout, wait=False)
         limit = config.matchmaking_timeout + config.allreduce_timeout + config.request_timeout
+        deadline = started + limit
 
         def give_up() -> bool:
             return stop.is_set() or (control.stage == AveragingStage.LOOKING_FOR_GROUP and nobody_left())
 
         try:
-            gathered = _wait(control, limit, give_up)
+            formed = _wait_until_formed(control, deadline, give_up) - started
+            gathered = _wait(control, deadline - time.monotonic(), give_up)
         except GaveUp:
             control.cancel()
             reason = "left before the group formed" if stop.is_set() else "nobody left to average with"
@@ -240,7 +245,7 @@ class AveragingProcess(DecentralizedAverager):
             raise RoundFailed(f"{type(e).__name__}: {e}") from None
         if not gathered:
             raise RoundFailed("no group formed")
-        return gathered
+        return gathered, formed
 
     def download_state(self, timeout: float, stop: threading.Event) -> tuple[Any, list[torch.Tensor]] | None:
         """The state of the best-ranked peer that shares one, or None if none came within `timeout`."""
@@ -306,6 +311,21 @@ def _wait(future: MPFuture, timeout: float, give_up: Callable[[], bool], poll: f
         except TimeoutError:
             if future.done():  # the future's own error is a timeout (asyncio's is the builtin one)
                 raise AveragingError(f"timed out: {future.exception()}") from None
+
+
+FORMING = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER)
+FORMED_POLL = 0.005  # how often the round's stage is read while its group forms: the start latency's resolution
+
+
+def _wait_until_formed(control: Any, deadline: float, give_up: Callable[[], bool]) -> float:
+    """Wait until a round's group has formed (or the round ended); the monotonic time it was seen."""
+    while control.stage in FORMING and not control.done():
+        if give_up():
+            raise GaveUp
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        time.sleep(FORMED_POLL)
+    return time.monotonic()
 
 
 def step_bits(step: int) -> str:

@@ -5,7 +5,9 @@ samples it accumulated towards the next step, and which round made its current s
 id and group size; replicas made by the same round are equal). From the others' records,
 :func:`stage_view` decides:
 
-- ready: the servers at this server's step hold a full batch between them;
+- ready: the servers whose samples make the same step as this one's hold a full batch between them
+  (a server whose round for step t+1 runs beside compute counts its new samples towards t+2), or
+  another server already closed that batch and began its round (closed);
 - who to expect in a round: every server not ahead of this one (one behind catches up and joins);
 - behind: some server is at a later step, so this one downloads the stage's state;
 - diverged: a server at the same step holds a state made by another round that ranks higher (a
@@ -27,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from pydantic.v1 import StrictStr, confloat, conint, conlist
+from pydantic.v1 import StrictBool, StrictStr, confloat, conint, conlist
 
 from swarm.dht.schemas import WireRecord
 
@@ -61,6 +63,13 @@ class ProgressRecord(WireRecord):
     priority: confloat(strict=True)  # its rank as a source of state (sharing_priority)
     updated: confloat(strict=True) = 0.0  # DHT time it was published: of two copies, the later counts
     fingerprint: conlist(confloat(strict=True), min_items=2, max_items=2) | None = None  # param_fingerprint
+    # A round for step+1 is under way beside compute: `samples` count towards step+2
+    averaging: StrictBool = False
+
+    @property
+    def next_batch(self) -> int:
+        """The step that this server's `samples` will make."""
+        return self.step + 1 + self.averaging
 
     def same_progress(self, other: ProgressRecord | None) -> bool:
         """Whether `other` says the same, whenever it was published."""
@@ -104,10 +113,11 @@ class StageView:
     """What one server knows about its stage at a moment."""
 
     step: int  # this server's
-    samples: int  # the stage's at this server's step, this server's own included
+    samples: int  # the stage's towards the step this server's samples make, this server's own included
     group_size: int  # servers a round at this step should gather: itself and every one not ahead
-    behind: bool
+    behind: bool  # some server is ahead of where this one's round (if any) takes it
     diverged: bool
+    closed: bool = False  # another server closed the batch this one's samples make (its round for it began)
 
     @property
     def needs_state(self) -> bool:
@@ -120,9 +130,10 @@ def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: floa
     same_step = [r for r in others if r.step == own.step]
     return StageView(
         step=own.step,
-        samples=own.samples + sum(r.samples for r in same_step),
+        samples=own.samples + sum(r.samples for r in others if r.next_batch == own.next_batch),
         group_size=1 + sum(r.step <= own.step for r in others),
-        behind=any(r.step > own.step for r in others),
+        behind=any(r.step > own.step + own.averaging for r in others),
+        closed=any(r.step + r.averaging >= own.next_batch for r in others),
         diverged=any((r.priority, r.peer_id) > (own.priority, own.peer_id)
                      and (r.round_id != own.round_id or fingerprints_differ(r.fingerprint, own.fingerprint, rtol))
                      for r in same_step),

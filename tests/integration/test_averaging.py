@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -189,6 +190,34 @@ def test_server_refuses_to_start_fresh_when_its_stage_has_servers_but_no_state_c
 
     with pytest.raises(StateDownloadError, match="stage 0"), stage_servers(impatient, [peers[0]], [0]):
         pass
+
+
+def forward_seconds(server: StageServer, config) -> float:
+    x, y = micro_batch(config, 99)  # (the last stage's forward is its evaluation: it takes targets)
+    started = time.perf_counter()
+    server.backend.submit(server.backend.forward, x, y).result(BACKEND_CALL_TIMEOUT)
+    return time.perf_counter() - started
+
+
+def test_a_server_answers_forwards_at_once_while_its_round_waits_for_a_stalled_peer(pair):
+    config, _, (a, b) = pair
+    wait_until_peers_see_each_other([a, b])
+    normal = sorted(forward_seconds(a, config) for _ in range(5))[2]
+    step = a.backend.step
+    os.kill(b.averager.process_id, signal.SIGSTOP)  # b still publishes progress, but cannot take part in a round
+    try:
+        for seed in (20, 21, 22):  # a full batch: a closes it and waits for b in matchmaking (5 s)
+            feed(a, micro_batch(config, seed))
+        wait_until(lambda: a.averager.busy, SEE_TIMEOUT, interval=0.01, what="a's round to begin")
+        during = [forward_seconds(a, config) for _ in range(5)]
+        assert a.averager.busy and a.backend.step == step, "the round ended before the forwards were timed"
+    finally:
+        os.kill(b.averager.process_id, signal.SIGCONT)
+    # before rounds ran beside compute, each forward waited for the round: seconds, not milliseconds
+    assert max(during) < max(20 * normal, 0.5), (normal, during)
+    wait_until(lambda: a.backend.step == step + 1 and b.backend.step == step + 1 and not a.averager.busy
+               and not b.averager.busy, ROUND_TIMEOUT, interval=0.1, what="a stepping alone and b catching up")
+    assert_same_state(snapshot(a), snapshot(b))
 
 
 def test_member_shut_down_mid_run_does_not_stop_the_other(pair):

@@ -27,12 +27,13 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def record(peer: str, step: int, samples: int = 0, members: tuple[str, ...] | None = None,
-           fingerprint: list[float] | None = None) -> ProgressRecord:
+           fingerprint: list[float] | None = None, averaging: bool = False) -> ProgressRecord:
     """A server's record; its state came from a round over `members` (default: a lone step of its own)."""
     members = members or (peer,)
     made_by = round_of(step, members)
     return ProgressRecord(peer_id=peer, step=step, samples=samples, round_id=made_by, group=len(members),
-                          priority=sharing_priority(step, len(members), made_by, peer), fingerprint=fingerprint)
+                          priority=sharing_priority(step, len(members), made_by, peer), fingerprint=fingerprint,
+                          averaging=averaging)
 
 
 def test_only_samples_at_this_servers_step_count_but_servers_behind_are_expected():
@@ -42,6 +43,31 @@ def test_only_samples_at_this_servers_step_count_but_servers_behind_are_expected
     assert view.samples == 9  # b's samples belong to step 2
     assert view.group_size == 4  # b catches up and joins
     assert not view.needs_state
+
+
+def test_samples_taken_while_a_round_runs_count_towards_the_step_after_it():
+    # a averages step 3 -> 4 beside compute; its new samples make step 5, as b's do after b's own round
+    a = record("a", 3, 6, averaging=True)
+    b = record("b", 4, 5, members=("b", "c"))
+    view = stage_view(b, [a, record("c", 4, 2, members=("b", "c"))])
+    assert view.samples == 13 and not view.closed and not view.needs_state
+    view_a = stage_view(a, [b])
+    assert view_a.samples == 11 and not view_a.behind  # a's round takes it to step 4, where b is
+    assert stage_view(a, [record("b", 5)]).behind  # b is past where a's round takes it
+
+
+def test_a_batch_another_server_closed_is_full_for_this_one_too():
+    # b closed step 4's batch and began its round: a, still counting towards step 4, joins at once
+    # (its count alone would say "not yet", and it would go on adding samples to that step)
+    a = record("a", 3, 4)
+    assert stage_view(a, [record("b", 3, 0, averaging=True)]).closed
+    assert not stage_view(a, [record("b", 3, 9)]).closed
+    # a still averages step 3 -> 4; b, already at 4, closed step 5's batch: the batch a counts towards
+    a_in_round = record("a", 3, 4, averaging=True)
+    assert stage_view(a_in_round, [record("b", 4, 0, averaging=True)]).closed
+    assert not stage_view(a_in_round, [record("b", 4, 3)]).closed
+    # a round's own group: every server not ahead, those still in the round before included
+    assert stage_view(record("b", 4, 0, averaging=True), [a_in_round]).group_size == 2
 
 
 def test_a_server_behind_its_stage_needs_the_state_and_rounds_give_up_on_nobody():
@@ -95,6 +121,9 @@ def test_sharing_priority_orders_by_step_then_group_size_then_round():
 def test_progress_record_parses_tolerantly():
     wire = {**record("a", 1, 2).to_wire(), "from_a_newer_version": 1}
     assert ProgressRecord.from_wire(wire).samples == 2
+    older = {k: v for k, v in wire.items() if k != "averaging"}  # a peer from before rounds ran beside compute
+    assert ProgressRecord.from_wire(older).averaging is False
+    assert ProgressRecord.from_wire({**wire, "averaging": 1}) is None
     assert ProgressRecord.from_wire({**wire, "step": -1}) is None
     assert ProgressRecord.from_wire("garbage") is None
 

@@ -7,8 +7,11 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.config import RunConfig
 from swarm.data import eval_batches, load_tokenizer, load_tokens
@@ -24,6 +27,7 @@ LOCAL = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 120.0  # for the coordinator to print its address, and for every stage to have servers
 POLL_PERIOD = 1.0  # seconds between progress updates
 EVAL_CALL_TIMEOUT = 120.0
+METRICS_TIMEOUT = 5.0  # reading a server's /metrics at the end
 
 
 def free_port() -> int:
@@ -47,6 +51,7 @@ class LocalSwarm:
         self.metrics_port = metrics_port or free_port()
         self.stop = stop
         self.children: list[Child] = []
+        self.server_ports: list[tuple[int, int]] = []  # (stage, metrics port) of every server
         self.loop = BackgroundLoop("local-loop")
         self.dht = None
         self.reports: dict[str, tuple[PeerMetricsRecord, PeerMetricsRecord]] = {}  # first and last, per trainer
@@ -63,6 +68,7 @@ class LocalSwarm:
                                     *extra) for i in range(self.trainers)]
             status = self._train(steps)
             end_all(trainers)  # trainers publish their last metrics as they exit
+            late_shares = self._late_shares()
             metrics = [m for m in self.records.lookup_metrics() if m.role == "trainer"]
             print("measuring the validation loss through the swarm...", flush=True)
             val_loss, model_steps = self._validation_loss()
@@ -88,6 +94,7 @@ class LocalSwarm:
             "val_loss": val_loss,
             "steps": status["step"],
             "model_steps": model_steps,  # each stage's step when the validation loss was measured
+            "late_share": late_shares,  # per stage: samples one step late (taken while a round ran) / all
             "samples": samples,
             "samples_per_second": speed,
             "wall_seconds": time.monotonic() - started,
@@ -116,8 +123,28 @@ class LocalSwarm:
     def _start_servers(self, maddr: str) -> None:
         for stage in range(self.config.stages.num_stages):
             for replica in range(self.servers_per_stage):
+                port = free_port()
+                self.server_ports.append((stage, port))
                 self._child(f"server-{stage}-{replica}", "peer.cli", maddr, "--role", "server", "--stage", str(stage),
-                            "--device", "cpu")
+                            "--device", "cpu", "--metrics-port", str(port))
+
+    def _late_shares(self) -> list[float | None]:
+        """Per stage: the share of its servers' samples that came while a round ran (one step late)."""
+        late = [0.0] * self.config.stages.num_stages
+        samples = [0.0] * self.config.stages.num_stages
+        for stage, port in self.server_ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT) as reply:
+                    text = reply.read().decode()
+            except OSError:  # a server that died: the share is of those that answer
+                continue
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "swarm_averaging_late_samples_total":
+                        late[stage] += sample.value
+                    elif sample.name == "swarm_server_samples_total":
+                        samples[stage] += sample.value
+        return [round(x / n, 4) if n else None for x, n in zip(late, samples)]
 
     def _join(self, maddr: str) -> None:
         self.loop.start()

@@ -63,6 +63,9 @@ class ServerMetrics:
             lambda: backend_ref.backend.queue_depth if backend_ref.backend else 0)
         Gauge("swarm_server_step", "Optimizer steps of this stage replica", registry=registry).set_function(
             lambda: backend_ref.backend.step if backend_ref.backend else 0)
+        Gauge("swarm_server_utilization_ratio", "Share of the last 30 s the stage's compute thread was busy "
+              "(requests, and applying steps)", registry=registry).set_function(
+            lambda: backend_ref.backend.utilization() if backend_ref.backend else 0.0)
         self.throughput = Gauge("swarm_server_throughput_samples_per_second", "Announced throughput",
                                 registry=registry)
         self.staleness = Histogram(
@@ -152,8 +155,8 @@ class StageServer:
 
     def _on_step(self, stats: dict) -> None:
         level = logging.INFO if stats["step"] % STEP_LOG_EVERY == 0 or stats["skipped"] else logging.DEBUG
-        log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples)", self.stage, stats["step"],
-                 stats["lr"], stats["grad_norm"], stats["samples"])
+        log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples, %d of them one step late)",
+                self.stage, stats["step"], stats["lr"], stats["grad_norm"], stats["samples"], stats.get("late", 0))
 
     def shutdown(self) -> None:
         """Announce OFFLINE first, so trainers stop sending work, then stop serving."""

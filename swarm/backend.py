@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+UTILIZATION_WINDOW = 30.0  # seconds over which utilization() is measured
+UTILIZATION_MARK_PERIOD = 1.0
 
 
 class Overloaded(RuntimeError):
@@ -66,6 +69,7 @@ class StageBackend:
         self._lock = threading.Lock()
         self._queued = 0
         self.busy_seconds = 0.0  # compute time spent, for throughput estimates
+        self._busy_marks: deque[tuple[float, float]] = deque([(time.monotonic(), 0.0)])  # (when, busy_seconds)
         self.samples_processed = 0
         # Weight stashing: a copy of the parameters from before the last step, so a micro-batch whose
         # forward ran before that step gets its gradient from the parameters that forward used. The
@@ -103,6 +107,20 @@ class StageBackend:
             return fn(*args)
         finally:
             self.busy_seconds += time.perf_counter() - started
+            self._mark_busy()
+
+    def _mark_busy(self) -> None:
+        now = time.monotonic()
+        if now - self._busy_marks[-1][0] >= UTILIZATION_MARK_PERIOD:
+            self._busy_marks.append((now, self.busy_seconds))
+            while len(self._busy_marks) > 2 and now - self._busy_marks[1][0] >= UTILIZATION_WINDOW:
+                self._busy_marks.popleft()
+
+    def utilization(self) -> float:
+        """Share of the last UTILIZATION_WINDOW seconds (or fewer, since start) the worker spent computing."""
+        now, busy = time.monotonic(), self.busy_seconds
+        then, busy_then = self._busy_marks[0]
+        return min(1.0, (busy - busy_then) / (now - then)) if now > then else 0.0
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Stage output for `x` (the mean loss on the last stage); no gradients are kept."""

@@ -141,6 +141,7 @@ class StageAverager:
                 self.optimizer.accumulate(grads, n)
                 if self._averaging:
                     self._late += n
+                    self.metrics.late_samples.inc(n)
         self._tracker.nudge()
 
     @property

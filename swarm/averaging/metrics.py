@@ -40,4 +40,8 @@ class AveragingMetrics:
             "swarm_averaging_compute_seconds", "Time the stage's compute thread spent on averaging's behalf "
             "(closing a batch, applying a step or a downloaded state) instead of serving requests; it never "
             "waits on the network", ["stage"], registry=registry).labels(stage=label)
+        self.late_samples = Counter(
+            "swarm_averaging_late_samples", "Samples this server took while a round ran beside compute: their "
+            "gradient, of the parameters before that round's step, counts towards the step after it (one step "
+            "late)", ["stage"], registry=registry).labels(stage=label)
         self.downloads = {outcome: downloads.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED)}

@@ -2,6 +2,7 @@
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -149,3 +150,19 @@ def test_a_backward_one_step_late_uses_the_parameters_its_forward_used():
 
     first.backward(x, grad_output=grad, forward_step=forward_step)  # the step: 4 samples; stash now holds step 1
     assert not first.backward(x, grad_output=grad, forward_step=0).stashed  # two steps old: recomputed on now's
+
+
+def test_utilization_is_the_share_of_wall_time_the_worker_computed():
+    backend = make_backends(tiny_config())[0]
+    try:
+        assert backend.utilization() < 0.5  # just built: nothing computed yet
+
+        def spin(seconds: float) -> None:  # compute, not a sleep: the worker is busy throughout
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        backend.call(lambda: spin(0.3), timeout=10)
+        assert 0.5 < backend.utilization() <= 1.0
+    finally:
+        backend.shutdown()

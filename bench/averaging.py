@@ -8,8 +8,11 @@ after one warm-up round each (connections open then).
 
 Printed per n, medians over the repeats:
 - ours: a round as StageAverager times it (swarm_averaging_round_seconds: gradients into the
-  buffers, matchmaking, all-reduce, mean out of the buffers); "step" adds the progress refresh in
-  the DHT and the AdamW step, i.e. all of StageAverager.step();
+  buffers, matchmaking, all-reduce, mean out of the buffers); "step" adds closing the batch and
+  the AdamW step, i.e. StageAverager.step() that starts the round and the one that applies it;
+  "formed" is the round's start latency (swarm_averaging_round_start_seconds: from handing the
+  batch to the round until its group formed), the last member's, since the group can only form
+  once every member has joined;
 - raw: DecentralizedAverager.step() as its caller sees it, and the same with what a caller
   averaging gradients must add: copying them into the averager's tensors and the mean back out
   (ours does both inside its round);
@@ -89,6 +92,9 @@ class Member:
     def round_seconds(self) -> float:
         return self.registry.get_sample_value("swarm_averaging_round_seconds_sum", {"stage": str(STAGE)}) or 0.0
 
+    def start_seconds(self) -> float:
+        return self.registry.get_sample_value("swarm_averaging_round_start_seconds_sum", {"stage": str(STAGE)}) or 0.0
+
     def estimated_bytes(self) -> float:
         return self.registry.get_sample_value("swarm_averaging_bytes_sent_total", {"stage": str(STAGE)}) or 0.0
 
@@ -144,8 +150,8 @@ def ours_round(group: list[Member], batch_size: int) -> dict:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the averagers did not see the stage's batch within {READY_TIMEOUT:g}s")
         time.sleep(POLL)
-    before = [(m.round_seconds(), written(m.ours.process_id), m.estimated_bytes()) for m in group]
-    results = together([m.ours.step for m in group])
+    before = [(m.round_seconds(), written(m.ours.process_id), m.estimated_bytes(), m.start_seconds()) for m in group]
+    results = together([lambda m=m: whole_step(m.ours) for m in group])
     outcomes = [(stats or {}).get("averaging") for _, stats in results]
     if outcomes != ["succeeded"] * n or any(stats["group_size"] != n for _, stats in results):
         raise RuntimeError(f"a round of ours did not average all {n}: {[stats for _, stats in results]}")
@@ -154,7 +160,21 @@ def ours_round(group: list[Member], batch_size: int) -> dict:
         "step": max(seconds for seconds, _ in results),
         "sent": statistics.mean(written(m.ours.process_id) - b[1] for m, b in zip(group, before)),
         "estimated": statistics.mean(m.estimated_bytes() - b[2] for m, b in zip(group, before)),
+        "formed": min(m.start_seconds() - b[3] for m, b in zip(group, before)),
     }
+
+
+def whole_step(averager: StageAverager) -> dict | None:
+    """Close the batch (the round runs beside), wait for the round, apply it: a server's step, end to end."""
+    if averager.step() is not None or not averager.busy:
+        raise RuntimeError("the batch did not go to a round")
+    config = averager.config
+    deadline = time.monotonic() + READY_TIMEOUT + config.matchmaking_timeout + config.allreduce_timeout
+    while not averager.ready:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the round did not end in time")
+        time.sleep(0.001)
+    return averager.step()
 
 
 def raw_round(group: list[Member], timeout: float) -> dict:
@@ -204,6 +224,7 @@ def measure(base: RunConfig, n: int, repeats: int) -> dict:
         "n": n,
         "ours_round": median(r["round"] for r in ours),
         "ours_step": median(r["step"] for r in ours),
+        "ours_formed": median(r["formed"] for r in ours),
         "raw_round": median(r["round"] for r in raw),
         "raw_with_copies": median(r["with_copies"] for r in raw),
         "ours_sent": median(r["sent"] for r in ours),
@@ -230,7 +251,8 @@ def main() -> None:
     mb = 1e6
     for n in sizes:
         r = measure(base, n, repeats)
-        print(f"n={n}: round ours {r['ours_round']:.2f}s (whole step {r['ours_step']:.2f}s), "
+        print(f"n={n}: round ours {r['ours_round']:.2f}s (whole step {r['ours_step']:.2f}s, group formed "
+              f"{r['ours_formed'] * 1000:.0f} ms after the last member joined), "
               f"raw {r['raw_round']:.2f}s ({r['raw_with_copies']:.2f}s with the gradients copied in and out), "
               f"ours/raw {r['ours_round'] / r['raw_round']:.2f} "
               f"(/ raw with copies {r['ours_round'] / r['raw_with_copies']:.2f}); "

@@ -1,20 +1,25 @@
 """A 10x-slow server joins a stage of 2 normal servers: trainer throughput with it / without it.
 
 One stage, served by two normal servers; the trainer runs in this process so that its routing can
-be swapped. A calibration phase measures a normal server's time per request; a third server then
-joins, slowed by --inject-delay to ~10x that. Each round then times four phases, each a fresh
-trainer (fresh routing estimates) over the same running swarm, every other round in reverse order:
+be swapped. A calibration phase (one micro-batch in flight, so no queueing) measures a normal
+server's time per request; a third server then joins, slowed by --inject-delay to ~10x that. Each
+round then times, for every in-flight count (1, 2, 4 and 8 by default), a pair of phases, each a
+fresh trainer (fresh routing estimates) over the same running swarm:
 
-    balancer with the 2 normal servers | balancer with all 3 | round-robin with 2 | round-robin with 3
+    balancer with the 2 normal servers | balancer with all 3
 
+plus the same pair with round-robin routing at the smallest in-flight count, for contrast (with one
+in flight it is where a slow server hurts most). Every other round runs the phases in reverse order.
 ("with 2": the trainer's routing ignores the slow server, so the same programs run in every phase
 and machine-load drift shows up between rounds instead of between the figures compared). The
-figures of merit are speed with the slow server / speed without it, for the balancer (goal >= 1.0)
-and for plain round-robin (for contrast). The batch is larger than any phase trains, so no
-averaging round (which pauses every server of the stage alike) blurs the routing.
+figures of merit are speed with the slow server / speed without it, for the balancer at each
+in-flight count (goal >= 0.95). A phase times its window only once the fresh trainer has measured
+every server it uses (so a newcomer's probe, paid once per trainer, is left out) and after
+`warmup` more. The batch is larger than any phase trains, so no averaging round (which pauses every
+server of the stage alike) blurs the routing.
 
-    .venv/bin/python bench/slow_peer.py            # 3 rounds of 20 s phases (about 6 minutes)
-    .venv/bin/python bench/slow_peer.py --quick    # 2 rounds of 10 s phases (about 3 minutes)
+    .venv/bin/python bench/slow_peer.py            # 3 rounds of 12 s phases (about 9 minutes)
+    .venv/bin/python bench/slow_peer.py --quick    # 2 rounds of 5 s phases (about 4 minutes)
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from peer.trainer import Trainer, TrainerOptions
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords, join_run, load_identity
 from swarm.logs import FORMAT
-from swarm.routing import StageBalancer
+from swarm.routing import StageBalancer, Ticket
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 180.0  # a program's start, and servers showing up ONLINE (2 shared cores, torch imports)
@@ -54,12 +59,12 @@ class RoundRobinBalancer(StageBalancer):
         super().__init__(**kwargs)
         self._turn = 0
 
-    def choose(self, task_size: int, exclude: Iterable[str] = ()) -> str | None:
+    def choose(self, task_size: int, kind: str, exclude: Iterable[str] = ()) -> Ticket | None:
         candidates = sorted(self.available(exclude))
         if not candidates:
             return None
         self._turn += 1
-        return candidates[self._turn % len(candidates)]
+        return self.charge(candidates[self._turn % len(candidates)], task_size, kind)
 
 
 ROUTINGS: dict[str, type[StageBalancer]] = {"balancer": StageBalancer, "round-robin": RoundRobinBalancer}
@@ -114,8 +119,8 @@ class Server:
 
 
 class Bench:
-    def __init__(self, config: RunConfig, config_path: Path, log_dir: Path, in_flight: int):
-        self.config, self.config_path, self.log_dir, self.in_flight = config, config_path, log_dir, in_flight
+    def __init__(self, config: RunConfig, config_path: Path, log_dir: Path):
+        self.config, self.config_path, self.log_dir = config, config_path, log_dir
         self.children: list[Child] = []
         self.loop = BackgroundLoop("bench-loop")
         self.dht = None
@@ -148,10 +153,11 @@ class Bench:
                 raise RuntimeError(f"stage 0 did not get exactly the servers {sorted(peer_ids)} ONLINE")
             time.sleep(POLL)
 
-    def phase(self, balancer: Callable[[], StageBalancer], servers: list[Server], warmup: float,
+    def phase(self, balancer: Callable[[], StageBalancer], servers: list[Server], in_flight: int, warmup: float,
               seconds: float) -> dict:
-        """A fresh trainer with this routing: samples/s over `seconds` after `warmup`, and each server's calls."""
-        options = TrainerOptions(trainer_index=0, in_flight=self.in_flight)
+        """A fresh trainer with this routing: samples/s over `seconds` once it has measured every server
+        and `warmup` more, and each server's calls."""
+        options = TrainerOptions(trainer_index=0, in_flight=in_flight)
         trainer = Trainer(self.config, self.dht, self.records, self.loop, options, CollectorRegistry(),
                           balancer_factory=balancer)
         stop, errors = threading.Event(), []
@@ -165,6 +171,7 @@ class Bench:
         thread = threading.Thread(target=run, name="trainer")
         thread.start()
         try:
+            self.wait_measured(trainer, errors)
             time.sleep(warmup)
             before, counts_before, started = trainer.samples_done, [s.requests() for s in servers], time.monotonic()
             time.sleep(seconds)
@@ -177,9 +184,26 @@ class Bench:
             raise RuntimeError(f"the trainer crashed: {errors[0]!r}")
         calls = [a[0] - b[0] for a, b in zip(counts_after, counts_before)]
         busy = [a[1] - b[1] for a, b in zip(counts_after, counts_before)]
-        return {"speed": (after - before) / elapsed, "calls": calls,
-                "seconds_per_call": [t / c if c else float("nan") for t, c in zip(busy, calls)],
+        return {"speed": (after - before) / elapsed, "calls": calls, "busy": busy,
                 "failed_calls": trainer.pipeline.stats.failures}
+
+    def wait_measured(self, trainer: Trainer, errors: list) -> None:
+        """Until the trainer's routing has timed every server it uses: its probes of newcomers are past."""
+
+        async def unmeasured() -> list[str] | None:  # on the loop that owns the balancer, not beside it
+            if trainer.pipeline is None or not trainer.pipeline.balancers[0].listed():
+                return None  # not started, or no lookup yet
+            balancer = trainer.pipeline.balancers[0]
+            return [p for p in balancer.listed() if not balancer.servers[p].measured]
+
+        deadline = time.monotonic() + START_TIMEOUT
+        while (left := self.loop.run(unmeasured(), HTTP_TIMEOUT)) is None or left:
+            if errors:
+                raise RuntimeError(f"the trainer crashed: {errors[0]!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer did not time every server within {START_TIMEOUT:g}s "
+                                   f"(untimed: {left})")
+            time.sleep(POLL)
 
     def close(self) -> None:
         # Servers before the coordinator, so they can still announce OFFLINE through the DHT.
@@ -197,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     config.network.announce_period, config.network.record_ttl = 1.0, 5.0  # joins and leaves seen within seconds
     config.validate()
     os.environ["OMP_NUM_THREADS"] = "1"  # the servers share this machine's cores; children inherit it
-    rounds, warmup, seconds = (2, 4.0, 10.0) if args.quick else (3, 6.0, 20.0)
+    rounds, warmup, seconds = (2, 1.0, 5.0) if args.quick else (3, 3.0, 12.0)
     with tempfile.TemporaryDirectory(prefix="bench-slow-peer-") as tmp:
         logs = Path(args.log_dir or tmp)
         logs.mkdir(parents=True, exist_ok=True)
@@ -205,61 +229,75 @@ def run(args: argparse.Namespace) -> dict:
         logging.basicConfig(filename=logs / "trainer.log", level=logging.INFO, format=FORMAT, datefmt="%H:%M:%S")
         path = logs / "run.yaml"
         config.save(path)
-        bench = Bench(config, path, logs, args.in_flight)
+        bench = Bench(config, path, logs)
         try:
             normal = bench.start(normal_servers=2)
             normal_ids = {s.peer_id() for s in normal}
             bench.wait_online(normal_ids)
-            calibration = bench.phase(routing("balancer"), normal, warmup, seconds)
-            per_call = sum(calibration["seconds_per_call"]) / len(normal)
+            calibration = bench.phase(routing("balancer"), normal, 1, warmup, seconds)
+            per_call = sum(calibration["busy"]) / max(sum(calibration["calls"]), 1)
             delay = max(args.slowdown - 1.0, 0.0) * per_call
-            print(f"a normal server answers a request in {per_call * 1000:.0f} ms (queueing included); "
+            print(f"a normal server answers a request in {per_call * 1000:.0f} ms (one in flight); "
                   f"the slow server adds {delay * 1000:.0f} ms to each (~{args.slowdown:g}x)", flush=True)
             slow = bench.add_server("server-slow", "--inject-delay", f"{delay:.4f}")
             slow_id = slow.peer_id()
             bench.wait_online(normal_ids | {slow_id})
             servers = [*normal, slow]
-            results: dict[tuple[str, str], list[dict]] = {}
-            phases = [(kind, with_slow, ignore) for kind in ROUTINGS
+            results: dict[tuple[str, int, str], list[dict]] = {}
+            phases = [(kind, in_flight, with_slow, ignore) for kind, in_flight in cases(args.in_flight)
                       for with_slow, ignore in (("2 normal", frozenset({slow_id})), ("+ slow", frozenset()))]
             for i in range(rounds):
                 # every other round in reverse order, so a steady drift in the machine's load favours no phase
-                for kind, with_slow, ignore in phases if i % 2 == 0 else phases[::-1]:
-                    result = bench.phase(routing(kind, ignore), servers, warmup, seconds)
-                    results.setdefault((kind, with_slow), []).append(result)
-                    print(f"round {i + 1}: {kind:<11} {with_slow:<8} {result['speed']:6.1f} samples/s, "
-                          f"micro-batches per server {[round(c) for c in result['calls']]}, "
-                          f"failed calls {result['failed_calls']}", flush=True)
+                for kind, in_flight, with_slow, ignore in phases if i % 2 == 0 else phases[::-1]:
+                    result = bench.phase(routing(kind, ignore), servers, in_flight, warmup, seconds)
+                    results.setdefault((kind, in_flight, with_slow), []).append(result)
+                    print(f"round {i + 1}: {kind:<11} {in_flight} in flight, {with_slow:<8} "
+                          f"{result['speed']:6.1f} samples/s, micro-batches per server "
+                          f"{[round(c) for c in result['calls']]}, failed calls {result['failed_calls']}", flush=True)
         finally:
             bench.close()
     return results
 
 
+def cases(in_flights: list[int]) -> list[tuple[str, int]]:
+    """(routing, in flight) pairs to time: the balancer at each count, round-robin at the smallest."""
+    return [("balancer", n) for n in sorted(set(in_flights))] + [("round-robin", min(in_flights))]
+
+
 def report(results: dict, args: argparse.Namespace) -> None:
-    print(f"\nsamples/s of one trainer ({args.in_flight} micro-batches in flight), stage of 2 normal servers "
-          f"+ one {args.slowdown:g}x slower (mean of {len(results['balancer', '+ slow'])} rounds):")
-    print(f"{'routing':<12} {'2 normal':>9} {'+ slow':>8} {'ratio':>6} {'per round':>18}  slow server's share"
-          f"  failed calls")
-    for kind in ROUTINGS:
-        alone, slow = results[kind, "2 normal"], results[kind, "+ slow"]
+    rounds = len(next(iter(results.values())))
+    print(f"\nsamples/s of one trainer, stage of 2 normal servers + one {args.slowdown:g}x slower "
+          f"(mean of {rounds} rounds):")
+    print(f"{'routing':<12} {'in flight':>9} {'2 normal':>9} {'+ slow':>8} {'ratio':>6} {'per round':>18}  "
+          f"slow server's share  failed calls")
+    for kind, in_flight in cases(args.in_flight):
+        alone, slow = results[kind, in_flight, "2 normal"], results[kind, in_flight, "+ slow"]
         base = sum(r["speed"] for r in alone) / len(alone)
         speed = sum(r["speed"] for r in slow) / len(slow)
         per_round = ", ".join(f"{s['speed'] / a['speed']:.2f}" for a, s in zip(alone, slow))
         calls = [sum(r["calls"][i] for r in slow) for i in range(3)]
         share = calls[2] / max(sum(calls), 1)
         failed = sum(r["failed_calls"] for r in alone + slow)
-        print(f"{kind:<12} {base:>9.1f} {speed:>8.1f} {speed / base:>6.2f} {per_round:>18}  {share:>19.0%}  "
-              f"{failed:>12}")
-    print("goal: balancer ratio >= 1.0")
+        print(f"{kind:<12} {in_flight:>9} {base:>9.1f} {speed:>8.1f} {speed / base:>6.2f} {per_round:>18}  "
+              f"{share:>19.0%}  {failed:>12}")
+    print("goal: balancer ratio >= 0.95 at every in-flight count")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/tiny.yaml", help="model and data (run with 1 stage here)")
-    p.add_argument("--quick", action="store_true", help="fewer, shorter phases (about 3 minutes in all)")
+    p.add_argument("--quick", action="store_true", help="fewer, shorter phases (about 4 minutes in all)")
     p.add_argument("--slowdown", type=float, default=10.0, help="how many times slower the slow server is")
-    p.add_argument("--in-flight", type=int, default=TrainerOptions.in_flight,
-                   help="micro-batches the trainer keeps in flight")
+    p.add_argument("--in-flight", type=positive, nargs="+", default=[1, 2, 4, 8],
+                   help="micro-batches the trainer keeps in flight, one pair of phases per count "
+                        "(round-robin runs at the smallest)")
     p.add_argument("--log-dir", help="keep the programs' logs here (default: a temporary directory, removed)")
     args = p.parse_args()
     report(run(args), args)

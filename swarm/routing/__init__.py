@@ -1,12 +1,15 @@
 """swarm.routing: the trainer side of the pipeline.
 
-- ``balancer``  which server of a stage gets the next call: least accumulated virtual time, bans
-                with exponential backoff (pure logic, no I/O)
+- ``balancer``  which server of a stage gets the next call: the one where it should finish first,
+                given the work this trainer has outstanding there and each server's measured time
+                per sample and request kind; bans with exponential backoff; servers missing from a
+                lookup remembered for a while (pure logic, no I/O)
 - ``pipeline``  RemotePipeline: one micro-batch's forward, loss and backward across the stage
-                servers, retrying failed calls on other servers of the stage
+                servers, retrying failed calls on other servers of the stage; hands each call's
+                balancer ticket back once, however the call ends
 """
 
-from swarm.routing.balancer import StageBalancer
+from swarm.routing.balancer import StageBalancer, Ticket
 from swarm.routing.pipeline import PipelineError, PipelineSettings, PipelineStats, RemotePipeline
 
-__all__ = ["PipelineError", "PipelineSettings", "PipelineStats", "RemotePipeline", "StageBalancer"]
+__all__ = ["PipelineError", "PipelineSettings", "PipelineStats", "RemotePipeline", "StageBalancer", "Ticket"]

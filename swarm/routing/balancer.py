@@ -1,27 +1,75 @@
-"""Choosing a server of one stage: least accumulated virtual time, temporary bans. Pure logic, no I/O.
+"""Choosing a server of one stage by expected finish time; temporary bans. Pure logic, no I/O.
 
-Each server has an estimate of its seconds per sample (an EMA over whole calls, network
-included). Sending a task adds `task_size * seconds_per_sample` to the server's virtual time, and
-each task goes to the server with the least virtual time, so servers receive work in proportion
-to their measured speed. A server new to us starts at the current minimum and, with no estimate
-yet, is assumed as fast as the fastest known one, so it is tried promptly. A failure bans a server
-for `ban_base * 2**(failures-1)` seconds, capped at `ban_max`; a success resets the count.
+Each task (one forward or backward of a micro-batch on this stage) goes to the available server
+where it should be answered first: the work this trainer still has outstanding there, plus the
+task's own expected service time. With many tasks in flight that spreads work in proportion to
+speed; with one or two in flight it is the fastest idle server, and a server several times slower
+than the others gets nothing once it has been measured (bar a rare re-test, below).
+
+- Service time: an EMA of seconds per sample, per server and request kind (a backward recomputes
+  the forward, so it costs ~2.5x). Servers compute one task at a time, first in first out, so a
+  call's duration includes waiting behind this trainer's earlier tasks there, which the outstanding
+  term already counts: a task's service is taken to start when it was sent or when this trainer's
+  previous task on that server completed, whichever is later. Other trainers' load shows as slowness.
+- Latency: waits that are not first-in-first-out (the network, several tasks at once) would make
+  that estimate too low when tasks overlap, so a task is never expected back sooner than the server
+  answered a task that had nothing of ours ahead of it.
+- A server not yet measured for a kind: its own estimate of the other kind scaled by the backward /
+  forward ratio, else as fast as the fastest known server (and it wins ties, so a newcomer is tried
+  at once), else a default.
+- An idle server whose estimates no answer has refreshed for `reprobe_after` seconds (and for 50
+  times its last answer's duration, so re-testing a slow one costs at most ~2% of the time) is
+  treated as untried for one task, whose answer restarts its estimates: an unlucky first answer, or
+  load that has since gone, does not shut a server out for good.
+- Every choice returns a `Ticket`; `report_success`, `report_failure` or `release` (a cancelled call)
+  closes it, and only the first of these counts, so outstanding work cannot leak.
+- A failure bans the server for `ban_base * 2**(failures-1)` seconds, capped at `ban_max`; a success
+  resets the count.
+- A server missing from a lookup keeps its estimates and ban but is not chosen; it is forgotten
+  after missing for `forget_after` seconds, so a lookup that misses a record briefly does not turn a
+  measured slow server back into an untried newcomer.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from swarm.protocol import BACKWARD, FORWARD
+
+BACKWARD_TO_FORWARD = 2.5  # a backward runs the forward again first; SWARM assumes the same ratio
+REPROBE_SPACING = 50  # a server's estimates go stale no sooner than this many times its last answer's duration
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A task sent to a server; hand it back to the balancer when its call ends."""
+
+    peer_id: str
+    kind: str
+    size: int  # samples
+    sent: float  # balancer clock
+    seq: int  # send order within the balancer
+    first_in_line: bool  # nothing else of this trainer's was outstanding on the server when sent
 
 
 @dataclass
 class ServerState:
     peer_id: str
-    load: float = 0.0  # virtual time: seconds of work we have sent it
-    seconds_per_sample: float | None = None  # EMA; None until the first call completes
+    service: dict[str, float] = field(default_factory=dict)  # kind -> EMA seconds/sample, own queue excluded
+    latency: dict[str, float] = field(default_factory=dict)  # kind -> EMA seconds/sample when first in line
+    open: dict[int, Ticket] = field(default_factory=dict)  # seq -> task sent and not yet answered, in send order
+    last_done: float = float("-inf")  # when this trainer's last task there was answered
+    stale_at: float = float("inf")  # from then on, once idle, its estimates are re-tested
     failures: int = 0
     banned_until: float = 0.0
+    missing_since: float | None = None  # None while the latest lookup lists it
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.service)
 
 
 class StageBalancer:
@@ -32,96 +80,176 @@ class StageBalancer:
         ema_alpha: float = 0.1,
         ban_base: float = 15.0,
         ban_max: float = 300.0,
-        default_seconds_per_sample: float = 0.01,
+        default_seconds_per_sample: float = 0.01,  # a forward's, before any server is measured
+        backward_ratio: float = BACKWARD_TO_FORWARD,
+        forget_after: float = 60.0,
+        reprobe_after: float | None = 30.0,  # None: estimates never go stale
         clock: Callable[[], float] = time.monotonic,
     ):
         self.ema_alpha = ema_alpha
         self.ban_base = ban_base
         self.ban_max = ban_max
         self.default_seconds_per_sample = default_seconds_per_sample
+        self.backward_ratio = backward_ratio
+        self.forget_after = forget_after
+        self.reprobe_after = reprobe_after
         self.clock = clock
-        self.servers: dict[str, ServerState] = {}
+        self.servers: dict[str, ServerState] = {}  # listed or recently missing
+        self._seq = itertools.count()
+
+    # --- which servers there are -----------------------------------------------------------------
 
     def update_servers(self, peer_ids: Iterable[str]) -> None:
-        """Replace the set of known servers; newcomers enter at the current minimum load."""
-        wanted = set(peer_ids)
-        for gone in set(self.servers) - wanted:
-            del self.servers[gone]
-        floor = min((s.load for s in self.servers.values()), default=0.0)
-        for peer_id in sorted(wanted - set(self.servers)):
-            self.servers[peer_id] = ServerState(peer_id, load=floor)
+        """Set the servers of the latest lookup; the others are kept, unchosen, up to `forget_after`."""
+        now, listed = self.clock(), set(peer_ids)
+        for peer_id in sorted(listed):
+            self.servers.setdefault(peer_id, ServerState(peer_id)).missing_since = None
+        for peer_id, state in list(self.servers.items()):
+            if peer_id in listed:
+                continue
+            if state.missing_since is None:
+                state.missing_since = now
+            if now - state.missing_since >= self.forget_after:
+                del self.servers[peer_id]
+
+    def listed(self) -> list[str]:
+        """Servers of the latest lookup, banned or not."""
+        return [p for p, s in self.servers.items() if s.missing_since is None]
 
     def available(self, exclude: Iterable[str] = ()) -> list[str]:
-        """Servers that are not banned now and not excluded."""
+        """Listed servers that are not banned now and not excluded."""
         now, skip = self.clock(), set(exclude)
-        return [p for p, s in self.servers.items() if s.banned_until <= now and p not in skip]
+        return [p for p in self.listed() if self.servers[p].banned_until <= now and p not in skip]
 
-    def choose(self, task_size: int, exclude: Iterable[str] = ()) -> str | None:
-        """The least-loaded available server (None if there is none); charges it for the task."""
+    def soonest_unbanned(self, exclude: Iterable[str] = ()) -> str | None:
+        """The listed server whose ban ends first: the one to retry when every server is banned."""
+        skip = set(exclude)
+        listed = [self.servers[p] for p in self.listed() if p not in skip]
+        return min(listed, key=lambda s: (s.banned_until, s.peer_id)).peer_id if listed else None
+
+    # --- choosing --------------------------------------------------------------------------------
+
+    def choose(self, task_size: int, kind: str, exclude: Iterable[str] = ()) -> Ticket | None:
+        """The available server where the task should finish first (None if there is none), charged for it."""
         candidates = self.available(exclude)
         if not candidates:
             return None
-        self._readmit(candidates)
-        best = min(candidates, key=lambda p: (self.servers[p].load, p))
-        self.servers[best].load += task_size * self.expected_seconds_per_sample(best)
-        return best
+        # On a tie an untried server goes first: it is assumed as fast as the fastest, and with one
+        # task in flight it would otherwise never get the probe that tells.
+        best = min(candidates, key=lambda p: (self.expected_finish(p, task_size, kind), not self.untried(p), p))
+        return self.charge(best, task_size, kind)
 
-    def _readmit(self, candidates: list[str]) -> None:
-        # A server back from a ban kept its old, low load; without this it would get every task
-        # until it caught up with the others.
-        returning = [p for p in candidates if self.servers[p].banned_until > 0.0]
-        if not returning:
-            return
-        steady = [self.servers[p].load for p in candidates if p not in returning]
-        floor = min(steady, default=0.0)
-        for p in returning:
-            self.servers[p].banned_until = 0.0
-            self.servers[p].load = max(self.servers[p].load, floor)
+    def untried(self, peer_id: str) -> bool:
+        """Whether the server has no estimate that counts: never answered us, or stale and idle."""
+        state = self.servers[peer_id]
+        return not state.measured or (not state.open and self.clock() >= state.stale_at)
 
-    def soonest_unbanned(self, exclude: Iterable[str] = ()) -> str | None:
-        """The banned server whose ban ends first: the one to retry when every server is banned."""
-        skip = set(exclude)
-        banned = [s for p, s in self.servers.items() if p not in skip]
-        return min(banned, key=lambda s: (s.banned_until, s.peer_id)).peer_id if banned else None
+    def charge(self, peer_id: str, task_size: int, kind: str) -> Ticket:
+        """Count a task sent to this server as outstanding until its ticket is handed back."""
+        if kind not in (FORWARD, BACKWARD):
+            raise ValueError(f"task kind must be {FORWARD!r} or {BACKWARD!r}, got {kind!r}")
+        state = self.servers[peer_id]
+        ticket = Ticket(peer_id, kind, task_size, self.clock(), next(self._seq), first_in_line=not state.open)
+        state.open[ticket.seq] = ticket
+        return ticket
 
-    def expected_seconds_per_sample(self, peer_id: str) -> float:
-        own = self.servers[peer_id].seconds_per_sample
-        if own is not None:
+    def expected_finish(self, peer_id: str, task_size: int, kind: str) -> float:
+        """Seconds until a task sent to this server now should be answered, our work ahead of it included."""
+        return self._finish(peer_id, self.servers[peer_id].open.values(), task_size, kind)
+
+    def outstanding_seconds(self, peer_id: str) -> float:
+        """Expected seconds of the tasks this trainer has sent the server and not had answered."""
+        return sum(self.expected_seconds(peer_id, t.size, t.kind) for t in self.servers[peer_id].open.values())
+
+    def expected_seconds(self, peer_id: str, task_size: int, kind: str) -> float:
+        """How long the server should compute a task of `task_size` samples, by our estimate."""
+        return task_size * self.expected_seconds_per_sample(peer_id, kind)
+
+    def expected_seconds_per_sample(self, peer_id: str, kind: str) -> float:
+        own = self._own(self.servers[peer_id].service, kind)
+        if own is not None and not self.untried(peer_id):
             return own
-        known = [s.seconds_per_sample for s in self.servers.values() if s.seconds_per_sample is not None]
-        return min(known, default=self.default_seconds_per_sample)
+        known = [e for s in self.servers.values() if (e := self._own(s.service, kind)) is not None]
+        if known:
+            return min(known)
+        default = self.default_seconds_per_sample
+        return default * self.backward_ratio if kind == BACKWARD else default
 
-    def expected_seconds(self, peer_id: str, task_size: int) -> float:
-        """How long a task of `task_size` samples should take on this server, by our estimate."""
-        return task_size * self.expected_seconds_per_sample(peer_id)
+    def _finish(self, peer_id: str, ahead: Iterable[Ticket], task_size: int, kind: str) -> float:
+        # Tasks ahead are valued at today's estimates: once a slow newcomer is measured, the tasks it
+        # still holds weigh what they will really take.
+        queued = sum(self.expected_seconds(peer_id, t.size, t.kind) for t in ahead)
+        queued += self.expected_seconds(peer_id, task_size, kind)
+        latency = None if self.untried(peer_id) else self._own(self.servers[peer_id].latency, kind)
+        return queued if latency is None else max(queued, task_size * latency)
 
-    def timeout(self, peer_id: str, task_size: int, multiplier: float, floor: float, ceiling: float) -> float:
-        """How long to wait for this server: a multiple of its expected time, within [floor, ceiling].
+    def _own(self, estimates: dict[str, float], kind: str) -> float | None:
+        if kind in estimates:
+            return estimates[kind]
+        if kind == BACKWARD and FORWARD in estimates:
+            return estimates[FORWARD] * self.backward_ratio
+        if kind == FORWARD and BACKWARD in estimates:
+            return estimates[BACKWARD] / self.backward_ratio
+        return None
 
-        A server we have never timed gets the ceiling, so a slow newcomer is measured, not banned.
+    def timeout(self, ticket: Ticket, multiplier: float, floor: float, ceiling: float) -> float:
+        """How long to wait for the ticket's answer: a multiple of its expected finish, within [floor, ceiling].
+
+        The finish counts our tasks sent to the server before it, so a long queue of our own is not
+        taken for a dead server; a server we have never timed gets the ceiling, so a slow newcomer is
+        measured, not banned.
         """
-        if self.servers.get(peer_id) is None or self.servers[peer_id].seconds_per_sample is None:
+        state = self.servers.get(ticket.peer_id)
+        if state is None or not state.measured:
             return ceiling
-        return min(max(multiplier * self.expected_seconds(peer_id, task_size), floor), ceiling)
+        ahead = [t for seq, t in state.open.items() if seq < ticket.seq]
+        finish = self._finish(ticket.peer_id, ahead, ticket.size, ticket.kind)
+        return min(max(multiplier * finish, floor), ceiling)
 
-    def report_success(self, peer_id: str, task_size: int, seconds: float) -> None:
-        state = self.servers.get(peer_id)
+    # --- how calls ended -------------------------------------------------------------------------
+
+    def report_success(self, ticket: Ticket) -> None:
+        """The server answered: update its estimates of the ticket's kind and lift any ban."""
+        state = self._close(ticket)
         if state is None:
             return
-        sample = seconds / max(task_size, 1)
-        if state.seconds_per_sample is None:
-            state.seconds_per_sample = sample
-        else:
-            state.seconds_per_sample += self.ema_alpha * (sample - state.seconds_per_sample)
+        done = self.clock()
+        size = max(ticket.size, 1)
+        if ticket.sent >= state.stale_at:  # a re-test: the old estimates no longer count
+            state.service.clear()
+            state.latency.clear()
+        # First in first out: this task's service began when ours before it was answered, if later
+        # than its sending.
+        self._update(state.service, ticket.kind, (done - max(ticket.sent, state.last_done)) / size)
+        if ticket.first_in_line:
+            self._update(state.latency, ticket.kind, (done - ticket.sent) / size)
+        state.last_done = max(state.last_done, done)
+        if self.reprobe_after is not None:
+            state.stale_at = done + max(self.reprobe_after, REPROBE_SPACING * (done - ticket.sent))
         state.failures = 0
         state.banned_until = 0.0
 
-    def report_failure(self, peer_id: str) -> float:
+    def report_failure(self, ticket: Ticket) -> float:
         """Ban the server with exponential backoff; returns the ban's length in seconds."""
-        state = self.servers.get(peer_id)
+        state = self._close(ticket)
         if state is None:
             return 0.0
         state.failures += 1
         duration = min(self.ban_base * 2 ** (state.failures - 1), self.ban_max)
         state.banned_until = self.clock() + duration
         return duration
+
+    def release(self, ticket: Ticket) -> None:
+        """The call ended with no verdict on the server (cancelled, or our request was refused)."""
+        self._close(ticket)
+
+    def _close(self, ticket: Ticket) -> ServerState | None:
+        """The ticket's server if the ticket was still open (it is closed now), else None."""
+        state = self.servers.get(ticket.peer_id)
+        if state is None or state.open.pop(ticket.seq, None) is None:
+            return None
+        return state
+
+    def _update(self, estimates: dict[str, float], kind: str, sample: float) -> None:
+        old = estimates.get(kind)
+        estimates[kind] = sample if old is None else old + self.ema_alpha * (sample - old)

@@ -7,9 +7,13 @@ returns the loss and the gradient of its input. Backward then goes back stage by
 Servers keep no per-request state: a backward carries the stage input again and the server
 recomputes the forward. So when the server that did a stage's forward is gone, the backward goes
 to another server of that stage, which re-runs the forward from the saved input before the
-backward; the micro-batch completes instead of being dropped. A call that fails bans that server
-(see StageBalancer) and is retried on another; a stage with no server to try makes the trip wait,
-visibly, until one appears or `max_wait` runs out.
+backward; the micro-batch completes instead of being dropped.
+
+Each call goes to the server of its stage where it should be answered first, given this trainer's
+work already outstanding there (see StageBalancer). The balancer's ticket for the call is handed
+back exactly once, whether the call succeeds, fails or is cancelled, so no work stays charged to a
+server. A call that fails bans that server and is retried on another; a stage with no server to
+try makes the trip wait, visibly, until one appears or `max_wait` runs out.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from swarm.protocol import (
     StageUnavailable,
     stage_namespace,
 )
-from swarm.routing.balancer import StageBalancer
+from swarm.routing.balancer import StageBalancer, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,10 @@ class RemotePipeline:
         self._servers_changed = asyncio.Event()
 
     def update_servers(self, peers_by_stage: dict[int, Sequence[str]]) -> None:
-        """Set the ONLINE servers of each stage (peer ids as strings), e.g. after a DHT lookup."""
+        """Set the ONLINE servers of each stage (peer ids as strings), e.g. after a DHT lookup.
+
+        A server missing from one lookup keeps what its balancer learned about it (see StageBalancer).
+        """
         for stage, balancer in enumerate(self.balancers):
             balancer.update_servers(peers_by_stage.get(stage, ()))
         self._servers_changed.set()
@@ -139,8 +146,8 @@ class RemotePipeline:
         tried: set[str] = set()
         pause = self.settings.retry_pause
         while True:
-            peer = balancer.choose(size, exclude=tried)
-            if peer is None and balancer.servers:
+            ticket = balancer.choose(size, kind, exclude=tried)
+            if ticket is None and balancer.listed():
                 # Every server of the stage is banned or was tried: rather than sit out the whole ban
                 # (a stage often has a single server), retry the one whose ban ends first, after a
                 # pause that doubles each time.
@@ -148,38 +155,51 @@ class RemotePipeline:
                 pause = min(pause * 2, self.settings.max_retry_pause)
                 tried.clear()
                 peer = balancer.soonest_unbanned()
-            if peer is None:
+                ticket = None if peer is None else balancer.charge(peer, size, kind)
+            if ticket is None:
                 await self._wait_for_servers(stage, deadline)
                 continue
             self.stats.calls += 1
-            started = time.perf_counter()
             try:
-                timeout = balancer.timeout(peer, size, self.settings.timeout_multiplier,
-                                           self.settings.timeout_floor, self.settings.request_timeout)
-                client = StageClient(self.p2p, PeerID.from_base58(peer), stage_namespace(self.run_id, stage),
-                                     timeout=timeout)
-                reply = await client.call(request)
-            except (StageUnavailable, RemoteStageError) as e:
-                if isinstance(e, RemoteStageError) and e.code == BAD_REQUEST:
-                    raise PipelineError(f"stage {stage} refused the {kind} request: {e.message}") from e
-                ban = balancer.report_failure(peer)
-                tried.add(peer)
-                self.stats.failures += 1
-                log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying",
-                            stage, kind, peer[-8:], e, ban)
-                continue
-            expected = 0 if (kind == BACKWARD and stage == 0) else 1
-            if len(reply.tensors) != expected:  # a reply cut short, or a server of another version
-                balancer.report_failure(peer)
-                tried.add(peer)
-                self.stats.failures += 1
-                log.warning("stage %d %s on %s returned %d tensors instead of %d; retrying",
-                            stage, kind, peer[-8:], len(reply.tensors), expected)
-                continue
-            balancer.report_success(peer, size, time.perf_counter() - started)
-            if reply.server_step is not None:
-                self.stage_steps[stage] = reply.server_step
-            return reply
+                reply = await self._attempt(stage, request, ticket)
+            finally:
+                # After a failure, a refused request or a cancellation the task is no longer the
+                # server's; a reported success already closed the ticket, so this does nothing then.
+                balancer.release(ticket)
+            if reply is not None:
+                if reply.server_step is not None:
+                    self.stage_steps[stage] = reply.server_step
+                return reply
+            tried.add(ticket.peer_id)
+
+    async def _attempt(self, stage: int, request: StageRequest, ticket: Ticket) -> StageReply | None:
+        """One call on the ticket's server: its reply (reported a success) or None (reported a failure)."""
+        balancer, peer, kind = self.balancers[stage], ticket.peer_id, request.kind
+        timeout = balancer.timeout(ticket, self.settings.timeout_multiplier, self.settings.timeout_floor,
+                                   self.settings.request_timeout)
+        try:
+            reply = await self._send(stage, peer, request, timeout)
+        except (StageUnavailable, RemoteStageError) as e:
+            if isinstance(e, RemoteStageError) and e.code == BAD_REQUEST:
+                raise PipelineError(f"stage {stage} refused the {kind} request: {e.message}") from e
+            ban = balancer.report_failure(ticket)
+            self.stats.failures += 1
+            log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying", stage, kind, peer[-8:], e, ban)
+            return None
+        expected = 0 if (kind == BACKWARD and stage == 0) else 1
+        if len(reply.tensors) != expected:  # a reply cut short, or a server of another version
+            balancer.report_failure(ticket)
+            self.stats.failures += 1
+            log.warning("stage %d %s on %s returned %d tensors instead of %d; retrying",
+                        stage, kind, peer[-8:], len(reply.tensors), expected)
+            return None
+        balancer.report_success(ticket)
+        return reply
+
+    async def _send(self, stage: int, peer: str, request: StageRequest, timeout: float) -> StageReply:
+        """The one RPC of a call (a seam: tests replace it to run the routing without a network)."""
+        client = StageClient(self.p2p, PeerID.from_base58(peer), stage_namespace(self.run_id, stage), timeout=timeout)
+        return await client.call(request)
 
     async def _pause(self, stage: int, seconds: float, deadline: float) -> None:
         if time.monotonic() + seconds > deadline:
@@ -191,7 +211,7 @@ class RemotePipeline:
         if stage not in self.stats.waiting_stages:
             log.warning("stage %d has no ONLINE server; waiting for one to appear", stage)
             self.stats.waiting_stages.add(stage)
-        while not self.balancers[stage].servers:
+        while not self.balancers[stage].listed():
             if time.monotonic() > deadline:
                 raise PipelineError(f"no server for stage {stage} within {self.settings.max_wait:.0f}s")
             self._servers_changed.clear()

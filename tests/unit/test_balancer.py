@@ -1,12 +1,20 @@
-"""StageBalancer: work in proportion to speed, prompt trials of newcomers, bans with backoff."""
+"""StageBalancer: expected finish time, queue-aware timing, prompt trials of newcomers, bans, lookups that miss."""
 
+from __future__ import annotations
+
+import heapq
+import random
 from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 
+from swarm.protocol import BACKWARD, FORWARD
 from swarm.routing.balancer import StageBalancer
 
 pytestmark = pytest.mark.timeout(30)
+
+SIZE = 8  # samples per micro-batch
 
 
 class FakeClock:
@@ -17,70 +25,321 @@ class FakeClock:
         return self.now
 
 
-def simulate(balancer, speeds, tasks, size=8):
-    counts = Counter()
-    for _ in range(tasks):
-        peer = balancer.choose(size)
-        counts[peer] += 1
-        balancer.report_success(peer, size, size * speeds[peer])
-    return counts
+def balancer(clock: FakeClock, *peers: str, **kwargs) -> StageBalancer:
+    b = StageBalancer(clock=clock, **kwargs)
+    b.update_servers(peers)
+    return b
 
 
-def test_work_goes_in_proportion_to_speed():
-    b = StageBalancer(clock=FakeClock())
-    b.update_servers(["fast", "slow"])
-    counts = simulate(b, {"fast": 0.01, "slow": 0.1}, 1100)
-    assert 9 <= counts["fast"] / counts["slow"] <= 11
+@dataclass
+class Server:
+    """A simulated stage server: `delay` seconds that overlap (network, --inject-delay), then compute
+    of `seconds_per_sample` one task at a time, first in first out; its first task takes `hiccup` more."""
+
+    seconds_per_sample: float
+    delay: float = 0.0
+    hiccup: float = 0.0
+    busy_until: float = float("-inf")
 
 
-def test_newcomer_is_tried_promptly_and_enters_at_the_minimum():
-    b = StageBalancer(clock=FakeClock())
+@dataclass
+class Run:
+    samples: Counter = field(default_factory=Counter)  # peer -> samples computed
+    elapsed: float = 0.0
+
+    def share(self, peer: str) -> float:
+        return self.samples[peer] / sum(self.samples.values())
+
+    @property
+    def speed(self) -> float:
+        return sum(self.samples.values()) / self.elapsed
+
+
+def simulate(b: StageBalancer, clock: FakeClock, servers: dict[str, Server], in_flight: int, tasks: int,
+             kind: str = FORWARD) -> Run:
+    """One trainer sending `tasks` tasks, `in_flight` at a time, until all are answered (discrete events)."""
+    run, events, started, sent = Run(), [], clock.now, 0
+
+    def send() -> None:
+        nonlocal sent
+        if sent == tasks:
+            return
+        sent += 1
+        ticket = b.choose(SIZE, kind)
+        server = servers[ticket.peer_id]
+        begins = max(clock.now + server.delay, server.busy_until)
+        server.busy_until = begins + SIZE * server.seconds_per_sample + server.hiccup
+        server.hiccup = 0.0
+        heapq.heappush(events, (server.busy_until, ticket.seq, ticket))
+
+    for _ in range(in_flight):
+        send()
+    while events:
+        clock.now, _, ticket = heapq.heappop(events)
+        b.report_success(ticket)
+        run.samples[ticket.peer_id] += ticket.size
+        send()
+    run.elapsed = clock.now - started
+    return run
+
+
+def speeds(**seconds_per_sample: float) -> dict[str, Server]:
+    return {peer: Server(s) for peer, s in seconds_per_sample.items()}
+
+
+# --- where work goes ------------------------------------------------------------------------------
+
+def test_one_in_flight_a_10x_slower_server_gets_nothing_after_its_probe():
+    clock = FakeClock()
+    # "a-slow" sorts first, so it also wins the first, unmeasured, tie
+    b = balancer(clock, "a-slow", "b", "c")
+    run = simulate(b, clock, speeds(**{"a-slow": 0.1, "b": 0.01, "c": 0.01}), in_flight=1, tasks=300)
+    assert run.elapsed < b.reprobe_after  # before its estimate is due a re-test
+    assert run.samples["a-slow"] <= SIZE
+
+
+def test_a_slow_server_is_retested_rarely():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b", "slow")
+    run = simulate(b, clock, speeds(a=0.01, b=0.01, slow=0.1), in_flight=1, tasks=6000)  # ~8 minutes
+    retests = run.samples["slow"] // SIZE - 1
+    # stale after max(reprobe_after, 50 x its 0.8 s answer): its tasks take ~2% of the time
+    assert 1 <= retests <= run.elapsed / 40
+    assert run.samples["slow"] * 0.1 <= 0.025 * run.elapsed
+
+
+def test_an_unlucky_first_answer_does_not_shut_a_server_out_for_good():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b")
+    servers = {"a": Server(0.01), "b": Server(0.01, hiccup=1.0)}  # b's first answer: 1.08 s instead of 0.08
+    first = simulate(b, clock, servers, in_flight=2, tasks=300)
+    assert first.share("b") < 0.05
+    then = simulate(b, clock, servers, in_flight=2, tasks=2000)  # b is re-tested once its estimate is stale
+    assert then.share("b") >= 0.3
+
+
+def test_eight_in_flight_work_goes_in_proportion_to_speed():
+    clock = FakeClock()
+    b = balancer(clock, "fast", "slow")
+    run = simulate(b, clock, speeds(fast=0.01, slow=0.03), in_flight=8, tasks=2000)
+    assert 0.15 <= run.share("slow") <= 0.35  # 1/4 if proportional
+
+
+def test_eight_in_flight_a_10x_slower_server_gets_little():
+    clock = FakeClock()
+    b = balancer(clock, "fast", "slow")
+    run = simulate(b, clock, speeds(fast=0.01, slow=0.1), in_flight=8, tasks=2000)
+    assert run.share("slow") <= 0.05
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 4, 8])
+@pytest.mark.parametrize("slow", [(0.1, 0.0), (0.01, 0.72)], ids=["slow compute", "slow delay"])
+def test_a_10x_slow_server_does_not_slow_the_trainer(in_flight: int, slow: tuple[float, float]):
+    """The bench's question (bench/slow_peer.py) on simulated servers: speed with the slow one / without."""
+    def speed(with_slow: bool) -> float:
+        clock = FakeClock()
+        servers = speeds(a=0.01, b=0.01) | ({"c": Server(*slow)} if with_slow else {})
+        b = balancer(clock, *servers)
+        simulate(b, clock, servers, in_flight, tasks=20)  # the newcomers' probes
+        return simulate(b, clock, servers, in_flight, tasks=1000).speed
+
+    assert speed(with_slow=True) >= 0.95 * speed(with_slow=False)
+
+
+def test_newcomer_is_tried_promptly_even_with_one_in_flight():
+    clock = FakeClock()
+    b = balancer(clock, "a")
+    simulate(b, clock, speeds(a=0.01), in_flight=1, tasks=20)
+    b.update_servers(["a", "z-new"])  # sorts last: would lose every tie if ties went by id only
+    assert b.expected_seconds_per_sample("z-new", FORWARD) == pytest.approx(0.01)  # as fast as the fastest
+    assert b.choose(SIZE, FORWARD).peer_id == "z-new"
+
+
+def test_ties_between_equals_go_by_peer_id():
+    b = balancer(FakeClock(), "b", "a", "c")
+    assert [b.choose(SIZE, FORWARD).peer_id for _ in range(3)] == ["a", "b", "c"]
+
+
+def test_no_server_and_exclusions():
+    b = balancer(FakeClock())
+    assert b.choose(1, FORWARD) is None
     b.update_servers(["a"])
-    simulate(b, {"a": 0.01}, 50)
-    b.update_servers(["a", "new"])
-    assert b.servers["new"].load == pytest.approx(b.servers["a"].load)
-    assert "new" in {b.choose(8) for _ in range(2)}
+    assert b.choose(1, FORWARD, exclude=["a"]) is None
+    with pytest.raises(ValueError):
+        b.choose(1, "sideways")
+
+
+# --- what a task costs ----------------------------------------------------------------------------
+
+def test_service_time_of_a_queued_fifo_server_excludes_waiting_behind_our_own_tasks():
+    clock = FakeClock()
+    b = balancer(clock, "a")
+    tickets = [b.charge("a", 1, FORWARD) for _ in range(4)]  # sent at once, answered 1 s apart
+    for ticket in tickets:
+        clock.now += 1.0
+        b.report_success(ticket)
+    assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(1.0)  # not 2.5, the mean wait
+
+
+def test_a_task_sent_after_the_previous_answer_is_timed_from_its_sending():
+    clock = FakeClock()
+    b = balancer(clock, "a")
+    first = b.charge("a", 2, FORWARD)
+    clock.now += 1.0
+    b.report_success(first)
+    clock.now += 5.0  # idle
+    second = b.charge("a", 2, FORWARD)
+    clock.now += 3.0
+    b.report_success(second)
+    assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(0.5 + 0.1 * (1.5 - 0.5))
+
+
+def test_overlapping_delay_is_not_taken_for_speed():
+    # Four tasks wait 5 s side by side, then compute 0.1 s each: answered 5.1, 5.2, 5.3, 5.4 s on.
+    clock = FakeClock()
+    b = balancer(clock, "far")
+    tickets = [b.charge("far", 1, FORWARD) for _ in range(4)]
+    for i, ticket in enumerate(tickets):
+        clock.now = 1000.0 + 5.0 + 0.1 * (i + 1)
+        b.report_success(ticket)
+    assert b.expected_finish("far", 1, FORWARD) >= 5.0
+
+
+def test_outstanding_work_counts_toward_the_finish_and_is_revalued_when_measured():
+    clock = FakeClock()
+    b = balancer(clock, "a", "new")
+    ticket = b.charge("a", SIZE, FORWARD)
+    clock.now += SIZE * 0.001
+    b.report_success(ticket)
+    held = [b.charge("new", SIZE, FORWARD) for _ in range(3)]  # charged as fast as a
+    clock.now += 1.0
+    b.report_success(held[0])  # new is slow: 1 s for 8 samples
+    assert b.outstanding_seconds("new") == pytest.approx(2 * 1.0)  # no longer 2 x 0.008
+    assert b.expected_finish("new", SIZE, FORWARD) == pytest.approx(3.0)
+
+
+def test_each_kind_has_its_own_estimate_and_an_unmeasured_kind_is_scaled_from_the_other():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b")
+    assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(0.01)  # the default
+    assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.025)
+    ticket = b.charge("a", 10, FORWARD)
+    clock.now += 1.0
+    b.report_success(ticket)
+    assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(0.1)
+    assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.25)  # x 2.5
+    assert b.expected_seconds_per_sample("b", BACKWARD) == pytest.approx(0.25)  # as fast as the fastest
+    ticket = b.charge("a", 10, BACKWARD)
+    clock.now += 2.0
+    b.report_success(ticket)
+    assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.2)
+    assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(0.1)  # untouched by a backward
+
+
+def test_one_in_flight_alternating_kinds_still_avoids_the_slow_server():
+    clock = FakeClock()
+    b = balancer(clock, "a-slow", "b")
+    servers = speeds(**{"a-slow": 0.1, "b": 0.01})
+    slow_samples = 0
+    for _ in range(100):
+        for kind in (FORWARD, BACKWARD):
+            slow_samples += simulate(b, clock, servers, in_flight=1, tasks=1, kind=kind).samples["a-slow"]
+    assert slow_samples <= SIZE  # its forward probe; its backward is then estimated from that
+
+
+# --- tickets, timeouts and bans -------------------------------------------------------------------
+
+def test_outstanding_work_is_released_exactly_once_however_calls_end():
+    clock, rng = FakeClock(), random.Random(0)
+    b = balancer(clock, "a", "b", "c", ban_base=0.001, ban_max=0.001)
+    for _ in range(2000):
+        ticket = b.choose(SIZE, rng.choice([FORWARD, BACKWARD]))
+        clock.now += rng.random()
+        ending = rng.choice(["success", "failure", "cancelled"])
+        if ending == "success":
+            b.report_success(ticket)
+        elif ending == "failure":
+            b.report_failure(ticket)
+        b.release(ticket)  # what the pipeline's `finally` does, whatever happened before
+        assert b.report_failure(ticket) == 0.0  # a closed ticket neither bans...
+        b.report_success(ticket)  # ...nor counts again
+    assert all(not s.open for s in b.servers.values())
+    assert all(b.outstanding_seconds(p) == 0.0 for p in b.servers)
+
+
+def test_timeouts_scale_with_the_expected_finish_within_floor_and_ceiling():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b")
+    limits = dict(multiplier=5, floor=1, ceiling=60)
+    ticket = b.charge("a", SIZE, FORWARD)
+    assert b.timeout(ticket, **limits) == 60  # never timed: the ceiling
+    clock.now += SIZE * 0.5
+    b.report_success(ticket)
+    queue = [b.charge("a", SIZE, FORWARD) for _ in range(3)]  # 4 s each by the estimate
+    assert [b.timeout(t, **limits) for t in queue] == [pytest.approx(20.0), pytest.approx(40.0), 60]
+    ticket = b.charge("b", SIZE, FORWARD)
+    clock.now += SIZE * 0.001
+    b.report_success(ticket)
+    assert b.timeout(b.charge("b", SIZE, FORWARD), **limits) == 1
 
 
 def test_failures_ban_with_exponential_backoff_reset_on_success():
     clock = FakeClock()
-    b = StageBalancer(ban_base=15, ban_max=60, clock=clock)
-    b.update_servers(["a", "b"])
-    assert [b.report_failure("a") for _ in range(4)] == [15, 30, 60, 60]
-    assert {b.choose(1) for _ in range(5)} == {"b"}
+    b = balancer(clock, "a", "b", ban_base=15, ban_max=60)
+    assert [b.report_failure(b.charge("a", 1, FORWARD)) for _ in range(4)] == [15, 30, 60, 60]
+    assert {b.choose(1, FORWARD).peer_id for _ in range(5)} == {"b"}
+    assert b.soonest_unbanned(exclude=["b"]) == "a"
     clock.now += 61
     assert "a" in b.available()
-    b.report_success("a", 1, 0.01)
-    assert b.report_failure("a") == 15
+    b.report_success(b.charge("a", 1, FORWARD))
+    assert b.report_failure(b.charge("a", 1, FORWARD)) == 15
 
 
-def test_returning_server_does_not_get_a_flood():
+# --- lookups that miss a server -------------------------------------------------------------------
+
+def test_a_server_missing_from_one_lookup_keeps_its_estimate_and_ban():
     clock = FakeClock()
-    b = StageBalancer(clock=clock)
-    b.update_servers(["a", "b"])
-    b.report_failure("a")
-    simulate(b, {"a": 0.01, "b": 0.01}, 100)
-    clock.now += 16
-    counts = simulate(b, {"a": 0.01, "b": 0.01}, 20)
-    assert counts["a"] <= 11
+    b = balancer(clock, "fast", "slow", "failing", forget_after=60)
+    for peer, seconds_per_sample in (("fast", 0.01), ("slow", 0.1)):
+        ticket = b.charge(peer, SIZE, FORWARD)
+        clock.now += SIZE * seconds_per_sample
+        b.report_success(ticket)
+    b.report_failure(b.charge("failing", SIZE, FORWARD))
+    banned_until = b.servers["failing"].banned_until
+
+    b.update_servers(["slow"])
+    assert b.listed() == ["slow"] and b.soonest_unbanned() == "slow"
+    assert {b.choose(SIZE, FORWARD).peer_id for _ in range(3)} == {"slow"}  # never a missing one
+    clock.now += 2.0
+    b.update_servers(["fast", "slow", "failing"])
+    assert b.servers["fast"].service == {FORWARD: pytest.approx(0.01)}
+    assert b.servers["failing"].banned_until == banned_until and b.servers["failing"].failures == 1
+    assert b.servers["slow"].service == {FORWARD: pytest.approx(0.1)}  # not a newcomer "as fast as the fastest"
 
 
-def test_no_server_and_exclusions():
-    b = StageBalancer(clock=FakeClock())
-    assert b.choose(1) is None
-    b.update_servers(["a"])
-    assert b.choose(1, exclude=["a"]) is None
+def test_a_missing_server_is_forgotten_after_forget_after_seconds():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b", forget_after=60)
+    b.update_servers(["b"])
+    clock.now += 59
+    b.update_servers(["b"])
+    assert "a" in b.servers
+    b.update_servers(["a", "b"])  # back in time: the count starts again when it next goes missing
+    clock.now += 30
+    b.update_servers(["b"])
+    clock.now += 59
+    b.update_servers(["b"])
+    assert "a" in b.servers
+    clock.now += 1
+    b.update_servers(["b"])
+    assert list(b.servers) == ["b"]
+
+
+def test_a_forgotten_servers_tickets_are_harmless():
+    clock = FakeClock()
+    b = balancer(clock, "a", forget_after=0)
+    ticket = b.choose(1, FORWARD)
     b.update_servers([])
-    assert b.servers == {}
-
-
-def test_timeouts_adapt_to_measured_speed_within_floor_and_ceiling():
-    b = StageBalancer(clock=FakeClock())
-    b.update_servers(["a", "b"])
-    assert b.timeout("a", 8, multiplier=5, floor=1, ceiling=60) == 60  # never timed: the ceiling
-    b.report_success("a", 8, 8 * 0.5)
-    assert b.timeout("a", 8, multiplier=5, floor=1, ceiling=60) == pytest.approx(20.0)
-    b.report_success("b", 8, 8 * 0.001)
-    assert b.timeout("b", 8, multiplier=5, floor=1, ceiling=60) == 1
-    b.report_success("a", 8, 8 * 100.0)
-    assert b.timeout("a", 8, multiplier=5, floor=1, ceiling=60) == 60
+    assert b.servers == {} and b.choose(1, FORWARD) is None
+    b.report_success(ticket)
+    assert b.report_failure(ticket) == 0.0

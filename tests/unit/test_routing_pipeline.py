@@ -1,0 +1,138 @@
+"""RemotePipeline's routing without a network: every call's ticket goes back, however the call ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+import torch
+
+from swarm.protocol import BACKWARD, BAD_REQUEST, FORWARD, RemoteStageError, StageReply, StageRequest, StageUnavailable
+from swarm.routing import PipelineError, RemotePipeline, StageBalancer
+
+pytestmark = pytest.mark.timeout(30)
+
+CALL_TIMEOUT = 10.0  # bounds every awaited trip; nothing here waits on a network
+
+Behaviour = Callable[[int, str, StageRequest], Awaitable[StageReply]]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def answer(stage: int, request: StageRequest, num_stages: int) -> StageReply:
+    """What a healthy server of `stage` replies."""
+    if request.kind == FORWARD:
+        return StageReply([torch.zeros(request.inputs.shape[0], 4)], server_step=3)
+    info = {"loss": 2.5} if stage == num_stages - 1 else {}
+    return StageReply([] if stage == 0 else [torch.zeros(request.inputs.shape[0], 4)], server_step=3, info=info)
+
+
+class FakePipeline(RemotePipeline):
+    """A pipeline whose one RPC seam, `_send`, runs `behaviour` instead of the network."""
+
+    def __init__(self, servers: dict[int, list[str]], behaviour: Behaviour | None = None):
+        self.clock = FakeClock()
+        super().__init__(None, "test-run", len(servers), balancer_factory=lambda: StageBalancer(clock=self.clock))
+        self.behaviour = behaviour or self.healthy
+        self.sent: list[tuple[int, str, str]] = []
+        self.update_servers(servers)
+
+    async def healthy(self, stage: int, peer: str, request: StageRequest) -> StageReply:
+        self.clock.now += 0.01
+        return answer(stage, request, self.num_stages)
+
+    async def _send(self, stage: int, peer: str, request: StageRequest, timeout: float) -> StageReply:
+        self.sent.append((stage, peer, request.kind))
+        return await self.behaviour(stage, peer, request)
+
+    def open_tickets(self) -> int:
+        return sum(len(s.open) for b in self.balancers for s in b.servers.values())
+
+    def trip(self, request_id: str = "t:0:1") -> float:
+        x, y = torch.zeros(8, 16, dtype=torch.long), torch.zeros(8, 16, dtype=torch.long)
+        return asyncio.run(asyncio.wait_for(self.train(x, y, request_id), CALL_TIMEOUT))
+
+
+def test_successful_trips_leave_nothing_outstanding():
+    pipeline = FakePipeline({0: ["a0", "b0"], 1: ["a1", "b1"]})
+    for i in range(50):
+        assert pipeline.trip(f"t:0:{i}") == 2.5
+    assert pipeline.open_tickets() == 0
+    assert pipeline.stats.calls == 150 and pipeline.stats.failures == 0
+    assert pipeline.stage_steps == {0: 3, 1: 3}
+    assert all(s.measured for b in pipeline.balancers for s in b.servers.values())
+
+
+def test_a_failed_call_bans_its_server_and_is_retried_on_another():
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        if peer == "a0":
+            raise StageUnavailable("a0 did not answer")
+        return answer(stage, request, 1)
+
+    pipeline = FakePipeline({0: ["a0", "b0"]}, behaviour)
+    assert pipeline.trip() == 2.5
+    assert [peer for _, peer, _ in pipeline.sent] == ["a0", "b0"]  # equal and unmeasured: a0 first, by id
+    assert pipeline.stats.failures == 1 and pipeline.balancers[0].servers["a0"].failures == 1
+    assert pipeline.open_tickets() == 0
+
+
+def test_a_reply_with_the_wrong_tensors_counts_as_a_failure():
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        reply = answer(stage, request, 1)
+        if peer == "a0":
+            reply.tensors.append(torch.zeros(1))
+        return reply
+
+    pipeline = FakePipeline({0: ["a0", "b0"]}, behaviour)
+    assert pipeline.trip() == 2.5
+    assert pipeline.stats.failures == 1 and pipeline.open_tickets() == 0
+
+
+def test_a_refused_request_fails_the_trip_without_banning_or_leaking():
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        raise RemoteStageError(BAD_REQUEST, "inputs of the wrong shape")
+
+    pipeline = FakePipeline({0: ["a0"]}, behaviour)
+    with pytest.raises(PipelineError, match="refused"):
+        pipeline.trip()
+    assert pipeline.balancers[0].servers["a0"].failures == 0 and pipeline.open_tickets() == 0
+
+
+def test_a_cancelled_trip_releases_its_call():
+    async def scenario() -> FakePipeline:
+        all_called, never, calls = asyncio.Event(), asyncio.Event(), []
+
+        async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+            calls.append(peer)
+            if len(calls) == 4:
+                all_called.set()
+            await never.wait()
+            raise AssertionError("unreachable")
+
+        pipeline = FakePipeline({0: ["a0"], 1: ["a1"]}, behaviour)
+        x = torch.zeros(8, 16, dtype=torch.long)
+        trips = [asyncio.create_task(pipeline.train(x, x, f"t:{i}:1")) for i in range(4)]
+        await asyncio.wait_for(all_called.wait(), CALL_TIMEOUT)
+        assert pipeline.open_tickets() == 4
+        for trip in trips:
+            trip.cancel()
+        await asyncio.wait_for(asyncio.gather(*trips, return_exceptions=True), CALL_TIMEOUT)
+        return pipeline
+
+    pipeline = asyncio.run(scenario())
+    assert pipeline.open_tickets() == 0
+    assert pipeline.balancers[0].servers["a0"].failures == 0  # a cancellation says nothing about the server
+
+
+def test_backward_and_forward_are_timed_separately():
+    pipeline = FakePipeline({0: ["a0"], 1: ["a1"]})
+    pipeline.trip()
+    assert set(pipeline.balancers[0].servers["a0"].service) == {FORWARD, BACKWARD}
+    assert set(pipeline.balancers[1].servers["a1"].service) == {BACKWARD}  # the fused last stage

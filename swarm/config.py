@@ -107,9 +107,14 @@ class AveragingConfig:
     next_chunk_timeout: float = 10.0  # a peer silent this long in an all-reduce or download is dropped
     shutdown_timeout: float = 5.0  # the averaging process gets this long to leave cleanly
     progress_period: float = 1.0  # how often a server publishes its samples and reads its stage's
+    # While a round runs beside compute, a server takes at most this share of a batch in new samples
+    # (one step late); further backwards wait for the round to end (null: no limit, never wait)
+    max_late_share: float | None = None
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
+        if self.max_late_share is not None:
+            _non_negative(self, "max_late_share", "averaging")
         for name in ("target_group_size", "matchmaking_timeout", "allreduce_timeout", "state_download_timeout",
                      "min_matchmaking_time", "request_timeout", "next_chunk_timeout", "shutdown_timeout",
                      "progress_period"):
@@ -200,20 +205,24 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> RunConfig:
-        """Build and validate a config; unknown keys and wrong types are errors naming the field."""
-        return _build(cls, data, "").validate()
+    def from_dict(cls, data: Any, ignored: list[str] | None = None) -> RunConfig:
+        """Build and validate a config; wrong types are errors naming the field.
+
+        Unknown keys are errors too, unless `ignored` is given: then they are left out and their
+        names appended to it (a config published by a newer peer, with settings this one lacks).
+        """
+        return _build(cls, data, "", ignored).validate()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_yaml(cls, text: str) -> RunConfig:
+    def from_yaml(cls, text: str, ignored: list[str] | None = None) -> RunConfig:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"run config is not valid YAML: {e}") from None
-        return cls.from_dict({} if data is None else data)
+        return cls.from_dict({} if data is None else data, ignored)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
@@ -227,22 +236,25 @@ class RunConfig:
         return cls.from_yaml(text)
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def _build(cls: type, data: Any, prefix: str, ignored: list[str] | None = None) -> Any:
     where = prefix.rstrip(".") or "run config"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, data)) - names)
-    if unknown:
+    if unknown and ignored is None:
         raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(names))})")
-    kwargs = {name: _convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
+    if unknown:
+        ignored.extend(prefix + key for key in unknown)
+    kwargs = {name: _convert(hints[name], value, f"{prefix}{name}", ignored)
+              for name, value in data.items() if name in names}
     return cls(**kwargs)
 
 
-def _convert(hint: Any, value: Any, name: str) -> Any:
+def _convert(hint: Any, value: Any, name: str, ignored: list[str] | None = None) -> Any:
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, name + ".")
+        return _build(hint, value, name + ".", ignored)
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None and type(None) in allowed:
         return None

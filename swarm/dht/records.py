@@ -76,14 +76,18 @@ class SwarmRecords:
             raise RunConfigInvalid(f"the run config record of run {self.run_id!r} does not fit the schema")
         if record.run_id != self.run_id:
             raise RunConfigInvalid(f"the run config record says run {record.run_id!r}, expected {self.run_id!r}")
+        ignored: list[str] = []  # settings of a newer version: this peer runs without them
         try:
-            config = RunConfig.from_yaml(record.config_yaml)
+            config = RunConfig.from_yaml(record.config_yaml, ignored)
         except ConfigError as e:
             raise RunConfigInvalid(
                 f"the coordinator's run config is not usable by this peer (version {record.version} published it): {e}"
             ) from None
         if config.run_id != self.run_id:
             raise RunConfigInvalid(f"the published run config is for run {config.run_id!r}, expected {self.run_id!r}")
+        if ignored:
+            logger.warning("the run config (published by version %s) has settings this version does not know; "
+                        "ignoring them: %s", record.version, ", ".join(ignored))
         return config
 
     # servers: one record per server per stage

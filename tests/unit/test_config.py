@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from swarm.config import ConfigError, RunConfig
 
@@ -93,3 +94,24 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
 def test_bad_routing_settings_are_rejected(data, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         RunConfig.from_dict(data)
+
+
+def test_a_published_config_with_settings_of_a_newer_version_is_used_without_them(caplog):
+    from swarm.dht.records import SwarmRecords
+    from swarm.dht.schemas import RunConfigRecord
+
+    newer = RunConfig(run_id="newer").to_dict()
+    newer["averaging"]["from_the_future"] = 1
+    newer["a_new_section"] = {"x": 1}
+    ignored: list[str] = []
+    assert RunConfig.from_dict(newer, ignored) == RunConfig(run_id="newer")
+    assert ignored == ["a_new_section", "averaging.from_the_future"]
+    with pytest.raises(ConfigError, match="unknown key a_new_section"):
+        RunConfig.from_dict(newer)  # a local file stays strict
+
+    records = SwarmRecords.__new__(SwarmRecords)  # only its parsing, no DHT
+    records.run_id = "newer"
+    record = RunConfigRecord(run_id="newer", config_yaml=yaml.safe_dump(newer), coordinator_peer_id="x")
+    with caplog.at_level("WARNING"):
+        assert records._parse_run_config(record.to_wire()) == RunConfig(run_id="newer")
+    assert "a_new_section, averaging.from_the_future" in caplog.text

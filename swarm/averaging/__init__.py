@@ -5,10 +5,12 @@ Map of the subsystem, from what a server uses down to pure logic::
     stepper.py   StageStepper: the narrow interface StageBackend steps through (take a micro-batch's
                  gradients, ready?, step); swarm.optim.StageOptimizer is the one-server implementation
     averager.py  StageAverager: the collective one. Waits until the stage as a whole has a full
-                 batch (samples that come after it are held for the next step), averages gradients
-                 weighted by sample counts, steps the same math on every replica; steps alone (and
-                 says so) when a round fails; catches up when behind; load_state_from_peers() for a
-                 server joining its stage
+                 batch (samples that come after it are held for the next step), then averages the
+                 batch's gradients (weighted by sample counts) on a thread of its own while the
+                 compute thread keeps serving (those samples count one step late); the compute
+                 thread applies the same step on every replica between two requests. Steps alone
+                 (and says so) when a round fails; catches up when behind (downloading beside
+                 compute too); load_state_from_peers() for a server joining its stage
     tracker.py   StageProgressTracker: a thread that publishes this server's progress and reads the
                  stage's, through the DHT
     channel.py   ProgressChannel: progress pushed straight to the stage's other servers over libp2p,

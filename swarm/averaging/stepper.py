@@ -34,6 +34,8 @@ class StageStepper(Protocol):
         ...
 
     def step(self) -> dict[str, Any] | None:
-        """Step the stage; stats of the step (``step, lr, grad_norm, samples, skipped``, ...), or None
-        if the parameters changed without a step of this replica's own (e.g. it caught up with its peers)."""
+        """Step the stage, or move a step on (e.g. hand the batch to a round that runs elsewhere, or
+        apply one that ended); never waits on the network. Stats of a step taken now (``step, lr,
+        grad_norm, samples, skipped``, ...), or None if none was (a round began, or the parameters
+        changed without a step of this replica's own: it caught up with its peers)."""
         ...

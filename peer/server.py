@@ -40,8 +40,6 @@ log = logging.getLogger("swarm.server")
 LOOP_CALL_TIMEOUT = 30.0  # registering handlers, replicating the DHT's P2P
 STEP_LOG_EVERY = 10  # optimizer steps between progress lines in the log
 BACKWARD_CACHE_SIZE = 512  # recent backward results kept so a retried request is not counted twice
-LATE_WAIT_MAX = 2.0  # the longest a backward waits for a round (averaging.max_late_share), below any call timeout
-LATE_POLL = 0.005
 
 
 @dataclass
@@ -77,8 +75,6 @@ class ServerMetrics:
         self.stashed = Counter("swarm_server_stashed_samples", "Samples whose gradient was computed on the "
                                "parameters from before the stage's last step, which their forward used",
                                registry=registry)
-        self.late_wait = Counter("swarm_server_backward_wait_seconds", "Time backwards waited for their stage's "
-                                 "round to end (averaging.max_late_share)", registry=registry)
         self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
                                registry=registry)
 
@@ -212,7 +208,8 @@ class StageRequestHandler(StageHandler):
         task = self._recent.get(request.request_id)
         first = task is None
         if first:
-            task = asyncio.ensure_future(self._backward_after_round(request, backend))
+            task = asyncio.ensure_future(self._run(request, backend.backward, request.inputs,
+                                                   request.grad_outputs, request.targets, request.forward_step))
             self._recent[request.request_id] = task
             while len(self._recent) > BACKWARD_CACHE_SIZE:
                 self._recent.popitem(last=False)
@@ -228,24 +225,6 @@ class StageRequestHandler(StageHandler):
         tensors = [] if result.grad_input is None else [result.grad_input]
         info = {} if result.loss is None else {"loss": result.loss}
         return StageReply(tensors, server_step=result.step, info=info)
-
-    async def _backward_after_round(self, request: StageRequest, backend: StageBackend) -> BackwardResult:
-        await self._wait_for_round()
-        return await self._run(request, backend.backward, request.inputs, request.grad_outputs, request.targets,
-                               request.forward_step)
-
-    async def _wait_for_round(self) -> None:
-        """With averaging.max_late_share, hold a backward while the round under way has taken its share
-        of late samples; at most LATE_WAIT_MAX and half the trainers' shortest call timeout, so a late
-        round never makes a call time out."""
-        averager = self.server.averager
-        if averager is None or not averager.throttled:
-            return
-        started = time.perf_counter()
-        deadline = started + min(LATE_WAIT_MAX, self.server.config.network.timeout_floor / 2)
-        while averager.throttled and time.perf_counter() < deadline:
-            await asyncio.sleep(LATE_POLL)
-        self.server.metrics.late_wait.inc(time.perf_counter() - started)
 
     def _forget_failed(self, request_id: str, task: asyncio.Future) -> None:
         if task.cancelled() or task.exception() is not None:

@@ -258,13 +258,6 @@ class StageAverager:
         self._process.close()
 
     @property
-    def throttled(self) -> bool:
-        """Whether backwards should wait for the round under way: it has taken averaging.max_late_share
-        of a batch in late samples already."""
-        cap = self.config.max_late_share
-        return cap is not None and self._averaging and self._late >= cap * self.batch_size
-
-    @property
     def busy(self) -> bool:
         """Whether a round or a download is under way beside compute."""
         return self._job is not None

@@ -39,14 +39,11 @@ from swarm.reference import ReferenceTrainer
 
 
 def measure(config_path: str, steps: int, stages: int, log_dir: str | None, servers_per_stage: int = 2,
-            trainers: int = 2, in_flight: int | None = None, batch_size: int | None = None,
-            max_late_share: float | None = None) -> dict:
+            trainers: int = 2, in_flight: int | None = None, batch_size: int | None = None) -> dict:
     config = RunConfig.load(config_path)
     config.stages.num_stages = stages
     if batch_size is not None:
         config.optimizer.batch_size = batch_size
-    if max_late_share is not None:
-        config.averaging.max_late_share = max_late_share
     config.validate()
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
         path = Path(tmp) / "run.yaml"
@@ -71,7 +68,8 @@ def measure(config_path: str, steps: int, stages: int, log_dir: str | None, serv
         "ratio": swarm["val_loss"] / reference["val_loss"],
         "samples": swarm["samples"],
         "swarm_steps": swarm["model_steps"],
-        "late_share": swarm["late_share"],
+        **{key: swarm[key] for key in ("late_share", "stale_share", "stale2_share", "round_seconds",
+                                       "round_start_seconds")},
         "reference_steps": reference_steps,
         "reference_samples": reference["samples"],
         "swarm_wall_seconds": swarm["wall_seconds"],
@@ -88,21 +86,22 @@ def main() -> None:
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--in-flight", type=int, help="each trainer's micro-batches in flight (default: the trainers')")
     p.add_argument("--batch-size", type=int, help="override the config's optimizer.batch_size")
-    p.add_argument("--max-late-share", type=float, help="override the config's averaging.max_late_share")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--log-dir", help="keep the swarm's logs here (default: a temporary directory)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args()
     steps = args.steps or (40 if args.quick else 200)
     r = measure(args.config, steps, args.stages, args.log_dir, args.servers_per_stage, args.trainers,
-                args.in_flight, args.batch_size, args.max_late_share)
+                args.in_flight, args.batch_size)
     in_flight = "default" if r["in_flight"] is None else r["in_flight"]
-    print(f"{r['config']} (batch {r['batch_size']}, max late share {args.max_late_share}; "
+    print(f"{r['config']} (batch {r['batch_size']}; "
           f"{args.stages} stages x {r['servers_per_stage']} servers, "
           f"{r['trainers']} trainers, in flight {in_flight}): trainers completed {r['samples']} samples; "
           f"val loss swarm {r['swarm_val_loss']:.4f} "
           f"({r['swarm_steps']} steps, {r['swarm_wall_seconds']:.0f}s; share of samples one step late per stage "
-          f"{r['late_share']}), reference {r['reference_val_loss']:.4f} "
+          f"{r['late_share']}; backwards a step stale {r['stale_share']}, two or more {r['stale2_share']}; "
+          f"mean round {r['round_seconds']} s, group formed after {r['round_start_seconds']} s), "
+          f"reference {r['reference_val_loss']:.4f} "
           f"({r['reference_steps']} steps of {r['reference_samples']} samples, {r['reference_wall_seconds']:.0f}s); "
           f"swarm/reference {r['ratio']:.3f}", flush=True)
     if args.json:

@@ -45,16 +45,14 @@ def run_swarm(config: RunConfig, shape: str, steps: int, log_root: Path) -> dict
                              metrics_port=None, stop=threading.Event()).run(steps)
     print(f"  batch {config.optimizer.batch_size}, {shape}: {summary['samples_per_second']:.1f} samples/s "
           f"(val loss {summary['val_loss']:.3f} after {min(summary['model_steps'])} steps; share of samples one "
-          f"step late per stage {summary['late_share']})", flush=True)
+          f"step late per stage {summary['late_share']}; mean round {summary['round_seconds']} s, of which "
+          f"group formation {summary['round_start_seconds']} s)", flush=True)
     return summary
 
 
-def measure(config_path: str, batch_size: int, repeats: int, steps: int, log_root: Path,
-            max_late_share: float | None = None) -> dict:
+def measure(config_path: str, batch_size: int, repeats: int, steps: int, log_root: Path) -> dict:
     config = RunConfig.load(config_path)
     config.optimizer.batch_size = batch_size
-    if max_late_share is not None:
-        config.averaging.max_late_share = max_late_share
     config.validate()
     speeds: dict[str, list[float]] = {shape: [] for shape in SHAPES}
     for repeat in range(repeats):
@@ -72,7 +70,6 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 128])
     p.add_argument("--repeats", type=int, help="pairs of runs per batch size (default 2; --quick: 1)")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default per batch size)")
-    p.add_argument("--max-late-share", type=float, help="override the config's averaging.max_late_share")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--log-dir", help="keep the swarms' logs here (default: a temporary directory)")
     p.add_argument("--json", help="also write the results here")
@@ -83,10 +80,10 @@ def main() -> None:
         log_root = Path(args.log_dir or tmp)
         for batch in args.batch_sizes:
             steps = args.steps or STEPS.get(batch, 30) // (2 if args.quick else 1)
-            r = measure(args.config, batch, repeats, steps, log_root, args.max_late_share)
+            r = measure(args.config, batch, repeats, steps, log_root)
             results.append(r)
             goal = f" (goal >= {r['goal']})" if r["goal"] else ""
-            print(f"{args.config} batch {batch} (max late share {args.max_late_share}): "
+            print(f"{args.config} batch {batch}: "
                   f"2x2 servers + 2 trainers {r['replicated']:.1f} samples/s, "
                   f"1x2 + 1 trainer {r['single']:.1f} samples/s (medians of {repeats}): "
                   f"ratio {r['ratio']:.2f}{goal}", flush=True)

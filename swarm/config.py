@@ -107,14 +107,9 @@ class AveragingConfig:
     next_chunk_timeout: float = 10.0  # a peer silent this long in an all-reduce or download is dropped
     shutdown_timeout: float = 5.0  # the averaging process gets this long to leave cleanly
     progress_period: float = 1.0  # how often a server publishes its samples and reads its stage's
-    # While a round runs beside compute, a server takes at most this share of a batch in new samples
-    # (one step late); further backwards wait for the round to end (null: no limit, never wait)
-    max_late_share: float | None = None
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
-        if self.max_late_share is not None:
-            _non_negative(self, "max_late_share", "averaging")
         for name in ("target_group_size", "matchmaking_timeout", "allreduce_timeout", "state_download_timeout",
                      "min_matchmaking_time", "request_timeout", "next_chunk_timeout", "shutdown_timeout",
                      "progress_period"):

@@ -8,6 +8,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ class LocalSwarm:
                                     *extra) for i in range(self.trainers)]
             status = self._train(steps)
             end_all(trainers)  # trainers publish their last metrics as they exit
-            late_shares = self._late_shares()
+            averaging = self._averaging_stats()
             metrics = [m for m in self.records.lookup_metrics() if m.role == "trainer"]
             print("measuring the validation loss through the swarm...", flush=True)
             val_loss, model_steps = self._validation_loss()
@@ -94,7 +95,7 @@ class LocalSwarm:
             "val_loss": val_loss,
             "steps": status["step"],
             "model_steps": model_steps,  # each stage's step when the validation loss was measured
-            "late_share": late_shares,  # per stage: samples one step late (taken while a round ran) / all
+            **averaging,  # per stage: late_share, round_seconds, round_start_seconds, stale_share, stale2_share
             "samples": samples,
             "samples_per_second": speed,
             "wall_seconds": time.monotonic() - started,
@@ -128,23 +129,36 @@ class LocalSwarm:
                 self._child(f"server-{stage}-{replica}", "peer.cli", maddr, "--role", "server", "--stage", str(stage),
                             "--device", "cpu", "--metrics-port", str(port))
 
-    def _late_shares(self) -> list[float | None]:
-        """Per stage: the share of its servers' samples that came while a round ran (one step late)."""
-        late = [0.0] * self.config.stages.num_stages
-        samples = [0.0] * self.config.stages.num_stages
+    def _averaging_stats(self) -> dict[str, list[float | None]]:
+        """Per stage, from its servers' /metrics: the share of samples that came while a round ran (one
+        step late), the mean seconds of a round and of its start (batch handed over to group formed),
+        and the share of backwards whose stage had stepped once or more / twice or more since their forward."""
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * self.config.stages.num_stages)
         for stage, port in self.server_ports:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT) as reply:
                     text = reply.read().decode()
-            except OSError:  # a server that died: the share is of those that answer
+            except OSError:  # a server that died: the figures are of those that answer
                 continue
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    if sample.name == "swarm_averaging_late_samples_total":
-                        late[stage] += sample.value
-                    elif sample.name == "swarm_server_samples_total":
-                        samples[stage] += sample.value
-        return [round(x / n, 4) if n else None for x, n in zip(late, samples)]
+                    le = sample.labels.get("le", "")
+                    sums[sample.name + (f"_le{le}" if le else "")][stage] += sample.value
+
+        def ratio(top: list[float], bottom: list[float]) -> list[float | None]:
+            return [round(x / n, 4) if n else None for x, n in zip(top, bottom)]
+
+        staleness = "swarm_server_backward_staleness_steps"
+        backwards = sums[f"{staleness}_count"]
+        return {
+            "late_share": ratio(sums["swarm_averaging_late_samples_total"], sums["swarm_server_samples_total"]),
+            "round_seconds": ratio(sums["swarm_averaging_round_seconds_sum"],
+                                   sums["swarm_averaging_round_seconds_count"]),
+            "round_start_seconds": ratio(sums["swarm_averaging_round_start_seconds_sum"],
+                                         sums["swarm_averaging_round_start_seconds_count"]),
+            "stale_share": ratio([n - x for n, x in zip(backwards, sums[f"{staleness}_bucket_le0.0"])], backwards),
+            "stale2_share": ratio([n - x for n, x in zip(backwards, sums[f"{staleness}_bucket_le1.0"])], backwards),
+        }
 
     def _join(self, maddr: str) -> None:
         self.loop.start()

@@ -17,13 +17,14 @@ END_TIMEOUT = 15.0  # seconds a process gets to exit after SIGTERM before SIGKIL
 class Child:
     """One program of the swarm, in its own process group (it forks a DHT and a p2pd daemon)."""
 
-    def __init__(self, name: str, module: str, args: list[str], log_dir: Path):
+    def __init__(self, name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.out_path = log_dir / f"{name}.out"
         with open(self.log_path, "wb") as err, open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=err,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env=None if env is None else {**os.environ, **env})
 
     def alive(self) -> bool:
         return self.proc.poll() is None

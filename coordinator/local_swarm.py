@@ -109,9 +109,20 @@ class LocalSwarm:
         common = ["--host-maddrs", LOCAL, "--log-level", os.environ.get("SWARM_LOG_LEVEL", "INFO")]
         if maddr is not None:
             common += ["--initial-peers", maddr]
-        child = Child(name, module, [*args, *common], self.log_dir)
+        child = Child(name, module, [*args, *common], self.log_dir, env=self._thread_env())
         self.children.append(child)
         return child
+
+    def _thread_env(self) -> dict[str, str]:
+        """Split this machine's cores among the servers' torch threads (unless OMP_NUM_THREADS says otherwise).
+
+        Each torch process would otherwise take a thread per core: with several servers on a few
+        cores, their threads crowd each other out, and out the averaging rounds and RPCs with them.
+        """
+        if "OMP_NUM_THREADS" in os.environ:
+            return {}
+        servers = self.config.stages.num_stages * self.servers_per_stage
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // servers))}
 
     def _start_coordinator(self) -> str:
         coordinator = self._child("coordinator", "coordinator.cli", None, "--config", self.config_path,

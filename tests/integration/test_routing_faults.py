@@ -130,6 +130,32 @@ def test_a_slow_server_gets_few_micro_batches_and_does_not_slow_training(
     assert trainer.metric("swarm_trainer_failed_micro_batches_total") == 0.0, trainer.proc.describe()
 
 
+ONE_IN_FLIGHT_SAMPLES = 240  # trained after the slow server's first answer: 30 micro-batches of 8
+
+
+@pytest.mark.timeout(150)
+def test_with_one_micro_batch_in_flight_a_measured_slow_server_gets_no_work(
+        procs: ProcSet, tiny_config_path: Path, tmp_path: Path):
+    # Expected finish time: with nothing else outstanding, the fast server always answers first, so
+    # once the slow one has answered its first call (a newcomer is tried at once) it gets nothing;
+    # least accumulated virtual time would have sent it a share and made the trainer wait on it.
+    config = write_config(tiny_config_path, tmp_path, num_stages=1, batch_size=100_000)
+    coordinator = start_coordinator(procs, config, metrics_port=free_port())
+    normal = start_peer(procs, coordinator, "--role", "server", "--stage", "0")
+    trainer = start_peer(procs, coordinator, "--role", "trainer", "--trainer-index", "0", "--in-flight", "1")
+    normal.wait_serving()
+    wait_for_samples(trainer, 80, FIRST_SAMPLES_TIMEOUT)
+    slow = start_peer(procs, coordinator, "--role", "server", "--stage", "0", "--inject-delay", str(SLOW_DELAY))
+    slow.wait_serving()
+    slow.proc.wait_until(lambda: ok_requests(slow) >= 1, PROGRESS_TIMEOUT,
+                         "the trainer to send the slow server its first micro-batch")
+    normal_before, slow_before = ok_requests(normal), ok_requests(slow)
+    wait_for_samples(trainer, trainer_samples(trainer) + ONE_IN_FLIGHT_SAMPLES)
+    to_normal, to_slow = ok_requests(normal) - normal_before, ok_requests(slow) - slow_before
+    assert to_slow == 0 and to_normal >= ONE_IN_FLIGHT_SAMPLES / 8, (to_normal, to_slow)
+    assert trainer.metric("swarm_trainer_failed_micro_batches_total") == 0.0, trainer.proc.describe()
+
+
 # --- servers killed in the middle of a request -----------------------------------------------------
 
 VICTIM_DELAY = 1.0  # seconds a victim holds each request, so one is in flight when it is killed

@@ -96,24 +96,38 @@ MAX_SLOW_SHARE = 0.25  # even (round-robin) routing would send the slow server h
 MIN_SPEED_RATIO = 0.5  # speed with the slow server added / speed with the normal one alone
 
 
-@pytest.mark.timeout(150)
-def test_a_slow_server_gets_few_micro_batches_and_does_not_slow_training(
-        procs: ProcSet, tiny_config_path: Path, tmp_path: Path):
-    # One stage, so the trainer's speed is that stage's; a batch no run here fills, so no averaging
-    # round between the two servers (they would both pause for it) blurs the timing.
+def one_stage_with_a_trainer(procs: ProcSet, tiny_config_path: Path, tmp_path: Path,
+                             in_flight: int) -> tuple[Coordinator, Peer, Peer]:
+    """A run of one stage with one normal server, and a trainer past its start-up.
+
+    One stage, so the trainer's speed is that stage's; a batch no run here fills, so no averaging
+    round between servers blurs the timing.
+    """
     config = write_config(tiny_config_path, tmp_path, num_stages=1, batch_size=100_000)
     coordinator = start_coordinator(procs, config, metrics_port=free_port())
     normal = start_peer(procs, coordinator, "--role", "server", "--stage", "0")
-    trainer = start_peer(procs, coordinator, "--role", "trainer", "--trainer-index", "0", "--in-flight", "6")
+    trainer = start_peer(procs, coordinator, "--role", "trainer", "--trainer-index", "0", "--in-flight", str(in_flight))
     normal.wait_serving()
     wait_for_samples(trainer, 80, FIRST_SAMPLES_TIMEOUT)  # past start-up: the first calls are slower
-    alone = best_samples_per_second(trainer, SPEED_SAMPLES, SPEED_WINDOWS)
+    return coordinator, normal, trainer
 
+
+def add_slow_server(procs: ProcSet, coordinator: Coordinator) -> Peer:
+    """A server of stage 0 slowed by SLOW_DELAY, once the trainer has timed it (a newcomer is tried at
+    once, as if it were fast)."""
     slow = start_peer(procs, coordinator, "--role", "server", "--stage", "0", "--inject-delay", str(SLOW_DELAY))
     slow.wait_serving()
-    # A newcomer is tried at once as if it were fast: wait until the trainer has timed it.
     slow.proc.wait_until(lambda: ok_requests(slow) >= 1, PROGRESS_TIMEOUT,
                          "the trainer to send the slow server a micro-batch")
+    return slow
+
+
+@pytest.mark.timeout(150)
+def test_a_slow_server_gets_few_micro_batches_and_does_not_slow_training(
+        procs: ProcSet, tiny_config_path: Path, tmp_path: Path):
+    coordinator, normal, trainer = one_stage_with_a_trainer(procs, tiny_config_path, tmp_path, in_flight=6)
+    alone = best_samples_per_second(trainer, SPEED_SAMPLES, SPEED_WINDOWS)
+    slow = add_slow_server(procs, coordinator)
     normal_before, slow_before = ok_requests(normal), ok_requests(slow)
     with_slow = best_samples_per_second(trainer, SPEED_SAMPLES, SPEED_WINDOWS)
     to_normal, to_slow = ok_requests(normal) - normal_before, ok_requests(slow) - slow_before
@@ -139,16 +153,8 @@ def test_with_one_micro_batch_in_flight_a_measured_slow_server_gets_no_work(
     # Expected finish time: with nothing else outstanding, the fast server always answers first, so
     # once the slow one has answered its first call (a newcomer is tried at once) it gets nothing;
     # least accumulated virtual time would have sent it a share and made the trainer wait on it.
-    config = write_config(tiny_config_path, tmp_path, num_stages=1, batch_size=100_000)
-    coordinator = start_coordinator(procs, config, metrics_port=free_port())
-    normal = start_peer(procs, coordinator, "--role", "server", "--stage", "0")
-    trainer = start_peer(procs, coordinator, "--role", "trainer", "--trainer-index", "0", "--in-flight", "1")
-    normal.wait_serving()
-    wait_for_samples(trainer, 80, FIRST_SAMPLES_TIMEOUT)
-    slow = start_peer(procs, coordinator, "--role", "server", "--stage", "0", "--inject-delay", str(SLOW_DELAY))
-    slow.wait_serving()
-    slow.proc.wait_until(lambda: ok_requests(slow) >= 1, PROGRESS_TIMEOUT,
-                         "the trainer to send the slow server its first micro-batch")
+    coordinator, normal, trainer = one_stage_with_a_trainer(procs, tiny_config_path, tmp_path, in_flight=1)
+    slow = add_slow_server(procs, coordinator)
     normal_before, slow_before = ok_requests(normal), ok_requests(slow)
     wait_for_samples(trainer, trainer_samples(trainer) + ONE_IN_FLIGHT_SAMPLES)
     to_normal, to_slow = ok_requests(normal) - normal_before, ok_requests(slow) - slow_before

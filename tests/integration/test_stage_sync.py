@@ -38,7 +38,10 @@ BATCH, MICRO = 16, 4
 TRAIN_TIMEOUT = 90.0  # both trainers' whole budget on 2 shared CPU cores (~10-20 s here)
 ONLINE_TIMEOUT = 30.0  # every trainer sees every server ONLINE
 SETTLE_TIMEOUT = 30.0  # after the trainers end, every replica has taken its last step (or caught up)
-EXACT = dict(atol=1e-6, rtol=1e-5)  # replicas step on the same averaged gradient: equal up to float noise
+# Replicas step on the same averaged gradient, equal up to rounding: hivemind hands each member
+# its own values plus (mean - own), and AdamW scales a rounding difference up where its second
+# moment is tiny (seen: 2.9e-6 in 1 of 8192 weights, in 1 of 10 runs)
+EXACT = dict(atol=1e-5, rtol=1e-4)
 MOMENTS = dict(atol=1e-8, rtol=1e-5)  # AdamW moments are ~1e-4..1e-2: a tighter atol
 # The reference takes the swarm's steps (as many, each of as many samples) but not its samples: the
 # two trainers draw with their own sampler seeds, the reference with one. On this config, after 6

@@ -11,6 +11,7 @@ import copy
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ STAGE = 1  # the last stage: its input is hidden states, and it takes targets
 MICRO = 4  # samples per micro-batch
 ROUND_TIMEOUT = 30.0  # a round, including matchmaking; far above what one takes here
 SEE_TIMEOUT = 15.0  # a server's progress record reaches the others
+ATTEMPTS = 3  # rounds a test runs until one is whole on every member
 
 
 def averaging_config() -> AveragingConfig:
@@ -91,6 +93,28 @@ def run_round(servers: list[StageServer], batches: list[list], wait_to_see: bool
                interval=0.1, what="every server's step after the round")
 
 
+def averaged_round(servers: list[StageServer], batches: list[list], wait_to_see: bool = True) -> bool:
+    """One round (see run_round), then the replicas agree; whether every server's all-reduce was whole.
+
+    hivemind's all-reduce can lose a member's part partway (seen once in CI, on a loaded machine:
+    "received 60.9% results"). That server then steps alone and catches up with the state of a
+    server whose round was whole, so the replicas agree either way; wait for that too.
+    """
+    succeeded = [rounds(s, "succeeded") for s in servers]
+    run_round(servers, batches, wait_to_see)
+    wait_until(lambda: len({s.averager.round_id for s in servers}) == 1 and not any(s.averager.busy for s in servers),
+               ROUND_TIMEOUT, interval=0.1, what="the replicas agreeing on the round that made their state")
+    return [rounds(s, "succeeded") for s in servers] == [n + 1 for n in succeeded]
+
+
+def until_whole(servers: list[StageServer], batches: Callable[[int], list[list]], wait_to_see: bool = True) -> int:
+    """Rounds on batches(seed) until one is whole on every server (at most ATTEMPTS); how many it took."""
+    for attempt in range(1, ATTEMPTS + 1):
+        if averaged_round(servers, batches(100 * attempt), wait_to_see):
+            return attempt
+    pytest.fail(f"{ATTEMPTS} rounds in a row lost a member partway")
+
+
 def assert_same_state(a: dict, b: dict) -> None:
     assert a["step"] == b["step"]
     for name, tensor in a["params"].items():
@@ -112,16 +136,18 @@ def pair():
 
 def test_one_round_equals_one_optimizer_on_all_samples_weighted_by_count(pair):
     config, _, (a, b) = pair
-    before = snapshot(a)
-    batches_a = [micro_batch(config, 1)]  # 4 samples here and 8 there: a plain mean of the two servers'
-    batches_b = [micro_batch(config, 2), micro_batch(config, 3)]  # mean gradients would weigh them 1:1
-    succeeded = [rounds(a, "succeeded"), rounds(b, "succeeded")]
-
-    run_round([a, b], [batches_a, batches_b])
+    for attempt in range(ATTEMPTS):  # (a round hivemind loses partway proves nothing about the math: again)
+        before = snapshot(a)
+        seed = 10 * attempt
+        batches_a = [micro_batch(config, seed + 1)]  # 4 samples here and 8 there: a plain mean of the two
+        batches_b = [micro_batch(config, seed + 2), micro_batch(config, seed + 3)]  # servers' means weighs them 1:1
+        if averaged_round([a, b], [batches_a, batches_b]):
+            break
+    else:
+        pytest.fail(f"{ATTEMPTS} rounds in a row lost a member partway")
 
     after_a, after_b = snapshot(a), snapshot(b)
     assert_same_state(after_a, after_b)
-    assert [rounds(a, "succeeded"), rounds(b, "succeeded")] == [succeeded[0] + 1, succeeded[1] + 1]
     assert a.registry.get_sample_value("swarm_averaging_group_size", {"stage": str(STAGE)}) == 2
     assert a.registry.get_sample_value("swarm_averaging_bytes_sent_total", {"stage": str(STAGE)}) > 0
 
@@ -141,7 +167,7 @@ def test_one_round_equals_one_optimizer_on_all_samples_weighted_by_count(pair):
 def test_joining_server_gets_the_stage_state_before_online_then_averages(pair):
     config, peers, (a, b) = pair
     if a.backend.step == 0:  # the stage must hold a state that fresh weights would not match
-        run_round([a, b], [[micro_batch(config, 4)], [micro_batch(config, 5), micro_batch(config, 6)]])
+        averaged_round([a, b], [[micro_batch(config, 4)], [micro_batch(config, 5), micro_batch(config, 6)]])
 
     with running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_c,), \
             stage_servers(config, [peer_c], [STAGE]) as (c,):
@@ -150,12 +176,12 @@ def test_joining_server_gets_the_stage_state_before_online_then_averages(pair):
         assert c.registry.get_sample_value("swarm_averaging_state_downloads_total", downloads) == 1
         assert_same_state(snapshot(a), snapshot(c))
 
-        run_round([a, b, c], [[micro_batch(config, 7)], [micro_batch(config, 8)], [micro_batch(config, 9)]])
+        whole = until_whole([a, b, c], lambda seed: [[micro_batch(config, seed + i)] for i in range(3)])
 
         states = [snapshot(s) for s in (a, b, c)]
         assert_same_state(states[0], states[1])
         assert_same_state(states[0], states[2])
-        assert rounds(c, "succeeded") == 1
+        assert rounds(c, "succeeded") == whole
         assert c.registry.get_sample_value("swarm_averaging_group_size", {"stage": str(STAGE)}) == 3
 
 
@@ -164,13 +190,12 @@ def test_members_left_average_when_one_averaging_process_dies(pair):
     with running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_c,), \
             stage_servers(config, [peer_c], [STAGE]) as (c,):
         wait_until_peers_see_each_other([a, b, c])
-        succeeded = [rounds(a, "succeeded"), rounds(b, "succeeded")]
         os.kill(c.averager.process_id, signal.SIGKILL)  # c's server still runs; a and b may still count on c
 
-        run_round([a, b], [[micro_batch(config, 14)], [micro_batch(config, 15), micro_batch(config, 16)]],
-                  wait_to_see=False)
+        until_whole([a, b], lambda seed: [[micro_batch(config, seed)], [micro_batch(config, seed + 1),
+                                                                        micro_batch(config, seed + 2)]],
+                    wait_to_see=False)
 
-        assert [rounds(a, "succeeded"), rounds(b, "succeeded")] == [succeeded[0] + 1, succeeded[1] + 1]
         assert a.registry.get_sample_value("swarm_averaging_group_size", {"stage": str(STAGE)}) == 2
         assert_same_state(snapshot(a), snapshot(b))
         wait_until(lambda: c.averager.solo, SEE_TIMEOUT, what="c leaving its stage's averaging")

@@ -8,6 +8,8 @@ data, network). It loads from and saves to YAML without loss, and every problem 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -169,6 +171,27 @@ class NetworkConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """How often a server writes its stage's state to its disk, and how many it keeps.
+
+    A checkpoint is written when `every_steps` optimizer steps or `every_seconds` seconds have
+    passed since the last one (whichever comes first; 0 turns that trigger off).
+    """
+
+    every_steps: int = 50
+    every_seconds: float = 600.0
+    keep: int = 3  # checkpoints kept per stage; the newest verified one is never deleted
+
+    def validate(self) -> None:
+        _non_negative(self, "every_steps", "checkpoint")
+        _non_negative(self, "every_seconds", "checkpoint")
+        _positive(self, "keep", "checkpoint")
+        if self.every_steps == 0 and self.every_seconds == 0:
+            raise ConfigError("checkpoint.every_steps and checkpoint.every_seconds are both 0: set one of them "
+                              "(servers turn checkpoints off with --no-checkpoints)")
+
+
+@dataclass
 class RunConfig:
     """Everything that defines a training run; the coordinator publishes it in the DHT."""
 
@@ -179,11 +202,13 @@ class RunConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> RunConfig:
         if not self.run_id or not all(c.isalnum() or c in "-_" for c in self.run_id):
             raise ConfigError(f"run_id must be non-empty letters, digits, '-' or '_', got {self.run_id!r}")
-        for section in (self.model, self.stages, self.optimizer, self.averaging, self.data, self.network):
+        for section in (self.model, self.stages, self.optimizer, self.averaging, self.data, self.network,
+                        self.checkpoint):
             section.validate()
         if self.model.n_layer % self.stages.num_stages:
             raise ConfigError(
@@ -195,6 +220,15 @@ class RunConfig:
     @property
     def layers_per_stage(self) -> int:
         return self.model.n_layer // self.stages.num_stages
+
+    def state_hash(self) -> str:
+        """sha256 of what shapes a stage's state (the model and its split into stages).
+
+        Checkpoints carry it: a state is usable by a run whose hash matches, whatever its other
+        settings (timeouts, averaging, data) are.
+        """
+        shape = {"model": dataclasses.asdict(self.model), "num_stages": self.stages.num_stages}
+        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -42,12 +42,13 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
-from swarm.averaging import StageAverager
+from swarm.averaging import INITIAL_ROUND, StageAverager
 from swarm.averaging.averager import compression_for
 from swarm.config import RunConfig
 from swarm.dht import SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
+from swarm.state import StageState
 
 STAGE = 1
 HOST = ["/ip4/127.0.0.1/tcp/0"]
@@ -70,7 +71,8 @@ class Member:
         """Fork both averaging processes (on the main thread, as StageAverager requires)."""
         module = build_stage(config, STAGE)
         optimizer = StageOptimizer(module, config.optimizer)
-        self.ours = StageAverager(optimizer, self.dht, config, STAGE, owner_key=self.records.local_owner_key,
+        state = StageState(module, optimizer, STAGE, INITIAL_ROUND)
+        self.ours = StageAverager(state, self.dht, config, owner_key=self.records.local_owner_key,
                                   peer_id=peer_id(self.dht), registry=self.registry)
         self.ours.start(lambda: None)  # this benchmark calls step() itself
         avg = config.averaging

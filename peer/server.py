@@ -14,7 +14,7 @@ import hivemind
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from swarm.averaging import ProgressChannel, StageAverager, averaging_prefix
+from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, averaging_prefix
 from swarm.backend import BackwardResult, Overloaded, StageBackend
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
@@ -32,6 +32,7 @@ from swarm.protocol import (
     register,
     stage_namespace,
 )
+from swarm.state import StageState
 
 from .placement import choose_stage
 
@@ -93,6 +94,7 @@ class StageServer:
         self.state = ServerState.JOINING
         self.stage: int | None = None
         self.backend: StageBackend | None = None
+        self.stage_state: StageState | None = None  # the replica's parameters, moments, step and round
         self.averager: StageAverager | None = None
         self.throughput = 0.0
         self.registry = registry or CollectorRegistry()
@@ -114,7 +116,8 @@ class StageServer:
         self.announce()
         module = build_stage(self.config, stage)
         optimizer = StageOptimizer(module, self.config.optimizer)
-        self.averager = StageAverager(optimizer, self.dht, self.config, stage, owner_key=self.records.local_owner_key,
+        self.stage_state = StageState(module, optimizer, stage, INITIAL_ROUND)
+        self.averager = StageAverager(self.stage_state, self.dht, self.config, owner_key=self.records.local_owner_key,
                                       peer_id=self.peer_id, registry=self.registry)
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
                                     on_step=self._on_step, stepper=self.averager)

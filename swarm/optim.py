@@ -17,6 +17,8 @@ from torch import nn
 
 from swarm.config import OptimizerConfig
 
+ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, once it stepped
+
 
 class OptimizerError(RuntimeError):
     """The optimizer was used out of order (e.g. stepped with no accumulated samples)."""
@@ -148,6 +150,28 @@ class StageOptimizer:
         """Drop accumulated gradients and the sample count (e.g. after a failed round)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.samples = 0
+
+    def moments(self) -> dict[str, torch.Tensor]:
+        """AdamW's state by ``<parameter index>/<slot>`` (the tensors themselves, not copies)."""
+        state = self.optimizer.state
+        return {f"{i}/{slot}": torch.as_tensor(state[p][slot]) for i, p in enumerate(self.params) if p in state
+                for slot in ADAMW_SLOTS}
+
+    def load_moments(self, moments: dict[str, torch.Tensor], step_count: int) -> None:
+        """Replace AdamW's state with `moments` (as :meth:`moments` names them) and the step count.
+
+        Gradients being accumulated and the sample count are kept. The caller checks names and shapes.
+        """
+        # torch numbers parameters in param-group order; ours are in module order
+        order = {id(p): k for k, p in enumerate(p for group in self.optimizer.param_groups for p in group["params"])}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in moments.items():
+            index, slot = key.split("/")
+            state.setdefault(order[id(self.params[int(index)])], {})[slot] = tensor
+        groups = self.optimizer.state_dict()["param_groups"]
+        # torch casts each moment to its parameter's device and dtype (and keeps `step` as it is)
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.step_count = int(step_count)
 
     def state_dict(self) -> dict[str, Any]:
         """Step count and AdamW state; parameters travel with the module's own state_dict."""

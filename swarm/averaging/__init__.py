@@ -18,22 +18,28 @@ Map of the subsystem, from what a server uses down to pure logic::
     process.py   AveragingProcess: hivemind's DecentralizedAverager (a forked process: matchmaking,
                  all-reduce, state serving) with every timeout from the config and bounded calls
     metrics.py   AveragingMetrics: swarm_averaging_* Prometheus metrics
-    progress.py  ProgressRecord, stage_view(): what the records mean (ready, behind, diverged); pure
-    state.py     pack_state / apply_state: a replica's parameters, AdamW moments and step; pure torch
+    progress.py  ProgressRecord, stage_view(): what the records mean (ready, behind, diverged, a step
+                 no majority backs); pure
     codecs.py    pure-torch compression codecs installed into hivemind
     errors.py    AveragingError and its subclasses
+
+The replica's state (parameters, moments, step, round) is read and replaced only through
+swarm.state.StageState; a state a peer sends is checked there (names, shapes, dtypes, finite) and
+here (its step and parameters backed by the stage's progress records) before it replaces anything.
 
 Every network wait is bounded by a value of ``AveragingConfig`` (see swarm.config).
 """
 
 from swarm.averaging.averager import StageAverager, averaging_prefix
 from swarm.averaging.channel import ProgressChannel
-from swarm.averaging.errors import AveragingError, StateDownloadError, StateMismatch
+from swarm.averaging.errors import AveragingError, StateDownloadError
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
+from swarm.averaging.progress import INITIAL_ROUND
 from swarm.averaging.stepper import StageStepper
 
 __all__ = [
     "FAILED",
+    "INITIAL_ROUND",
     "LOCAL",
     "SUCCEEDED",
     "AveragingError",
@@ -42,6 +48,5 @@ __all__ = [
     "StageAverager",
     "StageStepper",
     "StateDownloadError",
-    "StateMismatch",
     "averaging_prefix",
 ]

@@ -37,23 +37,25 @@ from hivemind.compression import CompressionBase, CompressionInfo
 from prometheus_client import CollectorRegistry
 
 from swarm.averaging.channel import ProgressChannel
-from swarm.averaging.errors import AveragingError, StateDownloadError, StateMismatch
+from swarm.averaging.errors import AveragingError, StateDownloadError
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
 from swarm.averaging.process import AveragingProcess, RoundFailed
 from swarm.averaging.progress import (
-    INITIAL_ROUND,
+    MAX_STEP_LEAD,
     ProgressRecord,
     StageView,
     fingerprint_rtol,
+    fingerprints_differ,
     param_fingerprint,
+    plausible,
     round_of,
     sharing_priority,
     stage_view,
+    step_bound,
 )
-from swarm.averaging.state import apply_state, pack_state
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import RunConfig
-from swarm.optim import StageOptimizer
+from swarm.state import StageState, StateInfo, StateRejected, flatten, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ PROCESS_START_TIMEOUT = 30.0  # forking the averaging process until it serves
 DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubles on each failure
 DOWNLOAD_RETRY_PAUSE_MAX = 30.0
 CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
+REFUSED_PEER_SECONDS = 300.0  # a peer whose state failed its checks is not asked again for this long
 
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
 
@@ -77,14 +80,14 @@ class StageAverager:
     with :meth:`load_state_from_peers` if the stage already has servers, then :meth:`start` it.
     """
 
-    def __init__(self, optimizer: StageOptimizer, dht: hivemind.DHT, config: RunConfig, stage: int, *,
+    def __init__(self, state: StageState, dht: hivemind.DHT, config: RunConfig, *,
                  owner_key: bytes, peer_id: str, registry: CollectorRegistry | None = None,
                  start_timeout: float = PROCESS_START_TIMEOUT):
-        self.optimizer, self.module, self.stage, self.peer_id = optimizer, optimizer.module, stage, peer_id
+        self.state, self.optimizer, self.stage, self.peer_id = state, state.optimizer, state.stage, peer_id
+        stage, optimizer = self.stage, self.optimizer
         self.config = config.averaging
         self.batch_size = config.optimizer.batch_size
         self.metrics = AveragingMetrics(registry or CollectorRegistry(), stage)
-        self.round_id, self.round_group = INITIAL_ROUND, 1  # the round that made this replica's state
         self.solo = False  # True once the averaging process died: this server then trains alone
         self._state_lock = threading.Lock()  # held while parameters, moments or the step change
         self._closing = threading.Event()
@@ -98,6 +101,8 @@ class StageAverager:
         self._late = 0  # samples accumulated while the last round ran
         self._late_in_round = 0  # ...and those of the batch the round now under way averages
         self._download_pause = DOWNLOAD_RETRY_PAUSE
+        self._refused: dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
+        self._max_state_bytes = 2 * state.nbytes() + 2**20  # what a peer may send as this stage's state
         self._next_download = 0.0  # monotonic time before which no catch-up is tried
         self._channel: ProgressChannel | None = None
         # gradients of samples that came after the stage's batch was full: they count towards the next step
@@ -223,9 +228,10 @@ class StageAverager:
             if remaining <= 0:
                 break
             try:
+                self._tracker.read()  # what the stage's servers say, to check the state against
                 if self._download(remaining, older_ok=True):
                     return
-            except AveragingError as e:
+            except (AveragingError, StateRejected) as e:
                 problem = str(e)
             self._closing.wait(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2 * pause, DOWNLOAD_RETRY_PAUSE_MAX)
@@ -269,7 +275,8 @@ class StageAverager:
 
     def view(self) -> StageView:
         """This server's view of its stage now (others as of the last progress read)."""
-        return stage_view(self._own_record(), [] if self.solo else self._tracker.others(), self._fingerprint_rtol)
+        others = [] if self.solo else plausible(self._tracker.others())
+        return stage_view(self._own_record(), others, self._fingerprint_rtol)
 
     # rounds (on the averaging thread; each returns what the compute thread applies)
     def _average(self, view: StageView, grads: list[torch.Tensor | None], samples: int) -> Callable[[], Any]:
@@ -314,7 +321,7 @@ class StageAverager:
         with self._state_lock:
             stats = self.optimizer.step_with(mean, samples)
             if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
-                self.round_id, self.round_group = round_of(self.optimizer.step_count, members), len(members)
+                self.state.round_id, self.state.group = round_of(self.optimizer.step_count, members), len(members)
             self._averaging = False
             self._params_changed()
         self.metrics.rounds[outcome].inc()
@@ -383,12 +390,12 @@ class StageAverager:
             self._check_process()
         return functools.partial(self._end_catch_up, loaded, why)
 
-    def _end_catch_up(self, loaded: tuple[Any, list[torch.Tensor]] | None, why: str) -> None:
+    def _end_catch_up(self, loaded: tuple[Any, list[torch.Tensor], str] | None, why: str) -> None:
         ok = False
         if loaded is not None:
             try:
                 ok = self._adopt(loaded, older_ok=False)
-            except StateMismatch as e:
+            except StateRejected as e:
                 why = f"{why}: {e}"
         if ok:
             self._download_pause = DOWNLOAD_RETRY_PAUSE
@@ -404,40 +411,64 @@ class StageAverager:
         loaded = self._fetch(timeout)
         return loaded is not None and self._adopt(loaded, older_ok)
 
-    def _fetch(self, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
-        loaded = self._process.download_state(timeout, self._closing)
+    def _fetch(self, timeout: float) -> tuple[Any, list[torch.Tensor], str] | None:
+        now = time.monotonic()
+        refused = [peer for peer, until in self._refused.items() if until > now]
+        loaded = self._process.download_state(timeout, self._closing, refused, self._max_state_bytes)
         if loaded is None:
             self.metrics.downloads[FAILED].inc()
         return loaded
 
-    def _adopt(self, loaded: tuple[Any, list[torch.Tensor]], older_ok: bool) -> bool:
-        """Replace this replica's state with a downloaded one (on the thread that may change parameters)."""
-        metadata, tensors = loaded
-        with self._state_lock:
-            step = metadata.get("step") if isinstance(metadata, dict) else None
-            if not older_ok and isinstance(step, int) and step < self.optimizer.step_count:
-                self.metrics.downloads[FAILED].inc()
-                return False
-            try:
-                apply_state(self.module, self.optimizer, self.stage, metadata, tensors)
-            except StateMismatch:
-                self.metrics.downloads[FAILED].inc()
-                raise
-            self._late = 0  # (the accumulated samples went with the replaced state)
-            if self._held is not None:  # computed on the state just replaced, like the samples it dropped
-                log.info("stage %d: dropped %d held samples computed on the replaced state", self.stage,
-                         self.held_samples)
-                self._held, self.held_samples = None, 0
-            self.round_id, self.round_group = metadata["round_id"], metadata["group"]
-            self._params_changed()
+    def _adopt(self, loaded: tuple[Any, list[torch.Tensor], str], older_ok: bool) -> bool:
+        """Replace this replica's state with one a peer sent, if it passes every check.
+
+        Raises StateRejected (and refuses that peer's state for a while) if it does not.
+        """
+        metadata, tensors, peer = loaded
+        try:
+            info, named = unflatten(metadata, tensors)
+            self._check_believable(info, named)
+            with self._state_lock:
+                if not older_ok and info.step < self.optimizer.step_count:
+                    self.metrics.downloads[FAILED].inc()
+                    return False
+                self.state.load_state_dict(info, named)  # checks names, shapes, dtypes, finiteness first
+                self._late = 0  # (the accumulated samples went with the replaced state)
+                if self._held is not None:  # computed on the state just replaced, like the samples it dropped
+                    log.info("stage %d: dropped %d held samples computed on the replaced state", self.stage,
+                             self.held_samples)
+                    self._held, self.held_samples = None, 0
+                self._params_changed()
+        except StateRejected as e:
+            self.metrics.downloads[FAILED].inc()
+            self.metrics.rejected_states.inc()
+            self._refused[peer] = time.monotonic() + REFUSED_PEER_SECONDS
+            log.warning("stage %d: refused the state %s sent: %s", self.stage, peer, e)
+            raise StateRejected(f"{peer} sent a state that failed its checks: {e}") from None
         self.metrics.downloads[SUCCEEDED].inc()
         self._after_step()
         return True
 
+    def _check_believable(self, info: StateInfo, named: dict[str, Any]) -> None:
+        """What the stage's signed progress records say must back a state: its step is not beyond the
+        stage's (most servers'), and its parameters are those most servers at its step publish."""
+        others = self._tracker.others()
+        bound = step_bound([r.step for r in others])
+        if bound is not None and info.step > bound:
+            raise StateRejected(f"its step {info.step} is beyond the stage's ({bound - MAX_STEP_LEAD} by most "
+                                f"servers' progress)")
+        at_step = [r.fingerprint for r in others if r.step == info.step and r.fingerprint is not None]
+        if at_step:
+            theirs = param_fingerprint(self.state.params_of(named))
+            agree = sum(not fingerprints_differ(theirs, f, self._fingerprint_rtol) for f in at_step)
+            if 2 * agree < len(at_step):
+                raise StateRejected(f"its parameters differ from those of {len(at_step) - agree} of the "
+                                    f"{len(at_step)} servers at step {info.step}")
+
     def _state_for_peer(self) -> tuple[dict, list[torch.Tensor]]:
         # called by hivemind on a thread of ours when a peer downloads our state
         with self._state_lock:
-            return pack_state(self.module, self.optimizer, self.stage, self.round_id, self.round_group)
+            return flatten(*self.state.state_dict())
 
     def _share_state(self) -> None:
         if self._request_step is not None and not self._closing.is_set():  # started, not closed
@@ -450,7 +481,7 @@ class StageAverager:
     def _own_record(self) -> ProgressRecord:
         with self._state_lock:  # one moment's step, samples and round, not either side of a step
             step, samples, round_, group, fingerprint, averaging = (
-                self.optimizer.step_count, self.optimizer.samples, self.round_id, self.round_group,
+                self.optimizer.step_count, self.optimizer.samples, self.state.round_id, self.state.group,
                 self._fingerprint, self._averaging)
         return ProgressRecord(peer_id=self.peer_id, step=step, samples=samples, round_id=round_, group=group,
                               priority=sharing_priority(step, group, round_, self.peer_id),

@@ -8,6 +8,3 @@ class AveragingError(RuntimeError):
 class StateDownloadError(AveragingError):
     """A server could not download its stage's state from the stage's other servers."""
 
-
-class StateMismatch(AveragingError):
-    """A downloaded state does not fit this stage (other model, other stage, corrupt)."""

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -30,8 +31,12 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
-from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.averaging.errors import AveragingError
 from swarm.config import AveragingConfig
@@ -247,18 +252,65 @@ class AveragingProcess(DecentralizedAverager):
             raise RoundFailed("no group formed")
         return gathered, formed
 
-    def download_state(self, timeout: float, stop: threading.Event) -> tuple[Any, list[torch.Tensor]] | None:
-        """The state of the best-ranked peer that shares one, or None if none came within `timeout`."""
+    def download_state(self, timeout: float, stop: threading.Event, exclude: Sequence[str] = (),
+                       max_bytes: int = 0) -> tuple[Any, list[torch.Tensor], str] | None:
+        """The state of the best-ranked peer that shares one and is not in `exclude` (peer ids), and
+        that peer; None if none came within `timeout`. A peer that sends more than `max_bytes` of
+        tensors (0: no limit) is cut off and the next one tried."""
         if not self.is_alive():
             raise AveragingError("the averaging process is not running")
-        # hivemind turns any timeout given into next_chunk_timeout between chunks (and None into no
-        # limit at all); the whole download is bounded here
-        future = self.load_state_from_peers(wait=False, timeout=timeout)
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state", [], dict(exclude=list(exclude), max_bytes=max_bytes,
+                                                            future=future)))
         try:
             return _wait(future, timeout, stop.is_set)
         except TimeoutError:  # GaveUp included
             future.cancel()
             return None
+
+    async def _download_state(self, exclude: list[str], max_bytes: int, future: MPFuture) -> None:
+        # In the child: like hivemind's _load_state_from_peers, but it skips peers the caller refused
+        # (a state that failed its checks), bounds what a peer may send, and says who sent the state.
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            offers = found.value if found is not None and isinstance(found.value, dict) else {}
+            ranked = sorted(((item.value, random.random(), peer) for peer, item in offers.items()
+                             if isinstance(peer, bytes) and isinstance(getattr(item, "value", None), (int, float))
+                             and not isinstance(item.value, bool)), reverse=True)
+            for _, _, raw_peer in ranked:
+                peer = PeerID(raw_peer)
+                if peer == self.peer_id or peer.to_base58() in exclude:
+                    continue
+                try:
+                    loaded = await self._download_from(peer, max_bytes)
+                except Exception as e:  # noqa: BLE001 - a broken or slow peer: try the next one
+                    logger.info("downloading the state from %s failed: %s", peer, e)
+                    continue
+                if loaded is not None:
+                    future.set_result((*loaded, peer.to_base58()))
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_from(self, peer: PeerID, max_bytes: int) -> tuple[Any, list[torch.Tensor]] | None:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts, received = None, [], [], 0
+        async for message in aiter_with_timeout(stream, timeout=self.config.next_chunk_timeout):
+            received += len(message.tensor_part.buffer) + len(message.metadata)
+            if max_bytes and received > max_bytes:
+                raise AveragingError(f"it sent more than {max_bytes} bytes")
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a new tensor begins
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return None if metadata is None else (metadata, tensors)
 
     def share_state(self, allowed: bool, priority: float) -> None:
         """Let peers download this replica's state (or not), ranked by `priority`."""

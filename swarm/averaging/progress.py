@@ -45,6 +45,9 @@ MAX_RANKED_GROUP = 1023  # groups larger than this rank as this large
 # the backstop catches only the larger drifts.
 EXACT_RTOL = 1e-6
 COMPRESSED_RTOL = 5e-5
+# How far beyond most of its stage's servers a server's step may be and still be believed: a round
+# may end on one server a moment before the others publish its step.
+MAX_STEP_LEAD = 2
 
 
 def fingerprint_rtol(compression: str) -> float:
@@ -74,6 +77,23 @@ class ProgressRecord(WireRecord):
     def same_progress(self, other: ProgressRecord | None) -> bool:
         """Whether `other` says the same, whenever it was published."""
         return other is not None and self.dict(exclude={"updated"}) == other.dict(exclude={"updated"})
+
+
+def step_bound(steps: Sequence[int]) -> int | None:
+    """The furthest step the stage's servers (`steps`, as their records say) make believable.
+
+    Any server may sign a record claiming any step; the lower median does not move however far a
+    minority claims to be. None if there are no records.
+    """
+    if not steps:
+        return None
+    return sorted(steps)[(len(steps) - 1) // 2] + MAX_STEP_LEAD
+
+
+def plausible(records: Sequence[ProgressRecord]) -> list[ProgressRecord]:
+    """The records whose step is within :func:`step_bound` of the others' (a liar's are dropped)."""
+    bound = step_bound([r.step for r in records])
+    return [r for r in records if bound is None or r.step <= bound]
 
 
 def round_of(step: int, members: Sequence[str]) -> str:

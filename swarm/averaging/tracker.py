@@ -96,6 +96,10 @@ class StageProgressTracker:
                 self._published = (record, time.monotonic())
         self._merge(self._read())
 
+    def read(self) -> None:
+        """Read everyone's records without publishing this server's (a joiner has no progress yet)."""
+        self._merge(self._read())
+
     def stop(self, leave: bool = True) -> None:
         """Stop the thread; with `leave`, replace this server's record with None so others stop counting it."""
         self._stop.set()

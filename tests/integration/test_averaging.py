@@ -102,8 +102,9 @@ def averaged_round(servers: list[StageServer], batches: list[list], wait_to_see:
     """
     succeeded = [rounds(s, "succeeded") for s in servers]
     run_round(servers, batches, wait_to_see)
-    wait_until(lambda: len({s.averager.round_id for s in servers}) == 1 and not any(s.averager.busy for s in servers),
-               ROUND_TIMEOUT, interval=0.1, what="the replicas agreeing on the round that made their state")
+    wait_until(lambda: len({s.stage_state.round_id for s in servers}) == 1
+               and not any(s.averager.busy for s in servers), ROUND_TIMEOUT, interval=0.1,
+               what="the replicas agreeing on the round that made their state")
     return [rounds(s, "succeeded") for s in servers] == [n + 1 for n in succeeded]
 
 

@@ -8,20 +8,22 @@ import threading
 import pytest
 import torch
 
-from swarm.averaging.errors import StateMismatch
 from swarm.averaging.progress import (
+    MAX_STEP_LEAD,
     ProgressRecord,
     fingerprints_differ,
     param_fingerprint,
+    plausible,
     round_of,
     sharing_priority,
     stage_view,
+    step_bound,
 )
-from swarm.averaging.state import apply_state, pack_state
 from swarm.backend import StageBackend
 from swarm.config import RunConfig
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
+from swarm.state import StageState, StateInfo, StateRejected, flatten, unflatten
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,44 +151,85 @@ def trained_replica(config: RunConfig, seed: int, steps: int) -> StageOptimizer:
     return optimizer
 
 
+def replica_state(optimizer: StageOptimizer, round_id: str = "r", group: int = 2) -> StageState:
+    return StageState(optimizer.module, optimizer, 1, round_id, group)
+
+
 def test_state_moves_parameters_moments_and_step_and_keeps_gradients():
     config = tiny_config()
     source, target = trained_replica(config, 1, steps=3), trained_replica(config, 2, steps=1)
     param = target.params[0]
     param.grad = torch.ones_like(param)
     target.add_samples(2)
-    metadata, tensors = pack_state(source.module, source, 1, "r", 2)
+    info, tensors = replica_state(source).state_dict()
+    mine = replica_state(target, "other", 1)
 
-    apply_state(target.module, target, 1, metadata, tensors)
+    mine.load_state_dict(*unflatten(*flatten(info, tensors)))  # as it crosses hivemind's state download
 
     assert target.step_count == 3 and target.samples == 2 and torch.equal(param.grad, torch.ones_like(param))
-    for (name, mine), theirs in zip(target.module.state_dict().items(), source.module.state_dict().values()):
-        assert torch.equal(mine, theirs), name
+    assert (mine.round_id, mine.group) == ("r", 2)
+    for (name, value), theirs in zip(target.module.state_dict().items(), source.module.state_dict().values()):
+        assert torch.equal(value, theirs), name
     for index, slots in source.optimizer.state_dict()["state"].items():
         for key, value in slots.items():
             assert torch.equal(target.optimizer.state_dict()["state"][index][key], value), (index, key)
 
 
-@pytest.mark.parametrize("damage", ["stage", "shape", "count", "moment"])
+def test_a_state_before_the_first_step_has_no_moments_and_clears_them():
+    config = tiny_config()
+    fresh, target = trained_replica(config, 1, steps=0), trained_replica(config, 2, steps=2)
+    info, tensors = replica_state(fresh).state_dict()
+    assert not any(key.startswith("optim/") for key in tensors)
+    replica_state(target).load_state_dict(info, tensors)
+    assert target.step_count == 0 and not target.optimizer.state
+
+
+@pytest.mark.parametrize("damage", ["stage", "shape", "missing", "moment", "dtype", "nan", "unknown", "half-moment"])
 def test_a_state_that_does_not_fit_is_rejected_and_changes_nothing(damage):
     config = tiny_config()
     source, target = trained_replica(config, 1, steps=2), trained_replica(config, 2, steps=1)
-    metadata, tensors = pack_state(source.module, source, 1, "r", 2)
+    info, tensors = replica_state(source).state_dict()
+    first = next(iter(tensors))
     if damage == "stage":
-        metadata["stage"] = 0
+        info = StateInfo(0, info.step, info.round_id, info.group)
     elif damage == "shape":
-        tensors[0] = torch.zeros(3)
-    elif damage == "count":
-        tensors = tensors[:-1]
+        tensors[first] = torch.zeros(3)
+    elif damage == "missing":
+        del tensors[first]
+    elif damage == "moment":
+        tensors["optim/0/step"] = torch.zeros(7, 7)  # a scalar
+    elif damage == "dtype":
+        tensors[first] = tensors[first].double()
+    elif damage == "nan":
+        tensors[first][..., 0] = float("nan")
+    elif damage == "unknown":
+        tensors["optim/999/exp_avg"] = torch.zeros(1)
     else:
-        tensors[-1] = torch.zeros(7, 7)  # the last parameter's AdamW `step`, a scalar
+        del tensors["optim/0/exp_avg_sq"]
     before = {k: v.clone() for k, v in target.module.state_dict().items()}
 
-    with pytest.raises(StateMismatch):
-        apply_state(target.module, target, 1, metadata, tensors)
+    with pytest.raises(StateRejected):
+        replica_state(target).load_state_dict(info, tensors)
 
     assert target.step_count == 1
     assert all(torch.equal(before[k], v) for k, v in target.module.state_dict().items())
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": 1}, {"format": 2, "stage": 1, "step": -1, "round_id": "r",
+                                                             "group": 1, "keys": []},
+                                      {"format": 2, "stage": 1, "step": True, "round_id": "r", "group": 1, "keys": []},
+                                      {"format": 2, "stage": 1, "step": 3, "round_id": "r", "group": 1, "keys": ["a"]}])
+def test_malformed_state_metadata_from_a_peer_is_rejected(metadata):
+    with pytest.raises(StateRejected):
+        unflatten(metadata, [])
+
+
+def test_a_step_claimed_by_a_minority_is_not_believed():
+    assert step_bound([]) is None
+    assert step_bound([10, 10, 10**9]) == 10 + MAX_STEP_LEAD
+    assert step_bound([10, 10**9]) == 10 + MAX_STEP_LEAD
+    honest, liar = record("a", 10, 0), record("b", 10**9, 0)
+    assert plausible([honest, record("c", 11, 0), liar]) == [honest, record("c", 11, 0)]
 
 
 class FakeStepper:

@@ -1,0 +1,267 @@
+"""Export a trained run as a Hugging Face GPT-2 model: ``swarm-export --checkpoint-dir DIR --out OUT``.
+
+Our GPT is GPT-2's architecture (pre-norm blocks, learned absolute positions, biased
+projections, LayerNorm eps 1e-5, attention scaled by 1/sqrt(head_dim), no bias on the LM head)
+with two differences that the exported config states: the MLP uses exact (erf) GELU where GPT-2
+uses its tanh approximation, and the LM head is not tied to the token embedding. Hugging Face's
+``Conv1D`` stores weights as [in, out], the transpose of ``nn.Linear``'s, so those are transposed.
+
+The output directory holds ``model.safetensors`` and ``config.json`` and loads with
+``transformers.GPT2LMHeadModel.from_pretrained(OUT)``. The pure functions (:func:`hf_config`,
+:func:`to_hf_state`) do no I/O; :func:`main` reads the newest verified run checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+from safetensors.torch import save_file
+
+from swarm.config import ConfigError, RunConfig
+from swarm.model import Block, Embedding, Head, StageModule
+from swarm.model.gpt import INIT_STD
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# The exporter only reads checkpoints; a keep this large means it could never prune one.
+READ_ONLY_KEEP = 2**31 - 1
+
+# Our GPT's names (GPT.state_dict(), a block's relative to blocks.<i>) -> Hugging Face GPT-2's,
+# and whether HF stores the tensor transposed (its Conv1D is [in, out], nn.Linear is [out, in]).
+_OUTER_NAMES = {
+    "embed.tok.weight": ("transformer.wte.weight", False),
+    "embed.pos.weight": ("transformer.wpe.weight", False),
+    "head.ln.weight": ("transformer.ln_f.weight", False),
+    "head.ln.bias": ("transformer.ln_f.bias", False),
+    "head.proj.weight": ("lm_head.weight", False),
+}
+_BLOCK_NAMES = {
+    "ln1.weight": ("ln_1.weight", False),
+    "ln1.bias": ("ln_1.bias", False),
+    "attn.qkv.weight": ("attn.c_attn.weight", True),  # q, k, v stacked in the same order as HF's split
+    "attn.qkv.bias": ("attn.c_attn.bias", False),
+    "attn.out.weight": ("attn.c_proj.weight", True),
+    "attn.out.bias": ("attn.c_proj.bias", False),
+    "ln2.weight": ("ln_2.weight", False),
+    "ln2.bias": ("ln_2.bias", False),
+    "mlp.up.weight": ("mlp.c_fc.weight", True),
+    "mlp.up.bias": ("mlp.c_fc.bias", False),
+    "mlp.down.weight": ("mlp.c_proj.weight", True),
+    "mlp.down.bias": ("mlp.c_proj.bias", False),
+}
+
+
+def hf_config(config: RunConfig) -> dict:
+    """The ``config.json`` of a GPT2LMHeadModel with our model's architecture and sizes."""
+    m = config.model
+    dropout = float(m.dropout)  # ours drops at the same three places as GPT-2: embeddings, attention, residuals
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": m.vocab_size,
+        "n_positions": m.seq_len,
+        "n_embd": m.d_model,
+        "n_layer": m.n_layer,
+        "n_head": m.n_head,
+        "n_inner": m.mlp_ratio * m.d_model,
+        "activation_function": "gelu",  # exact GELU, as F.gelu; GPT-2's own "gelu_new" is the tanh approximation
+        "layer_norm_epsilon": 1e-5,  # nn.LayerNorm's default, which our model uses
+        "scale_attn_weights": True,  # 1/sqrt(head_dim), as scaled_dot_product_attention
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": False,  # the head and the embedding live on different stages
+        "embd_pdrop": dropout,
+        "attn_pdrop": dropout,
+        "resid_pdrop": dropout,
+        "initializer_range": INIT_STD,
+        # GPT-2's defaults (50256) name a token of its own vocabulary; ours has no special tokens.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "use_cache": True,
+    }
+
+
+def to_hf_state(config: RunConfig, stage_params: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Rename every stage's parameters to Hugging Face GPT-2's; ValueError if any is missing, extra or misshapen.
+
+    ``stage_params[k]`` is stage k's ``state_dict()`` (stage-local block indices, no ``param/`` prefix).
+    """
+    num_stages = config.stages.num_stages
+    extra_stages = sorted(set(stage_params) - set(range(num_stages)))
+    if extra_stages:
+        raise ValueError(f"the run has stages 0..{num_stages - 1}, got parameters for stage(s) {extra_stages}")
+    hf_state: dict[str, torch.Tensor] = {}
+    missing, unused = [], []
+    for k in range(num_stages):
+        stage = _shape_only_stage(config, k)
+        expected = stage.state_dict()
+        params = stage_params.get(k, {})
+        missing += [f"stage {k}: {name}" for name in expected if name not in params]
+        unused += [f"stage {k}: {name}" for name in params if name not in expected]
+        for name, tensor in params.items():
+            if name not in expected:
+                continue
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ValueError(
+                    f"stage {k}: {name} has shape {list(tensor.shape)}, the run config makes it "
+                    f"{list(expected[name].shape)}"
+                )
+            # A part added to our model but not to the table below stops here, never silently dropped.
+            hf_name, transposed = _hf_name(stage.full_model_name(name))
+            if hf_name in hf_state:  # a mapping bug, not bad input: two of our tensors for one of HF's
+                raise ValueError(f"stage {k}: {name} maps to {hf_name}, which another tensor already filled")
+            tensor = tensor.detach().to("cpu")
+            hf_state[hf_name] = (tensor.t() if transposed else tensor).contiguous()
+    if missing or unused:
+        problems = [f"missing {', '.join(missing)}"] if missing else []
+        problems += [f"unused {', '.join(unused)}"] if unused else []
+        raise ValueError("the stage parameters do not match the run config: " + "; ".join(problems))
+    return hf_state
+
+
+def export(config: RunConfig, stage_params: dict[int, dict[str, torch.Tensor]], out: Path) -> None:
+    """Write ``out/model.safetensors`` and ``out/config.json`` (each to a temporary file, then renamed)."""
+    state = to_hf_state(config, stage_params)
+    cfg = hf_config(config)
+    dtypes = {t.dtype for t in state.values()}
+    if len(dtypes) == 1:
+        cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    out.mkdir(parents=True, exist_ok=True)
+    # The weights go first: a config.json is only ever next to complete weights.
+    _write_atomically(out / WEIGHTS_FILE, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    text = json.dumps(cfg, indent=2) + "\n"
+    _write_atomically(out / CONFIG_FILE, lambda tmp: tmp.write_text(text))
+
+
+def _hf_name(full_name: str) -> tuple[str, bool]:
+    """The HF GPT-2 name of one of our GPT's parameters, and whether HF stores it transposed."""
+    if full_name in _OUTER_NAMES:
+        return _OUTER_NAMES[full_name]
+    kind, _, rest = full_name.partition(".")
+    index, _, inner = rest.partition(".")
+    if kind == "blocks" and index.isdigit() and inner in _BLOCK_NAMES:
+        hf_inner, transposed = _BLOCK_NAMES[inner]
+        return f"transformer.h.{index}.{hf_inner}", transposed
+    raise ValueError(f"no Hugging Face GPT-2 name for our parameter {full_name}")
+
+
+def _shape_only_stage(config: RunConfig, k: int) -> StageModule:
+    # Built on the meta device: the names and shapes of build_stage(config, k), with no memory or init.
+    cfg = config.model
+    with torch.device("meta"):
+        stage = StageModule(
+            cfg,
+            k,
+            config.stages.num_stages,
+            blocks=[Block(cfg) for _ in range(config.layers_per_stage)],
+            embed=Embedding(cfg) if k == 0 else None,
+            head=Head(cfg) if k == config.stages.num_stages - 1 else None,
+        )
+    return stage
+
+
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="swarm-export",
+        description="Export the newest verified run checkpoint as a Hugging Face GPT-2 model "
+        "(model.safetensors and config.json, for transformers.GPT2LMHeadModel.from_pretrained).",
+    )
+    p.add_argument("--checkpoint-dir", type=Path, help="the coordinator's checkpoint root (default: as the "
+                   "coordinator's, $XDG_CACHE_HOME/swarm/checkpoints or ~/.cache/swarm/checkpoints)")
+    p.add_argument("--out", type=Path, required=True, help="directory to write; must be absent or empty")
+    p.add_argument("--run-id", help="the run to export (needed when the checkpoint root holds several)")
+    p.add_argument("--force", action="store_true", help="overwrite the model files in a non-empty --out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    # Not swarm.logs.setup_logging: that one tames hivemind, which the export never imports (seconds saved).
+    logging.basicConfig(level=logging.WARNING, format="swarm-export: %(levelname)s: %(message)s")
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        _fail(f"--out {out} is not empty (pass --force to overwrite its model files)")
+    config, stage_params, steps, source = _load_newest(args.checkpoint_dir, args.run_id)
+    try:
+        export(config, stage_params, out)
+    except ValueError as e:
+        _fail(f"checkpoint {source} does not fit its own run config: {e}")
+    except OSError as e:
+        _fail(f"cannot write {out}: {e}")
+    step_list = ", ".join(f"stage {k} step {steps[k]}" for k in sorted(steps))
+    print(f"exported run {config.run_id} ({step_list}) from {source} to {out}", flush=True)
+
+
+def _load_newest(root: Path | None, run_id: str | None) -> tuple[RunConfig, dict, dict[int, int], Path]:
+    """The run config, every stage's parameters and step, and the newest verified run checkpoint's directory."""
+    from swarm.checkpoint.errors import CheckpointError
+    from swarm.checkpoint.store import RunCheckpoints, default_root, find_run_ids
+
+    root = default_root() if root is None else root
+    if not root.is_dir():
+        _fail(f"--checkpoint-dir {root} is not a directory")
+    try:
+        run_id = run_id or _only_run(root, find_run_ids(root))
+        found = RunCheckpoints(root, run_id, keep=READ_ONLY_KEEP).newest_verified()
+    except CheckpointError as e:
+        _fail(str(e))
+    if found is None:
+        written = sorted((root / run_id / "run").glob("step*"))
+        if not written:
+            _fail(f"no run checkpoint of run {run_id} in {root} (the coordinator writes them under "
+                  f"{root / run_id / 'run'})")
+        _fail(f"none of the {len(written)} run checkpoint(s) of run {run_id} in {root} verifies")
+    run, stages, source = found
+    ignored: list[str] = []
+    try:
+        config = RunConfig.from_yaml(run.config_yaml, ignored)
+    except ConfigError as e:
+        _fail(f"checkpoint {source} holds a run config this version cannot read: {e}")
+    unknown_model = [key for key in ignored if key.startswith("model.")]
+    if unknown_model:  # the run's model may differ from the one this version would export
+        _fail(f"checkpoint {source} is of a model with settings this version does not know "
+              f"({', '.join(unknown_model)}): export it with the swarm version that trained it")
+    if ignored:
+        logging.getLogger(__name__).warning("ignoring run config keys this version does not know: %s",
+                                            ", ".join(ignored))
+    params = {k: {name.removeprefix("param/"): t for name, t in tensors.items() if name.startswith("param/")}
+              for k, (_, tensors) in stages.items()}
+    steps = {k: manifest.step for k, (manifest, _) in stages.items()}
+    return config, params, steps, source
+
+
+def _only_run(root: Path, run_ids: list[str]) -> str:
+    if len(run_ids) == 1:
+        return run_ids[0]
+    if not run_ids:
+        _fail(f"no run checkpoint in {root} (the coordinator writes them to <checkpoint-dir>/<run_id>/run/)")
+    _fail(f"{root} holds several runs ({', '.join(sorted(run_ids))}): choose one with --run-id")
+
+
+def _fail(message: str) -> NoReturn:
+    sys.exit(f"swarm-export: error: {message}")

@@ -1,0 +1,181 @@
+"""swarm-export: our stages, renamed to Hugging Face GPT-2's, load in transformers and give our logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from swarm.checkpoint.store import STATE_NAME, RunCheckpoints, StageCheckpoints
+from swarm.config import ModelConfig, RunConfig, StagesConfig
+from swarm.export import CONFIG_FILE, WEIGHTS_FILE, export, main, to_hf_state
+from swarm.model import StageModule, build_stage
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIG = RunConfig(
+    run_id="tiny",
+    model=ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32, seed=3),
+    stages=StagesConfig(num_stages=2),
+).validate()
+
+
+def perturbed_stages(config: RunConfig) -> list[StageModule]:
+    """Every stage, every parameter moved off its init (biases 0 and LayerNorm 1 would hide mistakes)."""
+    gen = torch.Generator().manual_seed(0)
+    stages = [build_stage(config, k).eval() for k in range(config.stages.num_stages)]
+    with torch.no_grad():
+        for stage in stages:
+            for p in stage.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return stages
+
+
+def our_logits(stages: list[StageModule], idx: torch.Tensor) -> torch.Tensor:
+    # The last stage's forward returns the loss; its blocks and head give the logits without targets.
+    h = idx
+    for stage in stages[:-1]:
+        h = stage(h)
+    last = stages[-1]
+    for block in last.blocks:
+        h = block(h)
+    return last.head(h)
+
+
+def stage_params(stages: list[StageModule]) -> dict[int, dict[str, torch.Tensor]]:
+    return {stage.index: stage.state_dict() for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def stages() -> list[StageModule]:
+    return perturbed_stages(CONFIG)
+
+
+def test_exported_model_gives_our_logits(stages: list[StageModule], tmp_path: Path):
+    export(CONFIG, stage_params(stages), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE])  # no temp files left
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    model.eval()
+    assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    assert model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr()  # the head stays untied
+
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CONFIG.model.vocab_size, (3, CONFIG.model.seq_len), generator=gen)
+    with torch.no_grad():
+        ours = our_logits(stages, idx)
+        theirs = model(idx).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_config_json_describes_our_architecture(stages: list[StageModule], tmp_path: Path):
+    export(CONFIG, stage_params(stages), tmp_path)
+    cfg = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert cfg["architectures"] == ["GPT2LMHeadModel"]
+    assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["n_positions"], cfg["vocab_size"]) == (4, 2, 32, 16, 64)
+    assert cfg["n_inner"] == 4 * 32 and cfg["activation_function"] == "gelu" and cfg["tie_word_embeddings"] is False
+    assert cfg["dtype"] == "float32"
+
+
+def test_block_indices_become_global(stages: list[StageModule]):
+    state = to_hf_state(CONFIG, stage_params(stages))
+    # Stage 1's local block 0 is layer 2; Conv1D weights are stored [in, out].
+    torch.testing.assert_close(state["transformer.h.2.attn.c_attn.weight"], stages[1].blocks[0].attn.qkv.weight.t())
+    assert {name.split(".")[2] for name in state if name.startswith("transformer.h.")} == {"0", "1", "2", "3"}
+
+
+def test_missing_tensor_is_named(stages: list[StageModule]):
+    params = stage_params(stages)
+    del params[1]["blocks.1.mlp.down.bias"]
+    with pytest.raises(ValueError, match=r"missing stage 1: blocks\.1\.mlp\.down\.bias"):
+        to_hf_state(CONFIG, params)
+
+
+def test_missing_stage_is_named(stages: list[StageModule]):
+    params = stage_params(stages)
+    del params[0]
+    with pytest.raises(ValueError, match=r"missing stage 0: embed\.tok\.weight"):
+        to_hf_state(CONFIG, params)
+
+
+def test_unused_tensor_is_named(stages: list[StageModule]):
+    params = stage_params(stages)
+    params[0]["blocks.2.ln1.weight"] = torch.ones(32)  # stage 0 holds blocks 0 and 1 only
+    with pytest.raises(ValueError, match=r"unused stage 0: blocks\.2\.ln1\.weight"):
+        to_hf_state(CONFIG, params)
+    with pytest.raises(ValueError, match=r"stage\(s\) \[2\]"):
+        to_hf_state(CONFIG, {**stage_params(stages), 2: {}})
+
+
+def test_wrong_shape_is_named(stages: list[StageModule]):
+    params = stage_params(stages)
+    params[0]["embed.pos.weight"] = torch.zeros(32, 32)  # a seq_len of 32 where the config says 16
+    with pytest.raises(ValueError, match=r"stage 0: embed\.pos\.weight has shape \[32, 32\].*\[16, 32\]"):
+        to_hf_state(CONFIG, params)
+
+
+def test_cli_refuses_a_non_empty_out(tmp_path: Path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"swarm-export: error: --out .* is not empty \(pass --force"):
+        main(["--checkpoint-dir", str(tmp_path), "--out", str(out)])
+
+
+def write_run_checkpoint(root: Path, config: RunConfig, stages: list[StageModule], step: int) -> Path:
+    """A run checkpoint as the coordinator writes it: one stage checkpoint per stage, copied into run/."""
+    stage_dirs = {}
+    for stage in stages:
+        tensors = {f"param/{name}": t for name, t in stage.state_dict().items()}
+        tensors["optim/0/step"] = torch.tensor(float(step))  # optimizer state is not part of the export
+        _, _, stage_dirs[stage.index] = StageCheckpoints(root, config.run_id, stage.index, keep=2).write(
+            tensors, step=step + stage.index, num_stages=len(stages), state_hash=config.state_hash(),
+            round_id="round", group=1)
+    return RunCheckpoints(root, config.run_id, keep=2).write(config.to_yaml(), config.state_hash(), stage_dirs)[2]
+
+
+def test_cli_exports_the_newest_run_checkpoint(stages: list[StageModule], tmp_path: Path, capsys):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    write_run_checkpoint(root, CONFIG, perturbed_stages(CONFIG), step=5)  # older, other weights
+    newest = write_run_checkpoint(root, CONFIG, stages, step=7)
+    main(["--checkpoint-dir", str(root), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "run tiny (stage 0 step 7, stage 1 step 8)" in printed and str(newest) in printed and str(out) in printed
+    exported = load_file(out / WEIGHTS_FILE)
+    expected = to_hf_state(CONFIG, stage_params(stages))
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0)
+
+
+def test_cli_skips_a_run_checkpoint_that_does_not_verify(stages: list[StageModule], tmp_path: Path, capsys):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    write_run_checkpoint(root, CONFIG, stages, step=5)
+    newest = write_run_checkpoint(root, CONFIG, perturbed_stages(CONFIG), step=7)
+    state = newest / "stage1" / STATE_NAME
+    data = state.read_bytes()
+    state.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit off: only the sha256 tells
+    main(["--checkpoint-dir", str(root), "--out", str(out), "--run-id", "tiny"])
+    assert "stage 0 step 5, stage 1 step 6" in capsys.readouterr().out
+    torch.testing.assert_close(load_file(out / WEIGHTS_FILE)["lm_head.weight"], stages[1].head.proj.weight.detach())
+
+    (newest.parent / "step0000000005" / "stage0" / STATE_NAME).write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"error: none of the 2 run checkpoint\(s\) of run tiny .* verifies"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out2")])
+
+
+def test_cli_names_the_runs_to_choose_from(stages: list[StageModule], tmp_path: Path):
+    root = tmp_path / "ckpt"
+    with pytest.raises(SystemExit, match=r"swarm-export: error: no run checkpoint in "):
+        main(["--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    for run_id in ("alpha", "beta"):
+        write_run_checkpoint(root, RunConfig(run_id=run_id, model=CONFIG.model, stages=CONFIG.stages), stages, 1)
+    with pytest.raises(SystemExit, match=r"holds several runs \(alpha, beta\): choose one with --run-id"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=r"no run checkpoint of run gamma"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out"), "--run-id", "gamma"])
+    main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out"), "--run-id", "beta"])
+    assert (tmp_path / "out" / CONFIG_FILE).is_file()

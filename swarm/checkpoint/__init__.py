@@ -1,0 +1,34 @@
+"""Checkpoints of stage states and of whole runs: on disks, announced in the DHT, fetched and verified.
+
+Format: docs/checkpoints.md. Map of the subsystem, from what a server uses down to the files::
+
+    keeper.py    StageKeeper: a server's checkpoints of its stage, written every N steps / S seconds
+                 beside compute, announced (CheckpointRecord), served, and restored from when the
+                 stage has no live server (own disk or any holder); coordinator.archive does the same
+                 for the whole run
+    transfer.py  CheckpointServer (a streaming libp2p RPC serving held files by manifest id) and
+                 fetch_checkpoint / fetch_newest (every byte hashed; a holder that lies is banned and
+                 the next one tried)
+    store.py     StageCheckpoints (a server's stage states), RunCheckpoints (the coordinator's whole-run
+                 copies): atomic writes, verified loads, install of fetched copies, pruning
+    manifest.py  StageManifest, RunManifest: canonical JSON written, strictly validated when read;
+                 manifest_id() is the sha256 of the bytes, the id the DHT announces
+    errors.py    CheckpointError
+"""
+
+from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.manifest import FileEntry, RunManifest, RunStageEntry, StageManifest, manifest_id
+from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints, default_root, find_run_ids
+
+__all__ = [
+    "CheckpointError",
+    "FileEntry",
+    "RunCheckpoints",
+    "RunManifest",
+    "RunStageEntry",
+    "StageCheckpoints",
+    "StageManifest",
+    "default_root",
+    "find_run_ids",
+    "manifest_id",
+]

@@ -1,0 +1,545 @@
+"""Checkpoints on a local disk: written atomically, used only after they verify.
+
+Layout (docs/checkpoints.md)::
+
+    <root>/<run_id>/stage<k>/step<NNNNNNNNNN>/   StageCheckpoints: a server's states of stage k
+    <root>/<run_id>/run/step<NNNNNNNNNN>/        RunCheckpoints: the coordinator's whole-model copies
+
+A checkpoint is built in a ``.tmp-*`` sibling, every file fsynced, then renamed into place and the
+parent directory fsynced, so a ``step*`` directory is always complete. Deleting goes the other way
+(renamed to ``.tmp-*`` first), so a crash never leaves half a ``step*`` directory either; leftover
+``.tmp-*`` directories are ignored and removed once stale. Writing a step that is already on disk
+replaces it: the caller's state is newer than what the old one holds (e.g. a later round).
+
+Nothing read back is trusted: file sizes are compared with the manifest before any hashing, every
+file's sha256 must match, no file may be missing or extra, and tensors are read with safetensors
+(no pickle) and must be finite. Pruning keeps the newest `keep` checkpoints and never deletes the
+newest one that verifies, however many broken ones are newer.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import BinaryIO
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    RunManifest,
+    RunStageEntry,
+    StageManifest,
+    manifest_id,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_NAME = "state.safetensors"
+STALE_TEMP_SECONDS = 3600.0  # a .tmp-* directory untouched this long belongs to no live writer or fetch
+MAX_STEP = 10**10 - 1  # step directories are named with 10 digits
+_STEP_DIR = re.compile(r"step([0-9]{10})")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]+")
+_CHUNK = 1 << 20
+
+
+def default_root() -> Path:
+    """``$XDG_CACHE_HOME/swarm/checkpoints``, or ``~/.cache/swarm/checkpoints``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "swarm" / "checkpoints"
+
+
+def find_run_ids(root: Path) -> list[str]:
+    """The run ids under `root` that hold at least one run checkpoint directory, sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if _RUN_ID.fullmatch(p.name) and _step_dirs(p / "run"))
+
+
+class _StepDirs:
+    """The ``step*`` directories under one parent: listing, atomic placing, pruning, stale temp cleanup."""
+
+    def __init__(self, directory: Path, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        if not _RUN_ID.fullmatch(directory.parent.name):
+            raise ValueError(f"run id must be letters, digits, '-' or '_', got {directory.parent.name!r}")
+        self.dir = directory
+        self.keep = keep
+        self._intact_ids: set[tuple[str, str]] = set()  # (step dir name, manifest id) seen to verify
+        self.cleanup_temp()
+
+    def entries(self) -> list[Path]:
+        """Complete checkpoint directories, newest step first."""
+        return _step_dirs(self.dir)
+
+    def new_temp_dir(self) -> Path:
+        """A fresh ``.tmp-*`` directory beside the checkpoints (same disk, so it can be renamed into place)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f".tmp-{secrets.token_hex(8)}"
+        path.mkdir()
+        return path
+
+    def cleanup_temp(self, max_age: float = STALE_TEMP_SECONDS) -> None:
+        """Remove ``.tmp-*`` directories nobody has touched for `max_age` seconds (crashed writes)."""
+        if not self.dir.is_dir():
+            return
+        now = time.time()
+        for path in self.dir.glob(".tmp-*"):
+            if now - _last_modified(path) > max_age:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def prune(self, protect: Path | None = None) -> list[Path]:
+        """Delete all but the newest `keep` checkpoints, the newest one that verifies and `protect`."""
+        entries = self.entries()
+        if len(entries) <= self.keep:
+            return []
+        kept = set(entries[: self.keep]) | {protect}
+        for path in entries:
+            if self._intact(path):
+                kept.add(path)
+                break
+        removed = [path for path in entries if path not in kept]
+        for path in removed:
+            try:
+                _remove(path)
+            except OSError as e:  # the checkpoint just written is in place; an old one lingering is no failure
+                logger.warning("could not remove old checkpoint %s: %s", path, e)
+        names = {path.name for path in removed}
+        self._intact_ids = {key for key in self._intact_ids if key[0] not in names}
+        return removed
+
+    def _intact(self, path: Path) -> bool:
+        """Whether `path` verifies (files against its manifest); remembered per manifest id."""
+        try:
+            key = (path.name, manifest_id(_read_manifest(path)))
+            if key not in self._intact_ids:
+                self._check(path)
+                self._intact_ids.add(key)
+            return True
+        except (CheckpointError, OSError) as e:
+            logger.warning("checkpoint %s does not verify: %s", path, e)
+            return False
+
+    def _check(self, path: Path) -> str:
+        """Verify a checkpoint's files (not its tensors); its manifest id, or CheckpointError."""
+        raise NotImplementedError
+
+    def _place(self, temp: Path, step: int, data: bytes) -> Path:
+        """Rename the complete checkpoint `temp` to ``step<N>``, replacing one of the same step."""
+        if not 0 <= step <= MAX_STEP:
+            raise CheckpointError(f"step {step} is out of range 0..{MAX_STEP}")
+        target = self.dir / f"step{step:010d}"
+        _fsync_dir(temp)
+        for _ in range(3):  # another writer of this directory may be replacing the same step
+            try:
+                os.rename(temp, target)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                _remove(target)
+        else:
+            raise CheckpointError(f"could not rename {temp} to {target}: it keeps being recreated")
+        _fsync_dir(self.dir)
+        self._intact_ids.add((target.name, manifest_id(data)))
+        return target
+
+
+class StageCheckpoints(_StepDirs):
+    """The checkpoints of one stage on this disk: ``<root>/<run_id>/stage<k>/``."""
+
+    def __init__(self, root: Path, run_id: str, stage: int, keep: int):
+        self.run_id = run_id
+        self.stage = stage
+        super().__init__(Path(root) / run_id / f"stage{stage}", keep)
+
+    def write(self, tensors: dict[str, torch.Tensor], *, step: int, num_stages: int, state_hash: str,
+              round_id: str, group: int) -> tuple[StageManifest, str, Path]:
+        """Save a stage state as checkpoint ``step<step>``; (manifest, manifest id, its directory).
+
+        The tensors must not change while this runs: hand over a snapshot if training goes on.
+        """
+        temp = self.new_temp_dir()
+        try:
+            state = temp / STATE_NAME
+            safetensors.torch.save_file(_cpu_tensors(tensors), str(state))
+            entry = _sync_and_hash(state)
+            manifest = StageManifest(run_id=self.run_id, stage=self.stage, num_stages=num_stages, step=step,
+                                     state_hash=state_hash, round_id=round_id, group=group, created=time.time(),
+                                     files={STATE_NAME: entry})
+            data = manifest.to_bytes()
+            _write_synced(temp / MANIFEST_NAME, data)
+            path = self._place(temp, step, data)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self.prune(protect=path)
+        return manifest, manifest_id(data), path
+
+    def load(self, path: Path, *, state_hash: str, run_id: str | None = None,
+             stage: int | None = None) -> tuple[StageManifest, str, dict[str, torch.Tensor]]:
+        """Verify the checkpoint at `path` and read its tensors; CheckpointError says what is wrong.
+
+        `run_id` and `stage` default to this store's; `path` may be anywhere (e.g. a fetched copy).
+        """
+        return load_stage(Path(path), run_id=self.run_id if run_id is None else run_id,
+                          stage=self.stage if stage is None else stage, state_hash=state_hash)
+
+    def newest_verified(self, *, state_hash: str) -> tuple[StageManifest, str, dict[str, torch.Tensor], Path] | None:
+        """The newest checkpoint that verifies, as (manifest, manifest id, tensors, path); None if none does."""
+        for path in self.entries():
+            try:
+                manifest, mid, tensors = self.load(path, state_hash=state_hash)
+            except CheckpointError as e:
+                logger.warning("skipping checkpoint %s: %s", path, e)
+                continue
+            return manifest, mid, tensors, path
+        return None
+
+    def install(self, staged: Path) -> Path:
+        """Put a complete stage checkpoint directory (e.g. fetched from a peer) in place as ``step<N>``.
+
+        Its files are verified first. A directory made by :meth:`new_temp_dir` is renamed (or
+        removed if it does not verify); one elsewhere is copied, verified while copying, and left.
+        """
+        staged = Path(staged)
+        data = _read_manifest(staged)
+        manifest = StageManifest.from_bytes(data, where=str(staged / MANIFEST_NAME))
+        if staged.parent.resolve() == self.dir.resolve() and staged.name.startswith(".tmp-"):
+            temp = staged
+            try:
+                self._check(staged)
+            except CheckpointError:
+                shutil.rmtree(staged, ignore_errors=True)  # ours to clean: no use keeping a bad copy
+                raise
+            for name in manifest.files:
+                _fsync_file(staged / name)
+        else:
+            temp = self.new_temp_dir()
+            try:
+                _check_owner(staged, manifest, run_id=self.run_id, stage=self.stage, state_hash=None)
+                _copy_verified(staged, temp, manifest.files, data)
+            except BaseException:
+                shutil.rmtree(temp, ignore_errors=True)
+                raise
+        path = self._place(temp, manifest.step, data)
+        self.prune(protect=path)
+        return path
+
+    def path_for(self, manifest_id_: str) -> Path | None:
+        """The checkpoint held here whose manifest has this id (to serve it to peers), if any."""
+        for path in self.entries():
+            try:
+                if manifest_id(_read_manifest(path)) == manifest_id_:
+                    return path
+            except (CheckpointError, OSError):
+                continue
+        return None
+
+    def _check(self, path: Path) -> str:
+        return check_stage(path, run_id=self.run_id, stage=self.stage, state_hash=None)[1]
+
+
+class RunCheckpoints(_StepDirs):
+    """Whole-run checkpoints (one verified checkpoint per stage): ``<root>/<run_id>/run/``."""
+
+    def __init__(self, root: Path, run_id: str, keep: int):
+        self.run_id = run_id
+        super().__init__(Path(root) / run_id / "run", keep)
+
+    def write(self, config_yaml: str, state_hash: str, stage_dirs: dict[int, Path]) -> tuple[RunManifest, str, Path]:
+        """Copy one stage checkpoint per stage (each verified on the way) into a new run checkpoint."""
+        temp = self.new_temp_dir()
+        try:
+            entries, num_stages = [], set()
+            for k in sorted(stage_dirs):
+                src = Path(stage_dirs[k])
+                data = _read_manifest(src)
+                manifest = StageManifest.from_bytes(data, where=str(src / MANIFEST_NAME))
+                _check_owner(src, manifest, run_id=self.run_id, stage=k, state_hash=state_hash)
+                (temp / f"stage{k}").mkdir()
+                _copy_verified(src, temp / f"stage{k}", manifest.files, data)
+                entries.append(RunStageEntry(stage=k, step=manifest.step, manifest_sha256=manifest_id(data),
+                                             dir=f"stage{k}"))
+                num_stages.add(manifest.num_stages)
+            if len(num_stages) != 1 or sorted(stage_dirs) != list(range(min(num_stages))):
+                raise CheckpointError(f"a run checkpoint needs exactly one checkpoint of each stage, got stages "
+                                      f"{sorted(stage_dirs)} whose manifests say num_stages {sorted(num_stages)}")
+            run = RunManifest(run_id=self.run_id, state_hash=state_hash, config_yaml=config_yaml,
+                              created=time.time(), stages=entries)
+            data = run.to_bytes()
+            _write_synced(temp / MANIFEST_NAME, data)
+            path = self._place(temp, run.step, data)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self.prune(protect=path)
+        return run, manifest_id(data), path
+
+    def load(self, path: Path, state_hash: str | None = None
+             ) -> tuple[RunManifest, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]]]:
+        """Verify the run checkpoint at `path` and every stage in it, and read all their tensors."""
+        run, _, stages = _verify_run(Path(path), run_id=self.run_id, state_hash=state_hash, read_state=True)
+        return run, stages
+
+    def newest_verified(self, state_hash: str | None = None
+                        ) -> tuple[RunManifest, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]], Path] | None:
+        """The newest run checkpoint that verifies, as (run manifest, {stage: (manifest, tensors)}, path)."""
+        for path in self.entries():
+            try:
+                run, stages = self.load(path, state_hash)
+            except CheckpointError as e:
+                logger.warning("skipping run checkpoint %s: %s", path, e)
+                continue
+            return run, stages, path
+        return None
+
+    def _check(self, path: Path) -> str:
+        return _verify_run(path, run_id=self.run_id, state_hash=None, read_state=False)[1]
+
+
+def check_stage(path: Path, *, run_id: str, stage: int, state_hash: str | None,
+                expect_id: str | None = None) -> tuple[StageManifest, str]:
+    """Verify a stage checkpoint's manifest and files (not its tensors); (manifest, manifest id).
+
+    `state_hash` None skips that check; `expect_id`, if given, is the manifest id it must have.
+    """
+    data = _read_manifest(path)
+    mid = manifest_id(data)
+    if expect_id is not None and mid != expect_id:
+        raise CheckpointError(f"{path / MANIFEST_NAME}: sha256 {mid} is not the expected {expect_id}")
+    manifest = StageManifest.from_bytes(data, where=str(path / MANIFEST_NAME))
+    _check_owner(path, manifest, run_id=run_id, stage=stage, state_hash=state_hash)
+    if STATE_NAME not in manifest.files:
+        raise CheckpointError(f"{path / MANIFEST_NAME}: lists no {STATE_NAME}")
+    _check_listing(path, set(manifest.files))
+    for name, entry in manifest.files.items():
+        _check_file(path / name, entry)
+    return manifest, mid
+
+
+def load_stage(path: Path, *, run_id: str, stage: int, state_hash: str,
+               expect_id: str | None = None) -> tuple[StageManifest, str, dict[str, torch.Tensor]]:
+    """Verify a stage checkpoint and read its tensors: (manifest, manifest id, tensors).
+
+    The tensors are read after the files verify. That is sound because a checkpoint's files are
+    never rewritten in place: directories are only ever renamed in whole or removed.
+    """
+    manifest, mid = check_stage(path, run_id=run_id, stage=stage, state_hash=state_hash, expect_id=expect_id)
+    return manifest, mid, _read_tensors(path / STATE_NAME)
+
+
+def _verify_run(path: Path, *, run_id: str, state_hash: str | None, read_state: bool
+                ) -> tuple[RunManifest, str, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]]]:
+    """Verify a run checkpoint and every stage checkpoint in it; their tensors too if `read_state` (else {})."""
+    data = _read_manifest(path)
+    run = RunManifest.from_bytes(data, where=str(path / MANIFEST_NAME))
+    if run.run_id != run_id:
+        raise CheckpointError(f"run checkpoint {path} is for run {run.run_id!r}, not {run_id!r}")
+    if state_hash is not None and run.state_hash != state_hash:
+        raise CheckpointError(f"run checkpoint {path} has state hash {run.state_hash[:12]}, not {state_hash[:12]} "
+                              "(another model shape or number of stages)")
+    _check_listing(path, {entry.dir for entry in run.stages}, directories=True)
+    stages: dict[int, tuple[StageManifest, dict[str, torch.Tensor]]] = {}
+    for entry in run.stages:
+        where = dict(run_id=run.run_id, stage=entry.stage, state_hash=run.state_hash, expect_id=entry.manifest_sha256)
+        if read_state:
+            manifest, _, tensors = load_stage(path / entry.dir, **where)
+        else:
+            (manifest, _), tensors = check_stage(path / entry.dir, **where), {}
+        if manifest.num_stages != len(run.stages) or manifest.step != entry.step:
+            raise CheckpointError(f"run checkpoint {path}: {entry.dir} is step {manifest.step} of a run of "
+                                  f"{manifest.num_stages} stages, the run manifest says step {entry.step} of "
+                                  f"{len(run.stages)}")
+        stages[entry.stage] = (manifest, tensors)
+    return run, manifest_id(data), stages
+
+
+def _check_owner(path: Path, manifest: StageManifest, *, run_id: str, stage: int, state_hash: str | None) -> None:
+    if manifest.run_id != run_id:
+        raise CheckpointError(f"checkpoint {path} is for run {manifest.run_id!r}, not {run_id!r}")
+    if manifest.stage != stage:
+        raise CheckpointError(f"checkpoint {path} is for stage {manifest.stage}, not {stage}")
+    if state_hash is not None and manifest.state_hash != state_hash:
+        raise CheckpointError(f"checkpoint {path} has state hash {manifest.state_hash[:12]}, not {state_hash[:12]} "
+                              "(another model shape or number of stages)")
+
+
+def _check_listing(path: Path, expected: set[str], directories: bool = False) -> None:
+    """`path` holds the manifest and exactly the `expected` entries: regular files (or real directories)."""
+    try:
+        present = set(os.listdir(path)) - {MANIFEST_NAME}
+        modes = {name: os.lstat(path / name).st_mode for name in expected & present}
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be listed: {e.strerror}") from None
+    if present != expected:
+        raise CheckpointError(f"checkpoint {path}: unexpected {sorted(present - expected)}, "
+                              f"missing {sorted(expected - present)} (against its manifest)")
+    for name, mode in modes.items():
+        if not (stat.S_ISDIR(mode) if directories else stat.S_ISREG(mode)):
+            raise CheckpointError(f"{path / name} is not a {'directory' if directories else 'regular file'}")
+
+
+def _check_file(file: Path, entry: FileEntry) -> None:
+    """Check a file's size (before reading it), then its sha256, against its manifest entry."""
+    try:
+        size = os.lstat(file).st_size
+        if size != entry.size:
+            raise CheckpointError(f"{file} is {size} bytes, its manifest says {entry.size} (truncated or overwritten)")
+        with open(file, "rb") as f:
+            digest = _hash(f).sha256
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read: {e.strerror}") from None
+    if digest != entry.sha256:
+        raise CheckpointError(f"{file} has sha256 {digest[:12]}, its manifest says {entry.sha256[:12]} (corrupted)")
+
+
+def _read_manifest(path: Path) -> bytes:
+    """The bytes of ``path/manifest.json``, refusing to read more than a manifest may hold."""
+    file = path / MANIFEST_NAME
+    try:
+        with open(file, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read: {e.strerror}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{file} is larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have")
+    return data
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a verified safetensors file; every float tensor must be finite."""
+    try:
+        tensors = safetensors.torch.load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.numel() and not _finite(tensor):
+            raise CheckpointError(f"{file}: non-finite values in {name}")
+    return tensors
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # NaN and inf both reach the min or the max; one pass, no mask (isfinite().all() is far slower).
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def _cpu_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, none sharing memory with another (safetensors refuses shared storage)."""
+    result, storages = {}, set()
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"checkpoint tensors must map str to tensor, got {name!r}: {type(tensor).__name__}")
+        tensor = tensor.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in storages:
+            tensor = tensor.clone()
+        storages.add(storage)
+        result[name] = tensor
+    return result
+
+
+def _sync_and_hash(file: Path) -> FileEntry:
+    """fsync a file just written and compute its sha256 and size, side by side (disk wait, CPU work)."""
+    with open(file, "rb") as f, ThreadPoolExecutor(1) as pool:
+        synced = pool.submit(os.fsync, f.fileno())
+        entry = _hash(f)
+        synced.result()
+    return entry
+
+
+def _hash(f: BinaryIO) -> FileEntry:
+    digest, size = hashlib.sha256(), 0
+    buffer = memoryview(bytearray(_CHUNK))
+    while n := f.readinto(buffer):
+        digest.update(buffer[:n])
+        size += n
+    return FileEntry(sha256=digest.hexdigest(), size=size)
+
+
+def _fsync_file(file: Path) -> None:
+    with open(file, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _copy_verified(src: Path, dst: Path, files: dict[str, FileEntry], manifest_data: bytes) -> None:
+    """Copy a checkpoint's manifest and files into the empty `dst`, hashing what is copied; fsynced."""
+    _check_listing(src, set(files))
+    for name, entry in files.items():
+        digest = hashlib.sha256()
+        try:
+            if os.lstat(src / name).st_size != entry.size:
+                raise CheckpointError(f"{src / name} is not the {entry.size} bytes its manifest says")
+            with open(src / name, "rb") as f, open(dst / name, "xb") as out:
+                while chunk := f.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+                size = out.tell()
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as e:
+            raise CheckpointError(f"cannot copy {src / name}: {e.strerror}") from None
+        if FileEntry(sha256=digest.hexdigest(), size=size) != entry:
+            raise CheckpointError(f"{src / name} does not match its manifest (corrupted or changed while copied)")
+    _write_synced(dst / MANIFEST_NAME, manifest_data)
+    _fsync_dir(dst)
+
+
+def _write_synced(file: Path, data: bytes) -> None:
+    with open(file, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory; renamed away first, so no half-deleted ``step*`` is ever seen."""
+    doomed = path.parent / f".tmp-removed-{secrets.token_hex(8)}"
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return  # another writer of this directory removed it first
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _step_dirs(directory: Path) -> list[Path]:
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    steps = [(int(m[1]), name) for name in names if (m := _STEP_DIR.fullmatch(name))]
+    return [directory / name for _, name in sorted(steps, reverse=True) if (directory / name).is_dir()]
+
+
+def _last_modified(path: Path) -> float:
+    """The newest mtime of `path` and what it directly holds (a fetch in progress touches its files)."""
+    try:
+        times = [path.lstat().st_mtime] + [entry.stat(follow_symlinks=False).st_mtime for entry in os.scandir(path)]
+    except OSError:
+        return time.time()
+    return max(times)

@@ -5,13 +5,16 @@ Map of the subsystem, from people-facing entry points down to pure logic::
     bootstrap.py  join_run(initial_peers, ...): start a node, ask an initial peer which run it serves
                   (RunInfoServicer over libp2p), fetch the run config its coordinator signed;
                   serve_run_info(...) makes this peer an entry point for others
-    records.py    SwarmRecords: sync publish/lookup of the run config, server records, metrics
+    records.py    SwarmRecords: sync publish/lookup of the run config, server records, metrics,
+                  checkpoint lists (who holds which stage checkpoint) and the run checkpoint
     node.py       start_dht(...): a hivemind.DHT process with our validators, bounded startup,
                   hivemind's failures turned into our errors; multiaddr parsing
     loop.py       BackgroundLoop: our asyncio thread for P2P handlers and calls
     identity.py   Identity / load_identity: libp2p identity file + RSA key that signs our records
-    keys.py       key layout ({run_id}_config, _metrics, _stage{k}), owner-marked subkeys, validators
-    schemas.py    ServerRecord, RunConfigRecord, PeerMetricsRecord: strict, tolerant of unknown fields
+    keys.py       key layout ({run_id}_config, _metrics, _run_checkpoint, _stage{k}, _checkpoints{k}),
+                  owner-marked subkeys, validators
+    schemas.py    ServerRecord, RunConfigRecord, PeerMetricsRecord, CheckpointRecord, RunCheckpointRecord:
+                  strict, tolerant of unknown fields
     errors.py     SwarmDHTError and its subclasses
 
 Every network wait is bounded by a named timeout (``DEFAULT_*_TIMEOUT`` in each module).
@@ -31,16 +34,29 @@ from swarm.dht.keys import MAX_STAGES, make_validators
 from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import add_run_validators, parse_maddrs, peer_id, start_dht, visible_maddrs
 from swarm.dht.records import SwarmRecords
-from swarm.dht.schemas import PeerMetricsRecord, RunConfigRecord, ServerRecord, ServerState
+from swarm.dht.schemas import (
+    CheckpointRecord,
+    HeldCheckpoint,
+    PeerMetricsRecord,
+    RunCheckpointRecord,
+    RunCheckpointStage,
+    RunConfigRecord,
+    ServerRecord,
+    ServerState,
+)
 
 __all__ = [
     "MAX_STAGES",
     "BackgroundLoop",
     "BootstrapError",
+    "CheckpointRecord",
     "DHTRequestTimeout",
+    "HeldCheckpoint",
     "Identity",
     "InvalidMultiaddr",
     "PeerMetricsRecord",
+    "RunCheckpointRecord",
+    "RunCheckpointStage",
     "RunConfigInvalid",
     "RunConfigNotFound",
     "RunConfigRecord",

@@ -1,14 +1,18 @@
 """Where records live in the DHT, and the validators that guard them.
 
-Every key is ``{run_id}_{field}``; fields are ``config``, ``metrics`` and ``stage0`` .. ``stage255``.
+Every key is ``{run_id}_{field}``; fields are ``config``, ``metrics``, ``run_checkpoint``, ``stage0`` ..
+``stage255`` (server records) and ``checkpoints0`` .. ``checkpoints255`` (who holds which stage checkpoints).
 Each key holds a dictionary whose subkeys are owner markers (``[owner:ssh-rsa ...]``): hivemind's
 RSASignatureValidator then accepts a subkey's value only if it is signed by that owner, so a peer can
-write its own server record or metrics, never another peer's, and only the coordinator its config.
+write its own server record, metrics or checkpoint list, never another peer's (readers that trust only
+the coordinator for the config or the run checkpoint pick its owner marker).
 
 hivemind validators see only hashed keys, so the schema enumerates every field name up front.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
@@ -16,12 +20,19 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.dht.schemas import PeerMetricsRecord, RunConfigRecord, SentFieldsOnly, ServerRecord
-
-MAX_STAGES = 256  # stage keys enumerated in the schema; a run may use any number of stages up to this
+from swarm.dht.schemas import (
+    MAX_STAGES,  # stage keys enumerated in the schema; a run may use any number of stages up to this
+    CheckpointRecord,
+    PeerMetricsRecord,
+    RunCheckpointRecord,
+    RunConfigRecord,
+    SentFieldsOnly,
+    ServerRecord,
+)
 
 CONFIG_FIELD = "config"
 METRICS_FIELD = "metrics"
+RUN_CHECKPOINT_FIELD = "run_checkpoint"
 
 
 def stage_field(stage: int) -> str:
@@ -29,6 +40,13 @@ def stage_field(stage: int) -> str:
     if not 0 <= stage < MAX_STAGES:
         raise ValueError(f"stage must be in [0, {MAX_STAGES}), got {stage}")
     return f"stage{stage}"
+
+
+def checkpoints_field(stage: int) -> str:
+    """Schema field (and key suffix) holding the checkpoint lists of one stage's holders."""
+    if not 0 <= stage < MAX_STAGES:
+        raise ValueError(f"stage must be in [0, {MAX_STAGES}), got {stage}")
+    return f"checkpoints{stage}"
 
 
 def dht_key(run_id: str, field: str) -> str:
@@ -55,6 +73,14 @@ class PeerMetricsRecordAsSent(SentFieldsOnly, PeerMetricsRecord):
     pass
 
 
+class CheckpointRecordAsSent(SentFieldsOnly, CheckpointRecord):
+    pass
+
+
+class RunCheckpointRecordAsSent(SentFieldsOnly, RunCheckpointRecord):
+    pass
+
+
 class _SchemaConfig(pydantic.BaseConfig):
     # SchemaValidator sets `schema.Config.extra`; a schema without its own Config would have it
     # write into pydantic's global BaseConfig and change every other pydantic.v1 model.
@@ -70,13 +96,34 @@ RunRecordsSchema = pydantic.create_model(
     __config__=_SchemaConfig,
     __module__=__name__,
     **{CONFIG_FIELD: _owned(RunConfigRecordAsSent), METRICS_FIELD: _owned(PeerMetricsRecordAsSent)},
+    **{RUN_CHECKPOINT_FIELD: _owned(RunCheckpointRecordAsSent)},
     **{stage_field(stage): _owned(ServerRecordAsSent) for stage in range(MAX_STAGES)},
+    **{checkpoints_field(stage): _owned(CheckpointRecordAsSent) for stage in range(MAX_STAGES)},
 )
+
+
+class RunSchemaValidator(SchemaValidator):
+    """The SchemaValidator of one run's records; pickled as just its run id.
+
+    Pickled as is, it carries the hash of every one of its ~500 keys (~19 KB). hivemind's DHT process
+    reads its command pipe without blocking, and multiprocessing sends a message over 16 KiB in two
+    writes, so such a message (DHT.add_validators) can fail there with EAGAIN and be lost. Rebuilt
+    from the run id on unpickling, it travels in a few hundred bytes.
+    """
+
+    def __init__(self, run_id: str):
+        super().__init__(RunRecordsSchema, allow_extra_keys=True, prefix=run_id)
+        self.run_id = run_id
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if len(self._schemas) != 1:  # merged with another schema: only the full state describes it
+            return super().__reduce_ex__(protocol)
+        return RunSchemaValidator, (self.run_id,)
 
 
 def schema_validator(run_id: str) -> SchemaValidator:
     """Type-checks every record under `run_id`; keys of other subsystems (averaging) pass through."""
-    return SchemaValidator(RunRecordsSchema, allow_extra_keys=True, prefix=run_id)
+    return RunSchemaValidator(run_id)
 
 
 def make_validators(run_id: str | None, private_key: RSAPrivateKey) -> list[RecordValidatorBase]:

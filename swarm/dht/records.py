@@ -1,4 +1,4 @@
-"""Publishing and reading the run's records (config, server announcements, metrics) over a hivemind DHT."""
+"""Publishing and reading the run's records (config, servers, metrics, checkpoints) over a hivemind DHT."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ from hivemind.utils import get_dht_time
 from swarm.config import ConfigError, RunConfig
 from swarm.dht.errors import RunConfigInvalid, RunConfigNotFound
 from swarm.dht.identity import Identity
-from swarm.dht.keys import CONFIG_FIELD, METRICS_FIELD, dht_key, stage_field
+from swarm.dht.keys import CONFIG_FIELD, METRICS_FIELD, RUN_CHECKPOINT_FIELD, checkpoints_field, dht_key, stage_field
 from swarm.dht.node import peer_id, wait_future
-from swarm.dht.schemas import PeerMetricsRecord, RunConfigRecord, ServerRecord, WireRecord
+from swarm.dht.schemas import (
+    CheckpointRecord,
+    PeerMetricsRecord,
+    RunCheckpointRecord,
+    RunConfigRecord,
+    ServerRecord,
+    WireRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +128,36 @@ class SwarmRecords:
     def lookup_metrics(self, timeout: float | None = None) -> list[PeerMetricsRecord]:
         """Latest valid metrics of every peer that published some."""
         return _parse_all(PeerMetricsRecord, self._get_owned([METRICS_FIELD], timeout)[0].values())
+
+    # checkpoints: one list per holder per stage, and the coordinator's run checkpoint
+    def announce_checkpoints(self, record: CheckpointRecord, ttl: float, timeout: float | None = None) -> bool:
+        """Store (or renew) the list of `record.stage` checkpoints this peer holds, valid for `ttl` seconds."""
+        return self._store(checkpoints_field(record.stage), record, ttl, timeout)
+
+    def lookup_checkpoints(self, stage: int, timeout: float | None = None) -> list[CheckpointRecord]:
+        """Every peer's valid, unexpired list of the `stage` checkpoints it holds.
+
+        A record claiming another stage than its key's is dropped. Its `peer_id` is *not* bound to its
+        signer: a peer may name another peer as the holder. That costs a fetcher one wasted attempt per
+        forged entry (at most a manifest's 64 KiB): the named peer serves only what it really holds, every
+        byte is verified against the announced manifest id (sha256), and a holder is banned only for
+        bytes that do not hash to what was asked for, which a forged record cannot make an honest peer send.
+        """
+        parsed = _parse_all(CheckpointRecord, self._get_owned([checkpoints_field(stage)], timeout)[0].values())
+        return [record for record in parsed if record.stage == stage]
+
+    def announce_run_checkpoint(self, record: RunCheckpointRecord, ttl: float, timeout: float | None = None) -> bool:
+        """Store (or renew) this (coordinator) peer's newest run checkpoint, valid for `ttl` seconds."""
+        return self._store(RUN_CHECKPOINT_FIELD, record, ttl, timeout)
+
+    def lookup_run_checkpoints(
+        self, coordinator_key: bytes | None = None, timeout: float | None = None
+    ) -> list[RunCheckpointRecord]:
+        """Valid, unexpired run checkpoint records; only the one signed by `coordinator_key` if given."""
+        published = self._get_owned([RUN_CHECKPOINT_FIELD], timeout)[0]
+        if coordinator_key is not None:
+            published = {owner: value for owner, value in published.items() if owner == coordinator_key}
+        return _parse_all(RunCheckpointRecord, published.values())
 
     # plumbing
     def _timeout(self, timeout: float | None) -> float:

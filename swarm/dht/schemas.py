@@ -12,12 +12,18 @@ from enum import Enum
 from typing import Any, TypeVar
 
 import pydantic.v1 as pydantic
-from pydantic.v1 import StrictStr, confloat, conint
+from pydantic.v1 import StrictStr, confloat, conint, conlist, constr
 
 from swarm import __version__
 
 NonNegativeInt = conint(strict=True, ge=0)
 NonNegativeFloat = confloat(strict=True, ge=0.0)
+# `\Z`, not `$`: pydantic matches with re.match, and `$` would let a trailing newline through
+Sha256Hex = constr(strict=True, regex=r"^[0-9a-f]{64}\Z")
+StateHash = constr(strict=True, max_length=128)  # RunConfig.state_hash(); bounded, compared verbatim
+
+MAX_STAGES = 256  # stages a run may have; keys.py enumerates this many stage keys in the schema
+MAX_HELD_CHECKPOINTS = 16  # checkpoints one holder lists per stage (servers keep a few, default 3)
 
 RecordT = TypeVar("RecordT", bound="WireRecord")
 
@@ -89,6 +95,43 @@ class PeerMetricsRecord(WireRecord):
         # A diverged loss (nan/inf) is reported as "unknown": NaN != NaN, so SchemaValidator's
         # "parsing changed nothing" check would reject the whole record otherwise.
         return loss if loss is None or math.isfinite(loss) else None
+
+
+class HeldCheckpoint(WireRecord):
+    """One stage checkpoint a peer holds on its disk and serves (see docs/checkpoints.md)."""
+
+    step: NonNegativeInt
+    manifest_id: Sha256Hex  # sha256 of its manifest.json bytes: what a fetcher verifies against
+    size: NonNegativeInt  # total bytes of the files the manifest lists
+
+
+class CheckpointRecord(WireRecord):
+    """The checkpoints of one stage that one peer holds, renewed periodically (DHT key ``checkpoints{k}``)."""
+
+    peer_id: StrictStr
+    stage: NonNegativeInt
+    state_hash: StateHash  # RunConfig.state_hash() of the run the checkpoints belong to
+    checkpoints: conlist(HeldCheckpoint, max_items=MAX_HELD_CHECKPOINTS)
+    version: StrictStr = __version__
+
+
+class RunCheckpointStage(WireRecord):
+    """One stage of a run checkpoint: which stage checkpoint it is made of."""
+
+    stage: NonNegativeInt
+    step: NonNegativeInt
+    manifest_id: Sha256Hex
+
+
+class RunCheckpointRecord(WireRecord):
+    """A whole-run checkpoint the coordinator holds (DHT key ``run_checkpoint``)."""
+
+    peer_id: StrictStr
+    state_hash: StateHash
+    step: NonNegativeInt  # the smallest stage step in it
+    manifest_id: Sha256Hex  # sha256 of the run manifest.json bytes
+    stages: conlist(RunCheckpointStage, max_items=MAX_STAGES)
+    version: StrictStr = __version__
 
 
 class SentFieldsOnly:

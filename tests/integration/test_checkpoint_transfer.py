@@ -1,0 +1,324 @@
+"""Stage checkpoints between real hivemind peers on 127.0.0.1: announced, fetched, verified, installed.
+
+Three peers: the fetcher (the first, so its daemon is connected to the others), an honest holder and a
+dishonest one whose state file was altered after its manifest was written. The peers, stores and
+servers are shared by the module's tests; each test fetches into a fresh staging directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+# hivemind's ServicerBase recognises streaming RPCs only by typing.AsyncIterator annotations
+from typing import AsyncIterator  # noqa: UP035
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import iter_as_aiter
+
+from swarm.checkpoint.manifest import MANIFEST_NAME
+from swarm.checkpoint.store import STATE_NAME, StageCheckpoints
+from swarm.checkpoint.transfer import (
+    BAD_REQUEST,
+    BUSY,
+    INVALID,
+    MAX_CHUNK_BYTES,
+    NOT_FOUND,
+    REFUSED,
+    UNAVAILABLE,
+    CheckpointServer,
+    CheckpointTransferError,
+    ServingLimits,
+    checkpoint_namespace,
+    fetch_checkpoint,
+    fetch_newest,
+    serve_checkpoints,
+)
+from swarm.dht import CheckpointRecord, HeldCheckpoint
+from tests.helpers import wait_until
+from tests.integration.inproc import LOOP_CALL_TIMEOUT, Peer, running_peers, tiny_config
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN_ID = "ckpt-transfer"
+STAGE = 1
+HONEST_STEP, DISHONEST_STEP = 10, 20
+FETCH_TIMEOUT = 30.0  # one checkpoint of a few hundred KiB over loopback; far above what it takes
+SEE_TIMEOUT = 20.0  # announced records reach the fetcher
+MAX_BYTES = 2**30
+SMALL_CHUNKS = ServingLimits(chunk_bytes=4096)  # so every file crosses the wire in many frames
+
+
+def stage_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"param/blocks.0.attn.qkv.weight": torch.randn(96, 32, generator=g),
+            "param/blocks.0.ln.bias": torch.randn(32, generator=g),
+            "optim/0/exp_avg": torch.randn(96, 32, generator=g), "optim/0/step": torch.tensor(3.0)}
+
+
+@dataclass
+class Holder:
+    peer: Peer
+    store: StageCheckpoints
+    held: HeldCheckpoint
+    tensors: dict[str, torch.Tensor]
+    path: Path
+
+    @property
+    def peer_id(self) -> PeerID:
+        return PeerID.from_base58(self.peer.peer_id)
+
+
+@dataclass
+class Swarm:
+    fetcher: Peer
+    fetcher_p2p: P2P
+    honest: Holder
+    dishonest: Holder
+    state_hash: str
+    root: Path
+
+    def fetch(self, coro):
+        return self.fetcher.loop.run(coro, FETCH_TIMEOUT + LOOP_CALL_TIMEOUT)
+
+    def records(self) -> list[CheckpointRecord]:
+        return self.fetcher.records.lookup_checkpoints(STAGE)
+
+    def staging(self, name: str) -> Path:
+        return self.root / "staging" / name
+
+
+def make_holder(peer: Peer, root: Path, step: int, state_hash: str, seed: int) -> Holder:
+    store = StageCheckpoints(root, RUN_ID, STAGE, keep=3)
+    tensors = stage_tensors(seed)
+    manifest, mid, path = store.write(tensors, step=step, num_stages=2, state_hash=state_hash,
+                                      round_id=f"round-{step}", group=2)
+    held = HeldCheckpoint(step=step, manifest_id=mid, size=sum(e.size for e in manifest.files.values()))
+    p2p = peer.p2p()
+    peer.loop.run(serve_checkpoints(p2p, RUN_ID, store.path_for, SMALL_CHUNKS), LOOP_CALL_TIMEOUT)
+    return Holder(peer, store, held, tensors, path)
+
+
+def announce(holder: Holder, state_hash: str) -> None:
+    record = CheckpointRecord(peer_id=holder.peer.peer_id, stage=STAGE, state_hash=state_hash,
+                              checkpoints=[holder.held])
+    assert holder.peer.records.announce_checkpoints(record, ttl=120.0)
+
+
+def flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the content hash can tell
+    file.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    state_hash = tiny_config(RUN_ID).state_hash()
+    with running_peers(RUN_ID, 3) as (fetcher, honest_peer, dishonest_peer):
+        honest = make_holder(honest_peer, root / "honest", HONEST_STEP, state_hash, seed=1)
+        dishonest = make_holder(dishonest_peer, root / "dishonest", DISHONEST_STEP, state_hash, seed=2)
+        flip_a_byte(dishonest.path / STATE_NAME)  # its manifest still claims the original hash
+        for holder in (honest, dishonest):
+            announce(holder, state_hash)
+        swarm = Swarm(fetcher, fetcher.p2p(), honest, dishonest, state_hash, root)
+        wait_until(lambda: len(swarm.records()) == 2, SEE_TIMEOUT, interval=0.2, what="both checkpoint records")
+        yield swarm
+
+
+def test_fetch_newest_gets_installs_and_loads_equal_tensors(swarm: Swarm):
+    honest_only = [r for r in swarm.records() if r.peer_id == swarm.honest.peer.peer_id]
+    fetched = swarm.fetch(fetch_newest(
+        swarm.fetcher_p2p, honest_only, RUN_ID, swarm.staging("honest"), expect_stage=STAGE,
+        expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES, timeout=FETCH_TIMEOUT))
+    assert fetched is not None
+    staged, held, holder = fetched
+    assert (held, holder) == (swarm.honest.held, swarm.honest.peer.peer_id)
+
+    store = StageCheckpoints(swarm.root / "fetcher", RUN_ID, STAGE, keep=3)
+    installed = store.install(staged)
+    manifest, mid, tensors = store.load(installed, state_hash=swarm.state_hash)
+    assert (manifest.step, mid) == (HONEST_STEP, held.manifest_id)
+    assert tensors.keys() == swarm.honest.tensors.keys()
+    for name, tensor in swarm.honest.tensors.items():
+        assert torch.equal(tensors[name], tensor), name
+    assert store.path_for(mid) == installed  # the fetcher can now serve it in turn
+
+
+def test_dishonest_holder_is_rejected_banned_and_the_honest_one_used(swarm: Swarm, caplog):
+    staging = swarm.staging("direct")
+    with pytest.raises(CheckpointTransferError) as failure:
+        swarm.fetch(fetch_checkpoint(
+            swarm.fetcher_p2p, swarm.dishonest.peer_id, RUN_ID, swarm.dishonest.held.manifest_id, staging,
+            expect_stage=STAGE, expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES, timeout=FETCH_TIMEOUT))
+    assert failure.value.kind == INVALID and failure.value.holder == swarm.dishonest.peer.peer_id
+    assert swarm.dishonest.peer.peer_id in str(failure.value) and STATE_NAME in str(failure.value)
+    assert "sha256" in str(failure.value) and not staging.exists()
+
+    with caplog.at_level(logging.WARNING, logger="swarm.checkpoint.transfer"):
+        fetched = swarm.fetch(fetch_newest(
+            swarm.fetcher_p2p, swarm.records(), RUN_ID, swarm.staging("newest"), expect_stage=STAGE,
+            expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES, timeout=FETCH_TIMEOUT))
+    assert fetched is not None and fetched[1] == swarm.honest.held  # step 10, though 20 was announced
+    bans = [r.getMessage() for r in caplog.records if "banning" in r.getMessage()]
+    assert len(bans) == 1 and swarm.dishonest.peer.peer_id in bans[0] and STATE_NAME in bans[0]
+    _, _, tensors = StageCheckpoints(swarm.root / "check", RUN_ID, STAGE, keep=3).load(
+        fetched[0], state_hash=swarm.state_hash)  # verifies every file again
+    assert torch.equal(tensors["optim/0/exp_avg"], swarm.honest.tensors["optim/0/exp_avg"])
+
+
+def test_fetch_newest_respects_min_step_and_expectations(swarm: Swarm):
+    def newest(**kwargs):
+        options = dict(expect_stage=STAGE, expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES,
+                       timeout=FETCH_TIMEOUT) | kwargs
+        return swarm.fetch(fetch_newest(swarm.fetcher_p2p, swarm.records(), RUN_ID, swarm.staging("none"),
+                                        **options))
+
+    assert newest(min_step=HONEST_STEP + 1) is None  # only the dishonest holder is that new
+    assert newest(expect_state_hash="0" * 64) is None  # records of another model shape are not tried
+    assert newest(max_bytes=100) is None
+    assert not swarm.staging("none").exists()
+
+
+async def read_raw(p2p: P2P, holder: PeerID, meta: bytes, run_id: str = RUN_ID) -> list[runtime_pb2.ExpertResponse]:
+    stub = CheckpointServer.get_stub(p2p, holder, namespace=checkpoint_namespace(run_id))
+    responses = await stub.rpc_read(iter_as_aiter([runtime_pb2.ExpertRequest(metadata=meta)]))
+    try:
+        return [frame async for frame in responses]
+    finally:
+        await responses.aclose()
+
+
+def test_bad_requests_get_error_replies_and_the_server_keeps_serving(swarm: Swarm):
+    holder = swarm.honest
+    mid = holder.held.manifest_id
+
+    def ask(meta) -> tuple[dict, list[bytes]]:
+        raw = meta if isinstance(meta, bytes) else msgpack.packb(meta, use_bin_type=True)
+        frames = swarm.fetch(read_raw(swarm.fetcher_p2p, holder.peer_id, raw))
+        return msgpack.unpackb(frames[0].metadata, raw=False), [frame.metadata for frame in frames[1:]]
+
+    for file in ("../../etc/passwd", "/etc/passwd", "stage1/../../../manifest.json", ".tmp-x", "missing.bin"):
+        header, data = ask({"manifest_id": mid, "file": file, "offset": 0})
+        assert (header["ok"], header["code"], data) == (False, NOT_FOUND, []), file
+    header, _ = ask({"manifest_id": "f" * 64, "file": MANIFEST_NAME, "offset": 0})
+    assert (header["ok"], header["code"]) == (False, NOT_FOUND)
+    for meta in (b"\xc1 not msgpack", {"manifest_id": mid.upper(), "file": MANIFEST_NAME, "offset": 0},
+                 {"manifest_id": mid, "file": MANIFEST_NAME, "offset": -1},
+                 {"manifest_id": mid, "file": MANIFEST_NAME, "offset": 10**9},
+                 {"manifest_id": mid, "file": "x" * 2000, "offset": 0}):
+        header, data = ask(meta)
+        assert (header["ok"], header["code"], data) == (False, BAD_REQUEST, []), meta
+
+    manifest_bytes = (holder.path / MANIFEST_NAME).read_bytes()
+    header, data = ask({"manifest_id": mid, "file": MANIFEST_NAME, "offset": 0})
+    assert header == {"ok": True, "size": len(manifest_bytes), "offset": 0} and b"".join(data) == manifest_bytes
+    state_bytes = (holder.path / STATE_NAME).read_bytes()
+    header, data = ask({"manifest_id": mid, "file": STATE_NAME, "offset": 1000, "from_a_newer_peer": True})
+    assert header["ok"] and b"".join(data) == state_bytes[1000:]
+    assert all(0 < len(chunk) <= SMALL_CHUNKS.chunk_bytes for chunk in data) and len(data) > 1
+
+
+def test_transfer_slots_are_bounded(swarm: Swarm):
+    """With every slot taken, a request waits `slot_timeout`, then gets a BUSY reply, not a hang."""
+    holder, entered, release = swarm.honest, threading.Event(), threading.Event()
+
+    def slow_resolve(manifest_id: str) -> Path | None:
+        entered.set()  # resolving runs inside the slot: this transfer now holds the only one
+        release.wait(FETCH_TIMEOUT)
+        return holder.store.path_for(manifest_id)
+
+    limits = ServingLimits(max_transfers=1, slot_timeout=0.3)
+    server = holder.peer.loop.run(serve_checkpoints(holder.peer.p2p(), "busy", slow_resolve, limits),
+                                  LOOP_CALL_TIMEOUT)
+    request = msgpack.packb({"manifest_id": holder.held.manifest_id, "file": MANIFEST_NAME, "offset": 0})
+
+    async def two_requests():
+        first = asyncio.create_task(read_raw(swarm.fetcher_p2p, holder.peer_id, request, run_id="busy"))
+        try:
+            assert await asyncio.to_thread(entered.wait, FETCH_TIMEOUT)
+            second = await read_raw(swarm.fetcher_p2p, holder.peer_id, request, run_id="busy")
+        finally:
+            release.set()
+        return await first, second
+
+    try:
+        first, second = swarm.fetch(two_requests())
+    finally:
+        release.set()
+        holder.peer.loop.run(server.unregister(holder.peer.p2p()), LOOP_CALL_TIMEOUT)
+    refused = msgpack.unpackb(second[0].metadata)
+    assert (refused["ok"], refused["code"], len(second)) == (False, BUSY, 1), refused
+    assert msgpack.unpackb(first[0].metadata)["ok"] and first[1].metadata == (holder.path / MANIFEST_NAME).read_bytes()
+
+
+def lying_server(manifest: bytes, state: bytes, lie: str) -> ServicerBase:
+    """A server speaking the wire format, with the real one's protocol id, that lies about one file."""
+
+    class CheckpointServer(ServicerBase):  # the class name is part of the protocol id
+        async def rpc_read(
+            self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+            request = msgpack.unpackb((await anext(requests)).metadata)
+            assert await anext(requests, None) is None  # the end of the request stream, as the real server reads
+            honest = request["file"] == MANIFEST_NAME and lie != "other_manifest"
+            data = (manifest if honest else {MANIFEST_NAME: manifest + b" ", STATE_NAME: state}[request["file"]])
+            header = {"ok": True, "size": len(data), "offset": 0}
+            if not honest:
+                if lie == "refuses":
+                    header = {"ok": False, "code": NOT_FOUND, "error": "come back later"}
+                elif lie == "wrong_size":
+                    header["size"] += 1
+                elif lie == "overlong":
+                    data += b"extra"
+                elif lie == "truncated":
+                    data = data[: len(data) // 2]
+                elif lie == "huge_frame":
+                    data = b"x" * (MAX_CHUNK_BYTES + 1)
+            yield runtime_pb2.ExpertResponse(metadata=b"\xc1" if lie == "bad_header" else msgpack.packb(header))
+            for start in range(0, len(data), MAX_CHUNK_BYTES + 1):
+                yield runtime_pb2.ExpertResponse(metadata=data[start : start + MAX_CHUNK_BYTES + 1])
+
+    return CheckpointServer()
+
+
+@pytest.mark.parametrize(
+    "lie, kind, says",
+    [
+        ("other_manifest", INVALID, "manifest.json hashes to"),
+        ("wrong_size", INVALID, "its manifest says"),
+        ("overlong", INVALID, "more of state.safetensors than"),
+        ("huge_frame", INVALID, "data frame"),
+        ("bad_header", INVALID, "not a header"),
+        ("refuses", REFUSED, "come back later"),
+        ("truncated", UNAVAILABLE, "ended after"),
+    ],
+)
+def test_lying_holders_are_caught_and_named(swarm: Swarm, lie: str, kind: str, says: str):
+    """Every way a holder can break its word ends the fetch with an error naming it and what it did."""
+    liar, real = swarm.dishonest, swarm.honest
+    manifest, state = (real.path / MANIFEST_NAME).read_bytes(), (real.path / STATE_NAME).read_bytes()
+    run_id = f"lie-{lie.replace('_', '-')}"  # the run id names the namespace: one server per lie
+    server, p2p = lying_server(manifest, state, lie), liar.peer.p2p()
+    liar.peer.loop.run(server.add_p2p_handlers(p2p, namespace=checkpoint_namespace(run_id)), LOOP_CALL_TIMEOUT)
+    staging = swarm.staging(run_id)
+    try:
+        with pytest.raises(CheckpointTransferError) as failure:
+            swarm.fetch(fetch_checkpoint(
+                swarm.fetcher_p2p, liar.peer_id, run_id, real.held.manifest_id, staging, expect_run_id=RUN_ID,
+                expect_stage=STAGE, expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES,
+                timeout=FETCH_TIMEOUT))
+    finally:
+        with contextlib.suppress(Exception):
+            liar.peer.loop.run(server.remove_p2p_handlers(p2p, namespace=checkpoint_namespace(run_id)),
+                               LOOP_CALL_TIMEOUT)
+    assert failure.value.kind == kind and says in str(failure.value), str(failure.value)
+    assert liar.peer.peer_id in str(failure.value) and not staging.exists()

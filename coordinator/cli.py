@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from swarm.config import ConfigError, RunConfig
 from swarm.dht import SwarmDHTError
@@ -32,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiaddrs to listen on (default: all interfaces, a free TCP port)")
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
     p.add_argument("--metrics-port", type=int, help="serve /metrics and /status on this port")
-    p.add_argument("--checkpoint-dir", help="keep periodic full checkpoints here")
+    p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                   help="keep the run's checkpoints here: each stage's newest, pulled from its servers and verified, "
+                   "and whole-run checkpoints for swarm-export (default: none kept by the coordinator)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     apply_env_defaults(p)
     return p
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     # The DHT process is forked: with these handlers it would ignore DHT.shutdown()'s SIGTERM fallback (hang at exit).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
-        coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port)
+        coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port,
+                                  args.checkpoint_dir)
     except (SwarmDHTError, OSError) as e:
         sys.exit(f"swarm-coordinator: error: {e}")
     try:

@@ -137,8 +137,9 @@ class LocalSwarm:
             for replica in range(self.servers_per_stage):
                 port = free_port()
                 self.server_ports.append((stage, port))
-                self._child(f"server-{stage}-{replica}", "peer.cli", maddr, "--role", "server", "--stage", str(stage),
-                            "--device", "cpu", "--metrics-port", str(port))
+                name = f"server-{stage}-{replica}"
+                self._child(name, "peer.cli", maddr, "--role", "server", "--stage", str(stage), "--device", "cpu",
+                            "--metrics-port", str(port), "--checkpoint-dir", str(self.log_dir / "checkpoints" / name))
 
     def _averaging_stats(self) -> dict[str, list[float | None]]:
         """Per stage, from its servers' /metrics: the share of samples that came while a round ran (one

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from swarm.config import RunConfig
@@ -20,11 +22,14 @@ from swarm.dht import (
     visible_maddrs,
 )
 from swarm.metrics import MetricsServer
+from swarm.model import build_stage
 
+from .archive import MAX_BYTES_PER_PARAM, RunArchive
 from .status import SwarmGauges, build_status
 
 log = logging.getLogger("swarm.coordinator")
 
+LOOP_CALL_TIMEOUT = 30.0
 STATUS_PERIOD = 2.0  # seconds between reads of the swarm's records for /status and /metrics
 
 
@@ -32,12 +37,15 @@ class Coordinator:
     """Publishes the run config (renewed before it expires) and watches the swarm through the DHT."""
 
     def __init__(self, config: RunConfig, host_maddrs: list[str], announce_maddrs: list[str],
-                 identity_path: str | None = None, metrics_port: int | None = None):
+                 identity_path: str | None = None, metrics_port: int | None = None,
+                 checkpoint_dir: Path | None = None):
         self.config = config
         self.identity = load_identity(identity_path)
         self.loop = BackgroundLoop("coordinator-loop").start()
         self.dht = None
         self.metrics_server = None
+        self.archive: RunArchive | None = None
+        self._stop_archive = threading.Event()
         try:
             self.dht = start_dht(config.run_id, self.identity, (), host_maddrs, announce_maddrs)
             self.records = SwarmRecords(self.dht, config.run_id, self.identity)
@@ -49,9 +57,22 @@ class Coordinator:
             self._status = build_status(config.run_id, {}, [])
             if metrics_port is not None:
                 self.metrics_server = MetricsServer(self.registry, metrics_port, status=lambda: self._status)
+            if checkpoint_dir is not None:
+                self._start_archive(checkpoint_dir)
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_archive(self, root: Path) -> None:
+        p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
+        with torch.device("meta"):  # sizes only, no memory
+            params = max(sum(p.numel() for p in build_stage(self.config, k).parameters())
+                         for k in range(self.config.stages.num_stages))
+        self.archive = RunArchive(self.config, root, self.records, self.loop, self.peer_id,
+                                  max_stage_bytes=MAX_BYTES_PER_PARAM * params + 2**20)
+        self.archive.start(p2p)
+        threading.Thread(target=self.archive.run, args=(self._stop_archive,), name="archive", daemon=True).start()
+        log.info("keeping the run's checkpoints in %s", root)
 
     def initial_peers(self) -> list[str]:
         return visible_maddrs(self.dht)
@@ -85,6 +106,9 @@ class Coordinator:
             elapsed += STATUS_PERIOD
 
     def shutdown(self) -> None:
+        self._stop_archive.set()
+        if self.archive is not None:
+            self.archive.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         if self.dht is not None:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
                    help="fault injection (tests, demos): a server fails this fraction of requests")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                   help="server: keep this stage's checkpoints here and resume from them "
+                   "(default: $XDG_CACHE_HOME/swarm/checkpoints, or ~/.cache/swarm/checkpoints)")
+    p.add_argument("--no-checkpoints", action="store_true",
+                   help="server: keep no checkpoints on this machine (the run's other holders still do)")
+    p.add_argument("--fresh", action="store_true",
+                   help="server: start a stage that has no live server from fresh weights even though the run "
+                   "has checkpoints or progress (a new run under an old run id)")
     p.add_argument("--join-timeout", type=float, default=60.0, help="seconds to find the run and its config")
     p.add_argument("--check", action="store_true", help="join, print the run config, and exit")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -104,9 +113,16 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     # The DHT process is forked: with these handlers it would ignore DHT.shutdown()'s SIGTERM fallback (hang at exit).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    if args.no_checkpoints and args.checkpoint_dir is not None:
+        sys.exit("swarm-peer: error: --checkpoint-dir and --no-checkpoints contradict each other: give one")
+    from swarm.checkpoint.errors import CheckpointError
+
+    from .server import StageStateMissing
+
     try:
         run(args, stop)
-    except (ConfigError, DataError, SwarmDHTError, AveragingError, OSError, ValueError) as e:
+    except (ConfigError, DataError, SwarmDHTError, AveragingError, CheckpointError, StageStateMissing, OSError,
+            ValueError) as e:
         sys.exit(f"swarm-peer: error: {e}")
 
 
@@ -142,10 +158,14 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
 
 
 def run_server(args, config, dht, records, loop, device, registry, stop) -> None:
+    from swarm.checkpoint.store import default_root
+
     from .server import ServerOptions, StageServer
 
+    checkpoint_dir = None if args.no_checkpoints else (args.checkpoint_dir or default_root())
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
-                            inject_failure_rate=args.inject_failure_rate)
+                            inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
+                            fresh=args.fresh)
     server = StageServer(config, dht, records, loop, options, registry)
     try:
         server.start()

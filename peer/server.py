@@ -9,6 +9,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import hivemind
 import torch
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, averaging_prefix
 from swarm.backend import BackwardResult, Overloaded, StageBackend
+from swarm.checkpoint.keeper import StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
 from swarm.model import build_stage
@@ -50,6 +52,12 @@ class ServerOptions:
     max_queue: int = 64
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
+    checkpoint_dir: Path | None = None  # where this server keeps its stage's checkpoints; None: none kept
+    fresh: bool = False  # start the stage from fresh weights even though the run has progress elsewhere
+
+
+class StageStateMissing(RuntimeError):
+    """The stage has no live server and no checkpoint could be loaded, yet the run has made progress."""
 
 
 class ServerMetrics:
@@ -96,6 +104,7 @@ class StageServer:
         self.backend: StageBackend | None = None
         self.stage_state: StageState | None = None  # the replica's parameters, moments, step and round
         self.averager: StageAverager | None = None
+        self.keeper: StageKeeper | None = None  # checkpoints on this server's disk (unless turned off)
         self.throughput = 0.0
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, self)
@@ -114,6 +123,7 @@ class StageServer:
             raise ValueError(f"stage {stage} does not exist: the run has stages 0..{n - 1}")
         self.stage = stage
         self.announce()
+        self._p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
         module = build_stage(self.config, stage)
         optimizer = StageOptimizer(module, self.config.optimizer)
         self.stage_state = StageState(module, optimizer, stage, INITIAL_ROUND)
@@ -121,22 +131,55 @@ class StageServer:
                                       peer_id=self.peer_id, registry=self.registry)
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
                                     on_step=self._on_step, stepper=self.averager)
+        if self.options.checkpoint_dir is not None:
+            self.keeper = StageKeeper(self.stage_state, self.config, self.options.checkpoint_dir, self.records,
+                                      self.loop, self.peer_id)
         if any(r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id
                for r in self.records.lookup_servers(stage)):
             self.averager.load_state_from_peers()  # never serve fresh weights while the stage has a state
+        else:
+            self._resume()
         self.throughput = measure_throughput(self.backend, self.config)
         self.metrics.throughput.set(self.throughput)
-        self._p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
         handler = StageRequestHandler(self)
         namespace = stage_namespace(self.config.run_id, stage)
         self._service = self.loop.run(register(self._p2p, handler, namespace), LOOP_CALL_TIMEOUT)
         channel = ProgressChannel(self._p2p, self.loop, averaging_prefix(self.config.run_id, stage))
         self.averager.start(self.backend.request_step, channel)
+        if self.keeper is not None:
+            self.keeper.start(self._p2p)
         self.state = ServerState.ONLINE
         self.announce()
         self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
         self._announcer.start()
         log.info("serving stage %d of %d (%.1f samples/s measured) as %s", stage, n, self.throughput, self.peer_id)
+
+    def _resume(self) -> None:
+        """The stage has no live server: load its newest checkpoint, or start it fresh only if nothing is lost."""
+        step = self.keeper.restore(self._p2p) if self.keeper is not None else None
+        if step is not None:
+            self.averager.state_loaded()
+        if step is not None or self.options.fresh:
+            return
+        progress = self._progress_elsewhere()
+        if progress:
+            raise StageStateMissing(
+                f"stage {self.stage} has no live server and this server could load none of its checkpoints, but "
+                f"{progress}: starting it from fresh weights would throw that training away. Start it with the "
+                "checkpoint directory that holds the stage (--checkpoint-dir), wait until a server or the "
+                "coordinator holding a checkpoint of it is online, or pass --fresh to start the stage anew")
+
+    def _progress_elsewhere(self) -> str | None:
+        """What says the run has trained already (checkpoints of this stage, other stages past step 0), if anything."""
+        held = [h.step for r in self.records.lookup_checkpoints(self.stage) for h in r.checkpoints]
+        if held:
+            return f"checkpoints of it up to step {max(held)} are announced in the DHT"
+        n = self.config.stages.num_stages
+        steps = [r.step for stage, found in self.records.lookup_all_servers(n).items() if stage != self.stage
+                 for r in found if r.state == ServerState.ONLINE.value]
+        if steps and max(steps) > 0:
+            return f"the run's other stages are at step {max(steps)}"
+        return None
 
     def record(self) -> ServerRecord:
         step = self.backend.step if self.backend else 0
@@ -157,6 +200,8 @@ class StageServer:
                 log.warning("announce failed: %s", e)
 
     def _on_step(self, stats: dict) -> None:
+        if self.keeper is not None and not stats["skipped"]:
+            self.keeper.after_step(stats["step"])
         level = logging.INFO if stats["step"] % STEP_LOG_EVERY == 0 or stats["skipped"] else logging.DEBUG
         log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples, %d of them one step late)",
                 self.stage, stats["step"], stats["lr"], stats["grad_norm"], stats["samples"], stats.get("late", 0))
@@ -175,6 +220,8 @@ class StageServer:
                 self.loop.run(self._service.unregister(self._p2p), LOOP_CALL_TIMEOUT)
             except Exception as e:
                 log.debug("unregister failed: %s", e)
+        if self.keeper is not None:  # a last checkpoint, read between two requests
+            self.keeper.close(lambda: self.backend.call(self.stage_state.state_dict, LOOP_CALL_TIMEOUT))
         if self.averager is not None:
             self.averager.shutdown()  # first: a round in progress on the backend's thread ends at once
         if self.backend is not None:

@@ -90,14 +90,28 @@ class Trainer:
         if self.options.data:
             data_cfg = type(data_cfg)(**{**vars(data_cfg), "corpus": self.options.data})
         tokens = load_tokens(data_cfg, "train", load_tokenizer(data_cfg))
+        run_step = self._run_step()
+        if run_step:
+            # windows are drawn at random (with replacement): there is no position in the data to go back to
+            log.info("the run is at step %d: this trainer draws its random windows with a new seed (it does not "
+                     "replay those it may have drawn before a restart)", run_step)
         self.sampler = BatchSampler(tokens, config.model.seq_len, config.optimizer.micro_batch_size,
-                                    seed=sampler_seed(data_cfg.seed, index))
+                                    seed=sampler_seed(data_cfg.seed, index, run_step))
         self.samples = 0  # claimed by workers, in flight included (the budget of max_samples)
         self.samples_done = 0  # completed forward and backward
         self.initial_loss: float | None = None  # mean loss of the first batch_size samples trained
         self._first: list[tuple[float, int]] = []
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=256)  # (time, loss, samples)
         self.pipeline: RemotePipeline | None = None
+
+    def _run_step(self) -> int:
+        """The furthest step any ONLINE server of the run announces (0 for a new run, or if none is found)."""
+        try:
+            servers = self.records.lookup_all_servers(self.config.stages.num_stages)
+        except Exception as e:  # noqa: BLE001 - the data order is all this is for
+            log.debug("server lookup for the run's step failed: %s", e)
+            return 0
+        return max((r.step for found in servers.values() for r in found if r.state == "ONLINE"), default=0)
 
     def run(self, stop: threading.Event) -> None:
         """Train until `stop` is set or `max_samples` are done."""

@@ -202,9 +202,14 @@ def _read_capped(files: list[Path], max_bytes: int) -> list[bytes]:
     return blobs
 
 
-def sampler_seed(data_seed: int, trainer_index: int) -> int:
-    """A seed for one trainer's sampler, distinct per (data seed, trainer) pair."""
-    digest = hashlib.sha256(f"swarm-sampler:{data_seed}:{trainer_index}".encode()).digest()
+def sampler_seed(data_seed: int, trainer_index: int, run_step: int = 0) -> int:
+    """A seed for one trainer's sampler, distinct per (data seed, trainer) pair.
+
+    A trainer that joins a run already at `run_step` > 0 (say, restarted after a crash) draws with
+    another seed, so it does not replay the windows it drew before.
+    """
+    resumed = f":{run_step}" if run_step else ""
+    digest = hashlib.sha256(f"swarm-sampler:{data_seed}:{trainer_index}{resumed}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 

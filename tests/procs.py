@@ -84,6 +84,8 @@ class Proc:
         label = f"{name}-{next(_counter)}"
         self.stdout_path = Path(workdir) / f"{label}.out"
         self.stderr_path = Path(workdir) / f"{label}.err"
+        # the test's own cache: servers keep their checkpoints there, not in the user's ~/.cache
+        env = {"XDG_CACHE_HOME": str(Path(workdir) / "cache"), **(env or {})}
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                           cwd=REPO_ROOT, env=child_env(env), start_new_session=True)

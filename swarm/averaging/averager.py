@@ -263,6 +263,11 @@ class StageAverager:
         self._jobs.shutdown(wait=False, cancel_futures=True)  # a job under way ends soon: it watches _closing
         self._process.close()
 
+    def state_loaded(self) -> None:
+        """The replica's state was replaced from elsewhere (a checkpoint) before start(): take note of it."""
+        with self._state_lock:
+            self._params_changed()
+
     @property
     def busy(self) -> bool:
         """Whether a round or a download is under way beside compute."""

@@ -1,0 +1,162 @@
+"""RunArchive: the coordinator's full-model checkpoints.
+
+With ``--checkpoint-dir``, the coordinator pulls each stage's newest checkpoint from the servers that
+announce one (every byte verified against its manifest, a holder that serves wrong bytes skipped),
+keeps them like a server does (``<dir>/<run_id>/stage<k>/``), and, whenever it holds a newer one of
+any stage, assembles a run checkpoint of every stage (``<dir>/<run_id>/run/``, what ``swarm-export``
+reads). It announces both in the DHT and serves them, so a stage whose servers all vanished resumes
+from the coordinator. The coordinator is optional: without it, servers still checkpoint on their
+own disks and serve each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.keeper import held_checkpoints
+from swarm.checkpoint.manifest import MANIFEST_NAME, RunManifest, manifest_id
+from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
+from swarm.checkpoint.transfer import fetch_newest, serve_checkpoints
+from swarm.config import RunConfig
+from swarm.dht import BackgroundLoop, SwarmRecords
+from swarm.dht.schemas import CheckpointRecord, RunCheckpointRecord, RunCheckpointStage
+
+log = logging.getLogger("swarm.coordinator")
+
+LOOP_CALL_TIMEOUT = 30.0
+FETCH_TIMEOUT = 600.0  # one stage checkpoint from one holder
+# What a stage's checkpoint may weigh, per parameter of the model (4 bytes each for the parameter and
+# its two moments, plus room for buffers and the safetensors header)
+MAX_BYTES_PER_PARAM = 16
+
+
+class RunArchive:
+    """Pulls, verifies, keeps, serves and announces the run's checkpoints (see the module docstring)."""
+
+    def __init__(self, config: RunConfig, root: Path, records: SwarmRecords, loop: BackgroundLoop, peer_id: str,
+                 max_stage_bytes: int):
+        self.config, self.records, self.loop, self.peer_id = config, records, loop, peer_id
+        self.state_hash = config.state_hash()
+        keep = config.checkpoint.keep
+        self.stages = {k: StageCheckpoints(root, config.run_id, k, keep) for k in range(config.stages.num_stages)}
+        self.runs = RunCheckpoints(root, config.run_id, keep)
+        self.max_stage_bytes = max_stage_bytes
+        self._p2p: Any = None
+        self._service: Any = None
+        self._assembled: dict[int, str] = {}  # stage -> manifest id of the newest run checkpoint's part
+        self._lock = threading.Lock()
+
+    def start(self, p2p: Any) -> None:
+        """Serve what this disk holds and announce it (a restarted coordinator is a holder at once)."""
+        self._p2p = p2p
+        self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, self._resolve), LOOP_CALL_TIMEOUT)
+        newest = self.runs.newest_verified(self.state_hash)
+        if newest is not None:
+            manifest, _, path = newest
+            self._assembled = {entry.stage: entry.manifest_sha256 for entry in manifest.stages}
+            log.info("holding the run checkpoint of step %d (%s)", manifest.step, path)
+        self.announce()
+
+    def run(self, stop: threading.Event) -> None:
+        """Poll and renew the records every announce period until `stop` is set."""
+        while not stop.wait(self.config.network.announce_period):
+            try:
+                if not self.poll():
+                    self.announce()  # (poll announced if anything came)
+            except Exception as e:  # noqa: BLE001 - a DHT or disk hiccup: the next period tries again
+                log.warning("checkpoint archive: %s", e)
+
+    def poll(self) -> bool:
+        """Pull any newer stage checkpoint, then assemble a run checkpoint if one came; whether one did."""
+        with self._lock:
+            pulled = [stage for stage in self.stages if self._pull(stage)]
+            assembled = bool(pulled) and self._assemble()
+            if pulled:
+                self.announce()
+            return assembled
+
+    def _pull(self, stage: int) -> bool:
+        store = self.stages[stage]
+        have = self._newest_step(store)
+        records = [r for r in self.records.lookup_checkpoints(stage) if r.peer_id != self.peer_id]
+        if not any(held.step > have for record in records for held in record.checkpoints):
+            return False
+        fetched = self.loop.run(fetch_newest(self._p2p, records, self.config.run_id, store.new_temp_dir(),
+                                             expect_stage=stage, expect_state_hash=self.state_hash,
+                                             max_bytes=self.max_stage_bytes, min_step=have + 1,
+                                             timeout=FETCH_TIMEOUT), 2 * FETCH_TIMEOUT)
+        if fetched is None:
+            return False
+        staged, held, holder = fetched
+        path = store.install(staged)
+        log.info("pulled the checkpoint of stage %d at step %d from %s (%s)", stage, held.step, holder, path)
+        return True
+
+    def _assemble(self) -> bool:
+        """A run checkpoint of every stage's newest verified checkpoint, unless it would be the last one again."""
+        newest: dict[int, Path] = {}
+        ids: dict[int, str] = {}
+        for stage, store in self.stages.items():
+            found = store.newest_verified(state_hash=self.state_hash)
+            if found is None:
+                return False  # not every stage has a checkpoint yet
+            _, ids[stage], _, newest[stage] = found
+        if ids == self._assembled:
+            return False
+        try:
+            manifest, _, path = self.runs.write(self.config.to_yaml(), self.state_hash, newest)
+        except (CheckpointError, OSError) as e:
+            log.error("assembling a run checkpoint failed: %s", e)
+            return False
+        self._assembled = ids
+        log.info("run checkpoint of steps %s written (%s)", [e.step for e in manifest.stages], path)
+        return True
+
+    def announce(self) -> None:
+        """Renew the records of what this coordinator holds."""
+        ttl = self.config.network.record_ttl
+        for stage, store in self.stages.items():
+            held = held_checkpoints(store)
+            if held:
+                record = CheckpointRecord(peer_id=self.peer_id, stage=stage, state_hash=self.state_hash,
+                                          checkpoints=held)
+                self.records.announce_checkpoints(record, ttl=ttl)
+        newest = self.runs.entries()
+        if newest:
+            try:
+                data = (newest[0] / MANIFEST_NAME).read_bytes()
+                manifest = RunManifest.from_bytes(data)
+            except (OSError, CheckpointError) as e:
+                log.warning("not announcing the run checkpoint %s: %s", newest[0], e)
+                return
+            stages = [RunCheckpointStage(stage=e.stage, step=e.step, manifest_id=e.manifest_sha256)
+                      for e in manifest.stages]
+            record = RunCheckpointRecord(peer_id=self.peer_id, state_hash=self.state_hash,
+                                         step=min(s.step for s in stages), manifest_id=manifest_id(data),
+                                         stages=stages)
+            self.records.announce_run_checkpoint(record, ttl=ttl)
+
+    def close(self) -> None:
+        if self._service is not None and self.loop.is_running:
+            try:
+                self.loop.run(self._service.remove_p2p_handlers(self._p2p, namespace=self._service.namespace),
+                              LOOP_CALL_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - leaving anyway
+                log.debug("removing the checkpoint service: %s", e)
+
+    def _resolve(self, wanted: str) -> Path | None:
+        for store in self.stages.values():
+            path = store.path_for(wanted)
+            if path is not None:
+                return path
+        return None
+
+    @staticmethod
+    def _newest_step(store: StageCheckpoints) -> int:
+        entries = store.entries()
+        return int(entries[0].name.removeprefix("step")) if entries else -1
+

@@ -1,0 +1,194 @@
+"""StageKeeper: a server's checkpoints of its stage, written, announced, served, and restored from.
+
+- written: every ``checkpoint.every_steps`` steps or ``checkpoint.every_seconds`` seconds (whichever
+  comes first), and once more when the server stops. The state is copied on the stage's compute
+  thread right after a step (the only moment it is known whole) and written to disk on a thread of
+  its own, so compute never waits for the disk; a write still under way when the next is due is
+  not queued behind (the next step after it finishes is written instead);
+- announced: a CheckpointRecord in the DHT lists the checkpoints this server holds, renewed every
+  announce period;
+- served: to any peer that asks by manifest id, from this stage's checkpoint directory only;
+- restored from: a server whose stage has no live server takes the newest checkpoint it can get,
+  from its own disk or any holder in the DHT (servers and the coordinator), verified file by file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.manifest import MANIFEST_NAME, StageManifest, manifest_id
+from swarm.checkpoint.store import StageCheckpoints
+from swarm.checkpoint.transfer import fetch_newest, serve_checkpoints
+from swarm.config import RunConfig
+from swarm.dht import BackgroundLoop, SwarmRecords
+from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
+from swarm.state import StageState, StateInfo, StateRejected
+
+log = logging.getLogger(__name__)
+
+LOOP_CALL_TIMEOUT = 30.0  # registering the checkpoint service
+FETCH_TIMEOUT = 300.0  # fetching one checkpoint from one holder
+FINAL_WRITE_TIMEOUT = 60.0  # the checkpoint written when the server stops
+MAX_ANNOUNCED = 8  # checkpoints listed in this server's record (newest first)
+
+
+class StageKeeper:
+    """Checkpoints of one stage replica; create it once the replica's state exists, `start` it once serving."""
+
+    def __init__(self, state: StageState, config: RunConfig, root: Path, records: SwarmRecords,
+                 loop: BackgroundLoop, peer_id: str):
+        self.state, self.config, self.records, self.loop, self.peer_id = state, config, records, loop, peer_id
+        self.settings = config.checkpoint
+        self.store = StageCheckpoints(root, config.run_id, state.stage, self.settings.keep)
+        self.state_hash = config.state_hash()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint{state.stage}")
+        self._writing: Future | None = None
+        self._last_step = -1  # the step of the newest checkpoint written or restored
+        self._last_time = time.monotonic()
+        self._stop = threading.Event()
+        self._announcer: threading.Thread | None = None
+        self._service: Any = None
+        self._p2p: Any = None
+        self.written = 0  # checkpoints written by this server (for metrics and tests)
+
+    # restore (before the server goes ONLINE)
+    def restore(self, p2p: Any) -> int | None:
+        """Load the newest checkpoint of the stage found on this disk or at a holder; its step, or None."""
+        local = self._newest_local()
+        local_step = -1 if local is None else local[0].step
+        try:
+            remote = self.records.lookup_checkpoints(self.state.stage)
+        except Exception as e:  # noqa: BLE001 - the DHT is down: what is on disk is all there is
+            log.warning("stage %d: could not look up checkpoints in the DHT: %s", self.state.stage, e)
+            remote = []
+        if any(held.step > local_step for record in remote for held in record.checkpoints):
+            fetched = self._fetch(p2p, remote, local_step + 1)
+            if fetched is not None:
+                local = fetched
+        if local is None:
+            return None
+        manifest, tensors, path = local
+        info = StateInfo(self.state.stage, manifest.step, manifest.round_id, manifest.group)
+        try:
+            self.state.load_state_dict(info, tensors)
+        except StateRejected as e:
+            raise CheckpointError(f"checkpoint {path} does not fit this stage: {e}") from None
+        self._last_step = manifest.step
+        log.info("stage %d: resumed from the checkpoint of step %d (%s)", self.state.stage, manifest.step, path)
+        return manifest.step
+
+    def _newest_local(self) -> tuple[Any, dict[str, torch.Tensor], Path] | None:
+        found = self.store.newest_verified(state_hash=self.state_hash)
+        if found is None:
+            return None
+        manifest, _, tensors, path = found
+        return manifest, tensors, path
+
+    def _fetch(self, p2p: Any, remote: list[CheckpointRecord], min_step: int):
+        staging = self.store.new_temp_dir()
+        max_bytes = 2 * self.state.nbytes() + 2**20
+        fetched = self.loop.run(fetch_newest(p2p, remote, self.config.run_id, staging, expect_stage=self.state.stage,
+                                             expect_state_hash=self.state_hash, max_bytes=max_bytes,
+                                             min_step=min_step, timeout=FETCH_TIMEOUT),
+                                FETCH_TIMEOUT * 2)
+        if fetched is None:
+            log.warning("stage %d: no holder served a newer checkpoint than this disk's", self.state.stage)
+            return None
+        staged, held, holder = fetched
+        path = self.store.install(staged)
+        log.info("stage %d: fetched the checkpoint of step %d from %s", self.state.stage, held.step, holder)
+        manifest, _, tensors = self.store.load(path, state_hash=self.state_hash)
+        return manifest, tensors, path
+
+    # serving
+    def start(self, p2p: Any) -> None:
+        """Serve this stage's checkpoints to peers and announce them in the DHT."""
+        self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, self.store.path_for),
+                                      LOOP_CALL_TIMEOUT)
+        self._p2p = p2p
+        self._last_time = time.monotonic()
+        self._announcer = threading.Thread(target=self._announce_forever, name="checkpoints", daemon=True)
+        self._announcer.start()
+
+    def after_step(self, step: int) -> None:
+        """Called on the compute thread after every step: copy the state and write it, if one is due."""
+        if self._stop.is_set() or step <= self._last_step or (self._writing is not None and not self._writing.done()):
+            return
+        every_steps, every_seconds = self.settings.every_steps, self.settings.every_seconds
+        due = (every_steps and step - max(self._last_step, 0) >= every_steps) or \
+              (every_seconds and time.monotonic() - self._last_time >= every_seconds)
+        if due:
+            self._writing = self._writer.submit(self._write, *self.state.state_dict())
+
+    def close(self, snapshot: Callable[[], tuple[StateInfo, dict[str, torch.Tensor]]] | None = None) -> None:
+        """Stop announcing; with `snapshot` (the state, read between two requests), write a last checkpoint
+        if training moved on since the newest."""
+        self._stop.set()
+        if self._writing is not None:
+            self._writing.result(FINAL_WRITE_TIMEOUT)
+        if snapshot is not None and self.state.step > self._last_step:
+            try:
+                self._write(*snapshot())
+            except Exception as e:  # noqa: BLE001 - stopping anyway; the previous checkpoint stays
+                log.warning("stage %d: the last checkpoint could not be written: %s", self.state.stage, e)
+        self._writer.shutdown(wait=True)
+        if self._service is not None and self.loop.is_running:
+            try:
+                self.loop.run(self._service.remove_p2p_handlers(self._p2p, namespace=self._service.namespace),
+                              LOOP_CALL_TIMEOUT)
+            except Exception as e:  # noqa: BLE001
+                log.debug("removing the checkpoint service: %s", e)
+
+    def _write(self, info: StateInfo, tensors: dict[str, torch.Tensor]) -> None:
+        started = time.monotonic()
+        try:
+            _, _, path = self.store.write(tensors, step=info.step, num_stages=self.config.stages.num_stages,
+                                          state_hash=self.state_hash, round_id=info.round_id, group=info.group)
+        except (CheckpointError, OSError) as e:
+            log.error("stage %d: writing the checkpoint of step %d failed: %s", self.state.stage, info.step, e)
+            return
+        self._last_step, self._last_time = info.step, time.monotonic()
+        self.written += 1
+        log.info("stage %d: checkpoint of step %d written in %.2fs (%s)", self.state.stage, info.step,
+                 time.monotonic() - started, path)
+        self.announce()
+
+    # announcing
+    def announce(self) -> bool:
+        held = held_checkpoints(self.store)
+        if not held:
+            return True
+        record = CheckpointRecord(peer_id=self.peer_id, stage=self.state.stage, state_hash=self.state_hash,
+                                  checkpoints=held)
+        return self.records.announce_checkpoints(record, ttl=self.config.network.record_ttl)
+
+    def _announce_forever(self) -> None:
+        while not self._stop.wait(self.config.network.announce_period):
+            try:
+                self.announce()
+            except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop the renewals
+                log.warning("announcing checkpoints failed: %s", e)
+
+
+def held_checkpoints(store: StageCheckpoints, limit: int = MAX_ANNOUNCED) -> list[HeldCheckpoint]:
+    """What a CheckpointRecord lists for `store`: its newest checkpoints (at most `limit`) that parse."""
+    held = []
+    for path in store.entries()[:limit]:
+        try:
+            data = (path / MANIFEST_NAME).read_bytes()
+            manifest = StageManifest.from_bytes(data)
+        except (OSError, CheckpointError) as e:
+            log.debug("not announcing %s: %s", path, e)
+            continue
+        held.append(HeldCheckpoint(step=manifest.step, manifest_id=manifest_id(data),
+                                   size=sum(f.size for f in manifest.files.values())))
+    return held

@@ -15,7 +15,7 @@ import hivemind
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, averaging_prefix
+from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, StateDownloadError, averaging_prefix
 from swarm.backend import BackwardResult, Overloaded, StageBackend
 from swarm.checkpoint.keeper import StageKeeper
 from swarm.config import RunConfig
@@ -136,7 +136,12 @@ class StageServer:
                                       self.loop, self.peer_id)
         if any(r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id
                for r in self.records.lookup_servers(stage)):
-            self.averager.load_state_from_peers()  # never serve fresh weights while the stage has a state
+            try:
+                self.averager.load_state_from_peers()  # never serve fresh weights while the stage has a state
+            except StateDownloadError as e:  # the servers announced may have just died: their checkpoints remain
+                log.warning("%s; looking for a checkpoint of the stage instead", e)
+                if self._resume(fresh_ok=False) is None:
+                    raise
         else:
             self._resume()
         self.throughput = measure_throughput(self.backend, self.config)
@@ -154,13 +159,14 @@ class StageServer:
         self._announcer.start()
         log.info("serving stage %d of %d (%.1f samples/s measured) as %s", stage, n, self.throughput, self.peer_id)
 
-    def _resume(self) -> None:
-        """The stage has no live server: load its newest checkpoint, or start it fresh only if nothing is lost."""
+    def _resume(self, fresh_ok: bool = True) -> int | None:
+        """The stage has no live server: load its newest checkpoint (its step), or start it fresh (None) only
+        if nothing is lost, or if `fresh_ok` and --fresh says so."""
         step = self.keeper.restore(self._p2p) if self.keeper is not None else None
         if step is not None:
             self.averager.state_loaded()
-        if step is not None or self.options.fresh:
-            return
+        if step is not None or not fresh_ok or self.options.fresh:
+            return step
         progress = self._progress_elsewhere()
         if progress:
             raise StageStateMissing(
@@ -168,6 +174,7 @@ class StageServer:
                 f"{progress}: starting it from fresh weights would throw that training away. Start it with the "
                 "checkpoint directory that holds the stage (--checkpoint-dir), wait until a server or the "
                 "coordinator holding a checkpoint of it is online, or pass --fresh to start the stage anew")
+        return None
 
     def _progress_elsewhere(self) -> str | None:
         """What says the run has trained already (checkpoints of this stage, other stages past step 0), if anything."""

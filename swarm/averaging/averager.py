@@ -221,7 +221,10 @@ class StageAverager:
         Retries until `timeout` (default: averaging.state_download_timeout), then raises StateDownloadError.
         """
         timeout = self.config.state_download_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        # servers announced ONLINE may be dead: once their progress records would have expired, stop waiting
+        nobody_after = started + (PROGRESS_TTL_PERIODS + 2) * self.config.progress_period
         pause, problem = DOWNLOAD_RETRY_PAUSE, "no server of the stage offered its state"
         while not self._closing.is_set():
             remaining = deadline - time.monotonic()
@@ -229,14 +232,18 @@ class StageAverager:
                 break
             try:
                 self._tracker.read()  # what the stage's servers say, to check the state against
-                if self._download(remaining, older_ok=True):
+                if not self._tracker.others() and time.monotonic() >= nobody_after:
+                    problem = "no server of the stage published its progress: they seem to be gone"
+                    break
+                if self._download(remaining):
                     return
             except (AveragingError, StateRejected) as e:
                 problem = str(e)
             self._closing.wait(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(2 * pause, DOWNLOAD_RETRY_PAUSE_MAX)
         raise StateDownloadError(
-            f"could not download the state of stage {self.stage} from its servers within {timeout:g}s "
+            f"could not download the state of stage {self.stage} from its servers within "
+            f"{time.monotonic() - started:.0f}s "
             f"({problem}); check that this machine can reach them, or raise averaging.state_download_timeout"
         )
 
@@ -393,13 +400,14 @@ class StageAverager:
         except AveragingError as e:
             loaded, why = None, f"{why}: {e}"
             self._check_process()
-        return functools.partial(self._end_catch_up, loaded, why)
+        # behind: only a later step helps (a liar claiming one must not make us reload our own step)
+        return functools.partial(self._end_catch_up, loaded, why, view.step + view.behind)
 
-    def _end_catch_up(self, loaded: tuple[Any, list[torch.Tensor], str] | None, why: str) -> None:
+    def _end_catch_up(self, loaded: tuple[Any, list[torch.Tensor], str] | None, why: str, min_step: int) -> None:
         ok = False
         if loaded is not None:
             try:
-                ok = self._adopt(loaded, older_ok=False)
+                ok = self._adopt(loaded, min_step)
             except StateRejected as e:
                 why = f"{why}: {e}"
         if ok:
@@ -411,10 +419,10 @@ class StageAverager:
             log.warning("stage %d: could not download the stage's state (%s); will retry", self.stage, why)
             self._tracker.nudge()  # (so the retry is not left to the next progress period)
 
-    def _download(self, timeout: float, older_ok: bool) -> bool:
-        """Download and apply a peer's state; False if none came, or (unless `older_ok`) it was older than ours."""
+    def _download(self, timeout: float) -> bool:
+        """Download and apply a peer's state (joining: any step will do); False if none came."""
         loaded = self._fetch(timeout)
-        return loaded is not None and self._adopt(loaded, older_ok)
+        return loaded is not None and self._adopt(loaded, 0)
 
     def _fetch(self, timeout: float) -> tuple[Any, list[torch.Tensor], str] | None:
         now = time.monotonic()
@@ -424,7 +432,7 @@ class StageAverager:
             self.metrics.downloads[FAILED].inc()
         return loaded
 
-    def _adopt(self, loaded: tuple[Any, list[torch.Tensor], str], older_ok: bool) -> bool:
+    def _adopt(self, loaded: tuple[Any, list[torch.Tensor], str], min_step: int) -> bool:
         """Replace this replica's state with one a peer sent, if it passes every check.
 
         Raises StateRejected (and refuses that peer's state for a while) if it does not.
@@ -434,7 +442,7 @@ class StageAverager:
             info, named = unflatten(metadata, tensors)
             self._check_believable(info, named)
             with self._state_lock:
-                if not older_ok and info.step < self.optimizer.step_count:
+                if info.step < min_step:
                     self.metrics.downloads[FAILED].inc()
                     return False
                 self.state.load_state_dict(info, named)  # checks names, shapes, dtypes, finiteness first

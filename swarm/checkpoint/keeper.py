@@ -131,11 +131,11 @@ class StageKeeper:
 
     def close(self, snapshot: Callable[[], tuple[StateInfo, dict[str, torch.Tensor]]] | None = None) -> None:
         """Stop announcing; with `snapshot` (the state, read between two requests), write a last checkpoint
-        if training moved on since the newest."""
+        if this server served (start() ran) and training moved on since the newest."""
         self._stop.set()
         if self._writing is not None:
             self._writing.result(FINAL_WRITE_TIMEOUT)
-        if snapshot is not None and self.state.step > self._last_step:
+        if snapshot is not None and self._service is not None and self.state.step > self._last_step:
             try:
                 self._write(*snapshot())
             except Exception as e:  # noqa: BLE001 - stopping anyway; the previous checkpoint stays

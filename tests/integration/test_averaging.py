@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from peer.server import StageServer
-from swarm.averaging import StateDownloadError
+from swarm.averaging import StateDownloadError, averaging_prefix
 from swarm.config import AveragingConfig
 from swarm.dht import ServerRecord, ServerState, visible_maddrs
 from swarm.model import build_stage
@@ -244,6 +245,51 @@ def test_a_server_answers_forwards_at_once_while_its_round_waits_for_a_stalled_p
     wait_until(lambda: a.backend.step == step + 1 and b.backend.step == step + 1 and not a.averager.busy
                and not b.averager.busy, ROUND_TIMEOUT, interval=0.1, what="a stepping alone and b catching up")
     assert_same_state(snapshot(a), snapshot(b))
+
+
+def poison(server: StageServer, how: str) -> None:
+    """Make `server` a dishonest replica: a step 10**9 ahead, or NaN weights one step ahead."""
+    state = server.stage_state
+
+    def corrupt() -> None:
+        if how == "far-ahead":
+            state.optimizer.step_count = 10**9
+        else:
+            with torch.no_grad():
+                state.optimizer.params[0][0] = float("nan")
+            state.optimizer.step_count += 1
+        server.averager.state_loaded()
+
+    server.backend.call(corrupt, BACKEND_CALL_TIMEOUT)
+    server.averager._after_step()  # (test seam) share the state under its new rank, publish its progress
+
+
+def best_ranked_offer(server: StageServer) -> str:
+    """The peer whose state a joiner of the stage asks for first (hivemind's "all_averagers" entries)."""
+    found = server.dht.get(f"{averaging_prefix(server.config.run_id, STAGE)}.all_averagers", latest=True)
+    offers = {PeerID(peer).to_base58(): item.value for peer, item in (found.value if found else {}).items()
+              if isinstance(item.value, float)}
+    return max(offers, key=offers.get) if offers else ""
+
+
+@pytest.mark.parametrize("how", ["far-ahead", "nan"])
+def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(pair, how):
+    config, peers, (a, b) = pair
+    honest = [snapshot(a), snapshot(b)]
+    with running_peers(config.run_id, 2, visible_maddrs(peers[0].dht)) as (peer_m, peer_j), \
+            stage_servers(config, [peer_m], [STAGE]) as (m,):
+        poison(m, how)
+        wait_until(lambda: best_ranked_offer(a) == m.peer_id, SEE_TIMEOUT, interval=0.1,
+                   what="the poisoned replica ranking first as a source of state")
+
+        with stage_servers(config, [peer_j], [STAGE]) as (j,):  # downloads a state on start
+            rejected = j.registry.get_sample_value("swarm_averaging_rejected_states_total", {"stage": str(STAGE)})
+            assert rejected and rejected >= 1, "the joiner never asked the poisoned replica"
+            assert_same_state(snapshot(j), honest[0])
+            for server, before in zip((a, b), honest):
+                assert_same_state(snapshot(server), before)  # nobody took the poisoned state
+                if how == "far-ahead":  # a step no majority backs is not believed: nobody is behind it
+                    assert not server.averager.view().behind
 
 
 def test_member_shut_down_mid_run_does_not_stop_the_other(pair):

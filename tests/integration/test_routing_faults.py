@@ -249,7 +249,8 @@ def test_trainer_waits_for_a_stage_with_no_server_and_resumes_when_one_joins(
     wait_for_new_log(trainer, WAITING_LINE, waiting, WAITING_TIMEOUT)
     stalled = trainer_samples(trainer)
 
-    replacement = start_peer(procs, coordinator, "--role", "server", "--stage", "1")
+    # The stage died before its first checkpoint: the new server may only start it fresh when told to
+    replacement = start_peer(procs, coordinator, "--role", "server", "--stage", "1", "--fresh")
     replacement.wait_serving()
     wait_for_new_log(trainer, RESUMING_LINE, resuming, PROGRESS_TIMEOUT)
     wait_for_samples(trainer, stalled + 80)

@@ -133,7 +133,7 @@ class StageServer:
                                     on_step=self._on_step, stepper=self.averager)
         if self.options.checkpoint_dir is not None:
             self.keeper = StageKeeper(self.stage_state, self.config, self.options.checkpoint_dir, self.records,
-                                      self.loop, self.peer_id)
+                                      self.loop, self.peer_id, self.registry)
         if any(r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id
                for r in self.records.lookup_servers(stage)):
             try:

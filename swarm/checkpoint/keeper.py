@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from swarm.checkpoint.errors import CheckpointError
 from swarm.checkpoint.manifest import MANIFEST_NAME, StageManifest, manifest_id
@@ -41,12 +42,24 @@ FINAL_WRITE_TIMEOUT = 60.0  # the checkpoint written when the server stops
 MAX_ANNOUNCED = 8  # checkpoints listed in this server's record (newest first)
 
 
+class KeeperMetrics:
+    def __init__(self, registry: CollectorRegistry, stage: int):
+        label = str(stage)
+        self.writes = Counter("swarm_checkpoint_writes", "Checkpoints of the stage this server wrote to its disk",
+                              ["stage", "outcome"], registry=registry)
+        self.write_seconds = Histogram("swarm_checkpoint_write_seconds", "Time to write one checkpoint (beside "
+                                       "compute)", ["stage"], registry=registry).labels(stage=label)
+        self.step = Gauge("swarm_checkpoint_step", "Step of the newest checkpoint this server wrote or resumed "
+                          "from", ["stage"], registry=registry).labels(stage=label)
+
+
 class StageKeeper:
     """Checkpoints of one stage replica; create it once the replica's state exists, `start` it once serving."""
 
     def __init__(self, state: StageState, config: RunConfig, root: Path, records: SwarmRecords,
-                 loop: BackgroundLoop, peer_id: str):
+                 loop: BackgroundLoop, peer_id: str, registry: CollectorRegistry | None = None):
         self.state, self.config, self.records, self.loop, self.peer_id = state, config, records, loop, peer_id
+        self.metrics = KeeperMetrics(registry or CollectorRegistry(), state.stage)
         self.settings = config.checkpoint
         self.store = StageCheckpoints(root, config.run_id, state.stage, self.settings.keep)
         self.state_hash = config.state_hash()
@@ -83,6 +96,7 @@ class StageKeeper:
         except StateRejected as e:
             raise CheckpointError(f"checkpoint {path} does not fit this stage: {e}") from None
         self._last_step = manifest.step
+        self.metrics.step.set(manifest.step)
         log.info("stage %d: resumed from the checkpoint of step %d (%s)", self.state.stage, manifest.step, path)
         return manifest.step
 
@@ -154,10 +168,14 @@ class StageKeeper:
             _, _, path = self.store.write(tensors, step=info.step, num_stages=self.config.stages.num_stages,
                                           state_hash=self.state_hash, round_id=info.round_id, group=info.group)
         except (CheckpointError, OSError) as e:
+            self.metrics.writes.labels(stage=str(self.state.stage), outcome="failed").inc()
             log.error("stage %d: writing the checkpoint of step %d failed: %s", self.state.stage, info.step, e)
             return
         self._last_step, self._last_time = info.step, time.monotonic()
         self.written += 1
+        self.metrics.writes.labels(stage=str(self.state.stage), outcome="succeeded").inc()
+        self.metrics.write_seconds.observe(self._last_time - started)
+        self.metrics.step.set(info.step)
         log.info("stage %d: checkpoint of step %d written in %.2fs (%s)", self.state.stage, info.step,
                  time.monotonic() - started, path)
         self.announce()

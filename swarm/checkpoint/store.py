@@ -46,6 +46,7 @@ from swarm.checkpoint.manifest import (
     StageManifest,
     manifest_id,
 )
+from swarm.checkpoint.safefile import save_hashed
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +179,9 @@ class StageCheckpoints(_StepDirs):
         temp = self.new_temp_dir()
         try:
             state = temp / STATE_NAME
-            safetensors.torch.save_file(_cpu_tensors(tensors), str(state))
-            entry = _sync_and_hash(state)
+            sha256, size = save_hashed(_cpu_tensors(tensors), state)  # one pass: written and hashed
+            _fsync(state)
+            entry = FileEntry(sha256=sha256, size=size)
             manifest = StageManifest(run_id=self.run_id, stage=self.stage, num_stages=num_stages, step=step,
                                      state_hash=state_hash, round_id=round_id, group=group, created=time.time(),
                                      files={STATE_NAME: entry})
@@ -454,6 +456,11 @@ def _cpu_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         storages.add(storage)
         result[name] = tensor
     return result
+
+
+def _fsync(file: Path) -> None:
+    with open(file, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _sync_and_hash(file: Path) -> FileEntry:

@@ -43,7 +43,7 @@ from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
 from swarm.averaging import INITIAL_ROUND, StageAverager
-from swarm.averaging.averager import compression_for
+from swarm.averaging.codecs import installed_compression as compression_for
 from swarm.config import RunConfig
 from swarm.dht import SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
 from swarm.model import build_stage

@@ -11,6 +11,8 @@ Map of the subsystem, from what a server uses down to pure logic::
                  thread applies the same step on every replica between two requests. Steps alone
                  (and says so) when a round fails; catches up when behind (downloading beside
                  compute too); load_state_from_peers() for a server joining its stage
+    intake.py    StateIntake: downloads of the stage's state, bounded, skipping servers refused lately,
+                 and the checks that the stage's progress backs what came
     tracker.py   StageProgressTracker: a thread that publishes this server's progress and reads the
                  stage's, through the DHT
     channel.py   ProgressChannel: progress pushed straight to the stage's other servers over libp2p,
@@ -25,7 +27,7 @@ Map of the subsystem, from what a server uses down to pure logic::
 
 The replica's state (parameters, moments, step, round) is read and replaced only through
 swarm.state.StageState; a state a peer sends is checked there (names, shapes, dtypes, finite) and
-here (its step and parameters backed by the stage's progress records) before it replaces anything.
+in intake.py (its step and parameters backed by the stage's progress records) before it replaces anything.
 
 Every network wait is bounded by a value of ``AveragingConfig`` (see swarm.config).
 """

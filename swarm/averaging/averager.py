@@ -33,29 +33,28 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
 from swarm.averaging.channel import ProgressChannel
+from swarm.averaging.codecs import installed_compression
 from swarm.averaging.errors import AveragingError, StateDownloadError
+from swarm.averaging.intake import Loaded, StateIntake
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
-from swarm.averaging.process import AveragingProcess, RoundFailed
+from swarm.averaging.process import AveragingProcess, total_samples
 from swarm.averaging.progress import (
-    MAX_STEP_LEAD,
     ProgressRecord,
     StageView,
     fingerprint_rtol,
-    fingerprints_differ,
     param_fingerprint,
     plausible,
     round_of,
     sharing_priority,
     stage_view,
-    step_bound,
 )
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import RunConfig
-from swarm.state import StageState, StateInfo, StateRejected, flatten, unflatten
+from swarm.state import StageState, StateRejected, flatten
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,6 @@ PROCESS_START_TIMEOUT = 30.0  # forking the averaging process until it serves
 DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubles on each failure
 DOWNLOAD_RETRY_PAUSE_MAX = 30.0
 CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
-REFUSED_PEER_SECONDS = 300.0  # a peer whose state failed its checks is not asked again for this long
 
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
 
@@ -101,8 +99,6 @@ class StageAverager:
         self._late = 0  # samples accumulated while the last round ran
         self._late_in_round = 0  # ...and those of the batch the round now under way averages
         self._download_pause = DOWNLOAD_RETRY_PAUSE
-        self._refused: dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
-        self._max_state_bytes = 2 * state.nbytes() + 2**20  # what a peer may send as this stage's state
         self._next_download = 0.0  # monotonic time before which no catch-up is tried
         self._channel: ProgressChannel | None = None
         # gradients of samples that came after the stage's batch was full: they count towards the next step
@@ -113,7 +109,7 @@ class StageAverager:
         self._params_changed()
         prefix = averaging_prefix(config.run_id, stage)
         ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
-        self._compression = compression_for(self.config.compression)
+        self._compression = installed_compression(self.config.compression)
         buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in optimizer.params]
         self._process = AveragingProcess(buffers, dht, prefix=prefix, config=self.config,
                                          compression=self._compression, state_source=self._state_for_peer,
@@ -123,6 +119,8 @@ class StageAverager:
             for b in buffers
         )
         self._process.start_process(start_timeout)
+        self._intake = StateIntake(state, self._process, self.metrics, lambda: self._tracker.others(),
+                                   self._fingerprint_rtol, self._closing)
         self._tracker = StageProgressTracker(dht, prefix, owner_key, peer_id, self.config.progress_period,
                                              self.config.request_timeout, self._own_record, self._on_progress)
 
@@ -302,7 +300,7 @@ class StageAverager:
                 float(samples), {"step": view.step, "samples": samples, "late": self._late_in_round}, self._closing,
                 lambda: self.view().group_size == 1)
             self.metrics.round_start_seconds.observe(start_latency)
-            total, late = _total_samples(gathered, view.step)
+            total, late = total_samples(gathered, view.step)
             mean = self._read_buffers()
         except AveragingError as e:
             failure = e
@@ -403,7 +401,7 @@ class StageAverager:
         # behind: only a later step helps (a liar claiming one must not make us reload our own step)
         return functools.partial(self._end_catch_up, loaded, why, view.step + view.behind)
 
-    def _end_catch_up(self, loaded: tuple[Any, list[torch.Tensor], str] | None, why: str, min_step: int) -> None:
+    def _end_catch_up(self, loaded: Loaded | None, why: str, min_step: int) -> None:
         ok = False
         if loaded is not None:
             try:
@@ -424,23 +422,14 @@ class StageAverager:
         loaded = self._fetch(timeout)
         return loaded is not None and self._adopt(loaded, 0)
 
-    def _fetch(self, timeout: float) -> tuple[Any, list[torch.Tensor], str] | None:
-        now = time.monotonic()
-        refused = [peer for peer, until in self._refused.items() if until > now]
-        loaded = self._process.download_state(timeout, self._closing, refused, self._max_state_bytes)
-        if loaded is None:
-            self.metrics.downloads[FAILED].inc()
-        return loaded
+    def _fetch(self, timeout: float) -> Loaded | None:
+        return self._intake.fetch(timeout)
 
-    def _adopt(self, loaded: tuple[Any, list[torch.Tensor], str], min_step: int) -> bool:
-        """Replace this replica's state with one a peer sent, if it passes every check.
-
-        Raises StateRejected (and refuses that peer's state for a while) if it does not.
-        """
-        metadata, tensors, peer = loaded
+    def _adopt(self, loaded: Loaded, min_step: int) -> bool:
+        """Replace this replica's state with one a peer sent, if it passes every check (StateIntake.vet,
+        StageState.check). Raises StateRejected (and refuses that peer's state for a while) if not."""
         try:
-            info, named = unflatten(metadata, tensors)
-            self._check_believable(info, named)
+            info, named = self._intake.vet(loaded)
             with self._state_lock:
                 if info.step < min_step:
                     self.metrics.downloads[FAILED].inc()
@@ -453,30 +442,10 @@ class StageAverager:
                     self._held, self.held_samples = None, 0
                 self._params_changed()
         except StateRejected as e:
-            self.metrics.downloads[FAILED].inc()
-            self.metrics.rejected_states.inc()
-            self._refused[peer] = time.monotonic() + REFUSED_PEER_SECONDS
-            log.warning("stage %d: refused the state %s sent: %s", self.stage, peer, e)
-            raise StateRejected(f"{peer} sent a state that failed its checks: {e}") from None
+            raise self._intake.refuse(loaded, e) from None
         self.metrics.downloads[SUCCEEDED].inc()
         self._after_step()
         return True
-
-    def _check_believable(self, info: StateInfo, named: dict[str, Any]) -> None:
-        """What the stage's signed progress records say must back a state: its step is not beyond the
-        stage's (most servers'), and its parameters are those most servers at its step publish."""
-        others = self._tracker.others()
-        bound = step_bound([r.step for r in others])
-        if bound is not None and info.step > bound:
-            raise StateRejected(f"its step {info.step} is beyond the stage's ({bound - MAX_STEP_LEAD} by most "
-                                f"servers' progress)")
-        at_step = [r.fingerprint for r in others if r.step == info.step and r.fingerprint is not None]
-        if at_step:
-            theirs = param_fingerprint(self.state.params_of(named))
-            agree = sum(not fingerprints_differ(theirs, f, self._fingerprint_rtol) for f in at_step)
-            if 2 * agree < len(at_step):
-                raise StateRejected(f"its parameters differ from those of {len(at_step) - agree} of the "
-                                    f"{len(at_step)} servers at step {info.step}")
 
     def _state_for_peer(self) -> tuple[dict, list[torch.Tensor]]:
         # called by hivemind on a thread of ours when a peer downloads our state
@@ -540,24 +509,3 @@ class StageAverager:
         if self.ready:
             self._requested = self._request_step()
 
-
-def _total_samples(gathered: dict[Any, Any], step: int) -> tuple[int, int]:
-    """Samples behind a round's mean gradient, and how many of them came late, from what each member sent."""
-    total = late = 0
-    for info in gathered.values():
-        if not isinstance(info, dict) or info.get("step") != step or not isinstance(info.get("samples"), int) \
-                or not isinstance(info.get("late", 0), int):
-            raise RoundFailed(f"a member of the group sent {info!r}, expected step {step} and its samples")
-        total += info["samples"]
-        late += info.get("late", 0)
-    if total <= 0:
-        raise RoundFailed("nobody in the group had samples")
-    return total, late
-
-
-def compression_for(name: str) -> CompressionBase:
-    """The averaging codec a run config names (swarm's own codecs, installed into hivemind)."""
-    from swarm.averaging import codecs
-
-    codecs.install_codecs()  # before the averaging process forks, so it decodes with them too
-    return codecs.compression_for(name)

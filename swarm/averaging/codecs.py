@@ -158,6 +158,13 @@ def compression_for(name: str) -> CompressionBase:
     return _CODECS_BY_NAME[name]()
 
 
+def installed_compression(name: str) -> CompressionBase:
+    """compression_for(name), with our codecs installed into hivemind first (before an averaging process
+    forks, so it decodes with them too)."""
+    install_codecs()
+    return compression_for(name)
+
+
 def install_codecs() -> None:
     """Make hivemind (de)serialize FLOAT16, QUANTILE_8BIT and BLOCKWISE_8BIT with our codecs. Idempotent."""
     registry = _hivemind_registry()

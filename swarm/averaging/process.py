@@ -62,6 +62,20 @@ class PartialRound(RuntimeError):
     """
 
 
+def total_samples(gathered: dict[Any, Any], step: int) -> tuple[int, int]:
+    """Samples behind a round's mean gradient, and how many of them came late, from what each member sent."""
+    total = late = 0
+    for info in gathered.values():
+        if not isinstance(info, dict) or info.get("step") != step or not isinstance(info.get("samples"), int) \
+                or not isinstance(info.get("late", 0), int):
+            raise RoundFailed(f"a member of the group sent {info!r}, expected step {step} and its samples")
+        total += info["samples"]
+        late += info.get("late", 0)
+    if total <= 0:
+        raise RoundFailed("nobody in the group had samples")
+    return total, late
+
+
 class AveragingProcess(DecentralizedAverager):
     """Averages ``buffers`` with the servers of one stage; serves ``state_source()`` to downloaders."""
 

@@ -1,0 +1,84 @@
+"""StateIntake: states that come from the stage's other servers, and the checks before one is used.
+
+A download goes to the best-ranked server that offers its state, skipping servers whose state was
+refused lately, and a server may send at most about twice this stage's state in bytes. What comes
+is checked here for what only the stage can vouch for: its step must not lie beyond what most of
+the stage's servers publish in their (signed) progress records, and its parameters must be those
+most servers at its step publish (their fingerprints). StageState.check then holds it to this
+replica's names, shapes and dtypes, and finite values. A refused state is logged with its reason
+and its sender is not asked again for REFUSED_PEER_SECONDS.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from swarm.averaging.metrics import FAILED, AveragingMetrics
+from swarm.averaging.process import AveragingProcess
+from swarm.averaging.progress import (
+    MAX_STEP_LEAD,
+    ProgressRecord,
+    fingerprints_differ,
+    param_fingerprint,
+    step_bound,
+)
+from swarm.state import StageState, StateInfo, StateRejected, unflatten
+
+log = logging.getLogger(__name__)
+
+REFUSED_PEER_SECONDS = 300.0  # a peer whose state failed its checks is not asked again for this long
+
+Loaded = tuple[Any, list[torch.Tensor], str]  # (metadata, tensors, the peer that sent them)
+
+
+class StateIntake:
+    """Downloads a stage's state from its servers and vets what comes (see the module docstring)."""
+
+    def __init__(self, state: StageState, process: AveragingProcess, metrics: AveragingMetrics,
+                 others: Callable[[], Sequence[ProgressRecord]], fingerprint_rtol: float, closing: threading.Event):
+        self.state, self.process, self.metrics, self.others = state, process, metrics, others
+        self.rtol, self.closing = fingerprint_rtol, closing
+        self.max_bytes = 2 * state.nbytes() + 2**20
+        self._refused: dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
+
+    def fetch(self, timeout: float) -> Loaded | None:
+        """A state from the best-ranked server not refused lately; None if none came within `timeout`."""
+        now = time.monotonic()
+        refused = [peer for peer, until in self._refused.items() if until > now]
+        loaded = self.process.download_state(timeout, self.closing, refused, self.max_bytes)
+        if loaded is None:
+            self.metrics.downloads[FAILED].inc()
+        return loaded
+
+    def vet(self, loaded: Loaded) -> tuple[StateInfo, dict[str, Any]]:
+        """What a state says it is and its tensors, if the stage's progress backs it; else StateRejected."""
+        metadata, tensors, _ = loaded
+        info, named = unflatten(metadata, tensors)
+        others = self.others()
+        bound = step_bound([r.step for r in others])
+        if bound is not None and info.step > bound:
+            raise StateRejected(f"its step {info.step} is beyond the stage's ({bound - MAX_STEP_LEAD} by most "
+                                f"servers' progress)")
+        at_step = [r.fingerprint for r in others if r.step == info.step and r.fingerprint is not None]
+        if at_step:
+            theirs = param_fingerprint(self.state.params_of(named))
+            agree = sum(not fingerprints_differ(theirs, f, self.rtol) for f in at_step)
+            if 2 * agree < len(at_step):
+                raise StateRejected(f"its parameters differ from those of {len(at_step) - agree} of the "
+                                    f"{len(at_step)} servers at step {info.step}")
+        return info, named
+
+    def refuse(self, loaded: Loaded, problem: StateRejected) -> StateRejected:
+        """Count and log a refused state, skip its sender for a while; the error to raise."""
+        peer = loaded[2]
+        self.metrics.downloads[FAILED].inc()
+        self.metrics.rejected_states.inc()
+        self._refused[peer] = time.monotonic() + REFUSED_PEER_SECONDS
+        log.warning("stage %d: refused the state %s sent: %s", self.state.stage, peer, problem)
+        return StateRejected(f"{peer} sent a state that failed its checks: {problem}")

@@ -43,7 +43,7 @@ import torch
 from swarm.backend import StageBackend
 from swarm.checkpoint import StageCheckpoints
 from swarm.checkpoint.keeper import StageKeeper
-from swarm.checkpoint.store import STATE_NAME
+from swarm.checkpoint.verify import STATE_NAME
 from swarm.config import RunConfig
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer

@@ -19,8 +19,9 @@ from typing import Any
 from swarm.checkpoint.errors import CheckpointError
 from swarm.checkpoint.keeper import held_checkpoints
 from swarm.checkpoint.manifest import MANIFEST_NAME, RunManifest, manifest_id
+from swarm.checkpoint.serving import serve_checkpoints
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
-from swarm.checkpoint.transfer import fetch_newest, serve_checkpoints
+from swarm.checkpoint.transfer import fetch_newest
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords
 from swarm.dht.schemas import CheckpointRecord, RunCheckpointRecord, RunCheckpointStage

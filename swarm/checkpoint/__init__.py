@@ -6,11 +6,12 @@ Format: docs/checkpoints.md. Map of the subsystem, from what a server uses down 
                  beside compute, announced (CheckpointRecord), served, and restored from when the
                  stage has no live server (own disk or any holder); coordinator.archive does the same
                  for the whole run
-    transfer.py  CheckpointServer (a streaming libp2p RPC serving held files by manifest id) and
-                 fetch_checkpoint / fetch_newest (every byte hashed; a holder that lies is banned and
-                 the next one tried)
+    transfer.py  fetch_checkpoint / fetch_newest: every byte hashed; a lying holder banned, the next tried
+    serving.py   CheckpointServer: a streaming libp2p RPC serving held files by manifest id, bounded slots
+    wire.py      the transfer wire format both sides share: namespace, frame limits, reply codes
     store.py     StageCheckpoints (a server's stage states), RunCheckpoints (the coordinator's whole-run
-                 copies): atomic writes, verified loads, install of fetched copies, pruning
+                 copies): atomic writes, install of fetched copies, pruning
+    verify.py    check_stage / load_stage / verify_run: manifests, listings, sizes, sha256s, finite tensors
     manifest.py  StageManifest, RunManifest: canonical JSON written, strictly validated when read;
                  manifest_id() is the sha256 of the bytes, the id the DHT announces
     errors.py    CheckpointError

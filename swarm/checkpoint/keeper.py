@@ -27,8 +27,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from swarm.checkpoint.errors import CheckpointError
 from swarm.checkpoint.manifest import MANIFEST_NAME, StageManifest, manifest_id
+from swarm.checkpoint.serving import serve_checkpoints
 from swarm.checkpoint.store import StageCheckpoints
-from swarm.checkpoint.transfer import fetch_newest, serve_checkpoints
+from swarm.checkpoint.transfer import fetch_newest
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords
 from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint

@@ -11,10 +11,8 @@ parent directory fsynced, so a ``step*`` directory is always complete. Deleting 
 ``.tmp-*`` directories are ignored and removed once stale. Writing a step that is already on disk
 replaces it: the caller's state is newer than what the old one holds (e.g. a later round).
 
-Nothing read back is trusted: file sizes are compared with the manifest before any hashing, every
-file's sha256 must match, no file may be missing or extra, and tensors are read with safetensors
-(no pickle) and must be finite. Pruning keeps the newest `keep` checkpoints and never deletes the
-newest one that verifies, however many broken ones are newer.
+Nothing read back is used before it verifies (verify.py). Pruning keeps the newest `keep`
+checkpoints and never deletes the newest one that verifies, however many broken ones are newer.
 """
 
 from __future__ import annotations
@@ -26,31 +24,26 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
 
-import safetensors.torch
 import torch
-from safetensors import SafetensorError
 
 from swarm.checkpoint.errors import CheckpointError
-from swarm.checkpoint.manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    FileEntry,
-    RunManifest,
-    RunStageEntry,
-    StageManifest,
-    manifest_id,
-)
+from swarm.checkpoint.manifest import MANIFEST_NAME, FileEntry, RunManifest, RunStageEntry, StageManifest, manifest_id
 from swarm.checkpoint.safefile import save_hashed
+from swarm.checkpoint.verify import (
+    STATE_NAME,
+    check_listing,
+    check_owner,
+    check_stage,
+    load_stage,
+    read_manifest,
+    verify_run,
+)
 
 logger = logging.getLogger(__name__)
 
-STATE_NAME = "state.safetensors"
 STALE_TEMP_SECONDS = 3600.0  # a .tmp-* directory untouched this long belongs to no live writer or fetch
 MAX_STEP = 10**10 - 1  # step directories are named with 10 digits
 _STEP_DIR = re.compile(r"step([0-9]{10})")
@@ -128,7 +121,7 @@ class _StepDirs:
     def _intact(self, path: Path) -> bool:
         """Whether `path` verifies (files against its manifest); remembered per manifest id."""
         try:
-            key = (path.name, manifest_id(_read_manifest(path)))
+            key = (path.name, manifest_id(read_manifest(path)))
             if key not in self._intact_ids:
                 self._check(path)
                 self._intact_ids.add(key)
@@ -221,7 +214,7 @@ class StageCheckpoints(_StepDirs):
         removed if it does not verify); one elsewhere is copied, verified while copying, and left.
         """
         staged = Path(staged)
-        data = _read_manifest(staged)
+        data = read_manifest(staged)
         manifest = StageManifest.from_bytes(data, where=str(staged / MANIFEST_NAME))
         if staged.parent.resolve() == self.dir.resolve() and staged.name.startswith(".tmp-"):
             temp = staged
@@ -235,7 +228,7 @@ class StageCheckpoints(_StepDirs):
         else:
             temp = self.new_temp_dir()
             try:
-                _check_owner(staged, manifest, run_id=self.run_id, stage=self.stage, state_hash=None)
+                check_owner(staged, manifest, run_id=self.run_id, stage=self.stage, state_hash=None)
                 _copy_verified(staged, temp, manifest.files, data)
             except BaseException:
                 shutil.rmtree(temp, ignore_errors=True)
@@ -248,7 +241,7 @@ class StageCheckpoints(_StepDirs):
         """The checkpoint held here whose manifest has this id (to serve it to peers), if any."""
         for path in self.entries():
             try:
-                if manifest_id(_read_manifest(path)) == manifest_id_:
+                if manifest_id(read_manifest(path)) == manifest_id_:
                     return path
             except (CheckpointError, OSError):
                 continue
@@ -272,9 +265,9 @@ class RunCheckpoints(_StepDirs):
             entries, num_stages = [], set()
             for k in sorted(stage_dirs):
                 src = Path(stage_dirs[k])
-                data = _read_manifest(src)
+                data = read_manifest(src)
                 manifest = StageManifest.from_bytes(data, where=str(src / MANIFEST_NAME))
-                _check_owner(src, manifest, run_id=self.run_id, stage=k, state_hash=state_hash)
+                check_owner(src, manifest, run_id=self.run_id, stage=k, state_hash=state_hash)
                 (temp / f"stage{k}").mkdir()
                 _copy_verified(src, temp / f"stage{k}", manifest.files, data)
                 entries.append(RunStageEntry(stage=k, step=manifest.step, manifest_sha256=manifest_id(data),
@@ -297,7 +290,7 @@ class RunCheckpoints(_StepDirs):
     def load(self, path: Path, state_hash: str | None = None
              ) -> tuple[RunManifest, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]]]:
         """Verify the run checkpoint at `path` and every stage in it, and read all their tensors."""
-        run, _, stages = _verify_run(Path(path), run_id=self.run_id, state_hash=state_hash, read_state=True)
+        run, _, stages = verify_run(Path(path), run_id=self.run_id, state_hash=state_hash, read_state=True)
         return run, stages
 
     def newest_verified(self, state_hash: str | None = None
@@ -313,134 +306,7 @@ class RunCheckpoints(_StepDirs):
         return None
 
     def _check(self, path: Path) -> str:
-        return _verify_run(path, run_id=self.run_id, state_hash=None, read_state=False)[1]
-
-
-def check_stage(path: Path, *, run_id: str, stage: int, state_hash: str | None,
-                expect_id: str | None = None) -> tuple[StageManifest, str]:
-    """Verify a stage checkpoint's manifest and files (not its tensors); (manifest, manifest id).
-
-    `state_hash` None skips that check; `expect_id`, if given, is the manifest id it must have.
-    """
-    data = _read_manifest(path)
-    mid = manifest_id(data)
-    if expect_id is not None and mid != expect_id:
-        raise CheckpointError(f"{path / MANIFEST_NAME}: sha256 {mid} is not the expected {expect_id}")
-    manifest = StageManifest.from_bytes(data, where=str(path / MANIFEST_NAME))
-    _check_owner(path, manifest, run_id=run_id, stage=stage, state_hash=state_hash)
-    if STATE_NAME not in manifest.files:
-        raise CheckpointError(f"{path / MANIFEST_NAME}: lists no {STATE_NAME}")
-    _check_listing(path, set(manifest.files))
-    for name, entry in manifest.files.items():
-        _check_file(path / name, entry)
-    return manifest, mid
-
-
-def load_stage(path: Path, *, run_id: str, stage: int, state_hash: str,
-               expect_id: str | None = None) -> tuple[StageManifest, str, dict[str, torch.Tensor]]:
-    """Verify a stage checkpoint and read its tensors: (manifest, manifest id, tensors).
-
-    The tensors are read after the files verify. That is sound because a checkpoint's files are
-    never rewritten in place: directories are only ever renamed in whole or removed.
-    """
-    manifest, mid = check_stage(path, run_id=run_id, stage=stage, state_hash=state_hash, expect_id=expect_id)
-    return manifest, mid, _read_tensors(path / STATE_NAME)
-
-
-def _verify_run(path: Path, *, run_id: str, state_hash: str | None, read_state: bool
-                ) -> tuple[RunManifest, str, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]]]:
-    """Verify a run checkpoint and every stage checkpoint in it; their tensors too if `read_state` (else {})."""
-    data = _read_manifest(path)
-    run = RunManifest.from_bytes(data, where=str(path / MANIFEST_NAME))
-    if run.run_id != run_id:
-        raise CheckpointError(f"run checkpoint {path} is for run {run.run_id!r}, not {run_id!r}")
-    if state_hash is not None and run.state_hash != state_hash:
-        raise CheckpointError(f"run checkpoint {path} has state hash {run.state_hash[:12]}, not {state_hash[:12]} "
-                              "(another model shape or number of stages)")
-    _check_listing(path, {entry.dir for entry in run.stages}, directories=True)
-    stages: dict[int, tuple[StageManifest, dict[str, torch.Tensor]]] = {}
-    for entry in run.stages:
-        where = dict(run_id=run.run_id, stage=entry.stage, state_hash=run.state_hash, expect_id=entry.manifest_sha256)
-        if read_state:
-            manifest, _, tensors = load_stage(path / entry.dir, **where)
-        else:
-            (manifest, _), tensors = check_stage(path / entry.dir, **where), {}
-        if manifest.num_stages != len(run.stages) or manifest.step != entry.step:
-            raise CheckpointError(f"run checkpoint {path}: {entry.dir} is step {manifest.step} of a run of "
-                                  f"{manifest.num_stages} stages, the run manifest says step {entry.step} of "
-                                  f"{len(run.stages)}")
-        stages[entry.stage] = (manifest, tensors)
-    return run, manifest_id(data), stages
-
-
-def _check_owner(path: Path, manifest: StageManifest, *, run_id: str, stage: int, state_hash: str | None) -> None:
-    if manifest.run_id != run_id:
-        raise CheckpointError(f"checkpoint {path} is for run {manifest.run_id!r}, not {run_id!r}")
-    if manifest.stage != stage:
-        raise CheckpointError(f"checkpoint {path} is for stage {manifest.stage}, not {stage}")
-    if state_hash is not None and manifest.state_hash != state_hash:
-        raise CheckpointError(f"checkpoint {path} has state hash {manifest.state_hash[:12]}, not {state_hash[:12]} "
-                              "(another model shape or number of stages)")
-
-
-def _check_listing(path: Path, expected: set[str], directories: bool = False) -> None:
-    """`path` holds the manifest and exactly the `expected` entries: regular files (or real directories)."""
-    try:
-        present = set(os.listdir(path)) - {MANIFEST_NAME}
-        modes = {name: os.lstat(path / name).st_mode for name in expected & present}
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path} cannot be listed: {e.strerror}") from None
-    if present != expected:
-        raise CheckpointError(f"checkpoint {path}: unexpected {sorted(present - expected)}, "
-                              f"missing {sorted(expected - present)} (against its manifest)")
-    for name, mode in modes.items():
-        if not (stat.S_ISDIR(mode) if directories else stat.S_ISREG(mode)):
-            raise CheckpointError(f"{path / name} is not a {'directory' if directories else 'regular file'}")
-
-
-def _check_file(file: Path, entry: FileEntry) -> None:
-    """Check a file's size (before reading it), then its sha256, against its manifest entry."""
-    try:
-        size = os.lstat(file).st_size
-        if size != entry.size:
-            raise CheckpointError(f"{file} is {size} bytes, its manifest says {entry.size} (truncated or overwritten)")
-        with open(file, "rb") as f:
-            digest = _hash(f).sha256
-    except OSError as e:
-        raise CheckpointError(f"{file} cannot be read: {e.strerror}") from None
-    if digest != entry.sha256:
-        raise CheckpointError(f"{file} has sha256 {digest[:12]}, its manifest says {entry.sha256[:12]} (corrupted)")
-
-
-def _read_manifest(path: Path) -> bytes:
-    """The bytes of ``path/manifest.json``, refusing to read more than a manifest may hold."""
-    file = path / MANIFEST_NAME
-    try:
-        with open(file, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise CheckpointError(f"{file} cannot be read: {e.strerror}") from None
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{file} is larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have")
-    return data
-
-
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a verified safetensors file; every float tensor must be finite."""
-    try:
-        tensors = safetensors.torch.load_file(str(file))
-    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
-        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and tensor.numel() and not _finite(tensor):
-            raise CheckpointError(f"{file}: non-finite values in {name}")
-    return tensors
-
-
-def _finite(tensor: torch.Tensor) -> bool:
-    # NaN and inf both reach the min or the max; one pass, no mask (isfinite().all() is far slower).
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+        return verify_run(path, run_id=self.run_id, state_hash=None, read_state=False)[1]
 
 
 def _cpu_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -463,23 +329,6 @@ def _fsync(file: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _sync_and_hash(file: Path) -> FileEntry:
-    """fsync a file just written and compute its sha256 and size, side by side (disk wait, CPU work)."""
-    with open(file, "rb") as f, ThreadPoolExecutor(1) as pool:
-        synced = pool.submit(os.fsync, f.fileno())
-        entry = _hash(f)
-        synced.result()
-    return entry
-
-
-def _hash(f: BinaryIO) -> FileEntry:
-    digest, size = hashlib.sha256(), 0
-    buffer = memoryview(bytearray(_CHUNK))
-    while n := f.readinto(buffer):
-        digest.update(buffer[:n])
-        size += n
-    return FileEntry(sha256=digest.hexdigest(), size=size)
-
 
 def _fsync_file(file: Path) -> None:
     with open(file, "rb") as f:
@@ -488,7 +337,7 @@ def _fsync_file(file: Path) -> None:
 
 def _copy_verified(src: Path, dst: Path, files: dict[str, FileEntry], manifest_data: bytes) -> None:
     """Copy a checkpoint's manifest and files into the empty `dst`, hashing what is copied; fsynced."""
-    _check_listing(src, set(files))
+    check_listing(src, set(files))
     for name, entry in files.items():
         digest = hashlib.sha256()
         try:

@@ -25,23 +25,18 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.checkpoint.manifest import MANIFEST_NAME
-from swarm.checkpoint.store import STATE_NAME, StageCheckpoints
+from swarm.checkpoint.serving import CheckpointServer, ServingLimits, serve_checkpoints
+from swarm.checkpoint.store import StageCheckpoints
 from swarm.checkpoint.transfer import (
-    BAD_REQUEST,
-    BUSY,
     INVALID,
-    MAX_CHUNK_BYTES,
-    NOT_FOUND,
     REFUSED,
     UNAVAILABLE,
-    CheckpointServer,
     CheckpointTransferError,
-    ServingLimits,
-    checkpoint_namespace,
     fetch_checkpoint,
     fetch_newest,
-    serve_checkpoints,
 )
+from swarm.checkpoint.verify import STATE_NAME
+from swarm.checkpoint.wire import BAD_REQUEST, BUSY, MAX_CHUNK_BYTES, NOT_FOUND, checkpoint_namespace
 from swarm.dht import CheckpointRecord, HeldCheckpoint
 from tests.helpers import wait_until
 from tests.integration.inproc import LOOP_CALL_TIMEOUT, Peer, running_peers, tiny_config

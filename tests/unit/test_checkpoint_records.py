@@ -1,6 +1,6 @@
 """Checkpoint records (who holds which stage checkpoint; the run checkpoint) and choosing whom to fetch from.
 
-Schemas, validators and the pure parts of swarm.checkpoint.transfer: no processes, no network.
+Schemas, validators and the pure parts of swarm.checkpoint.transfer and .serving: no processes, no network.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.checkpoint.transfer import MAX_CHUNK_BYTES, ServingLimits, _Lease, checkpoint_candidates
+from swarm.checkpoint.serving import ServingLimits, _Lease
+from swarm.checkpoint.transfer import checkpoint_candidates
+from swarm.checkpoint.wire import MAX_CHUNK_BYTES
 from swarm.dht import MAX_STAGES, CheckpointRecord, HeldCheckpoint, RunCheckpointRecord
 from swarm.dht.keys import checkpoints_field, dht_key, schema_validator
 from swarm.dht.schemas import MAX_HELD_CHECKPOINTS

@@ -23,7 +23,7 @@ from swarm.checkpoint import (
     manifest_id,
 )
 from swarm.checkpoint.manifest import MAX_MANIFEST_BYTES
-from swarm.checkpoint.store import STATE_NAME
+from swarm.checkpoint.verify import STATE_NAME
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -10,7 +10,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from swarm.checkpoint.store import STATE_NAME, RunCheckpoints, StageCheckpoints
+from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
+from swarm.checkpoint.verify import STATE_NAME
 from swarm.config import ModelConfig, RunConfig, StagesConfig
 from swarm.export import CONFIG_FILE, WEIGHTS_FILE, export, main, to_hf_state
 from swarm.model import StageModule, build_stage

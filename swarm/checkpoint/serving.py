@@ -1,0 +1,246 @@
+"""Serving checkpoints to peers: a holder streams the files of the checkpoints it has (wire format: wire.py).
+
+The server resolves a manifest id to a directory only through its ``resolve`` callback, and a file
+name only through that directory's manifest: nothing in a request is ever used as a path. Transfers
+are bounded: a few at once (``ServingLimits``), each holding its slot for a limited time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# hivemind's ServicerBase recognises streaming RPCs only by typing.AsyncIterator annotations
+from typing import AsyncIterator, BinaryIO  # noqa: UP035
+
+import msgpack
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, StageManifest, is_plain_name, manifest_id
+from swarm.checkpoint.wire import (
+    BAD_REQUEST,
+    BUSY,
+    INTERNAL,
+    MAX_CHUNK_BYTES,
+    MAX_ERROR_CHARS,
+    MAX_REQUEST_BYTES,
+    NOT_FOUND,
+    checkpoint_namespace,
+    unpack_map,
+)
+
+log = logging.getLogger(__name__)
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What one CheckpointServer spends on peers."""
+
+    max_transfers: int = 4  # files sent at once; more requests wait for a slot
+    chunk_bytes: int = MAX_CHUNK_BYTES
+    receive_timeout: float = 10.0  # a request must arrive within this many seconds
+    slot_timeout: float = 10.0  # a request waits this long for a slot, then gets a BUSY reply
+    # One file transfer holds a slot at most this long (a peer that stops reading must not keep it);
+    # a checkpoint file of several GB over a slow link needs all of it.
+    transfer_timeout: float = 900.0
+    drain_timeout: float = 10.0  # after refusing a request of several frames, discard the rest this long
+
+    def __post_init__(self) -> None:
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES or self.max_transfers < 1:
+            raise ValueError(f"need 0 < chunk_bytes <= {MAX_CHUNK_BYTES} and max_transfers >= 1, got {self}")
+
+
+class _Refusal(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class _FileRequest:
+    manifest_id: str
+    file: str
+    offset: int
+
+
+class CheckpointServer(ServicerBase):
+    """Serves the files of the checkpoints `resolve(manifest_id)` finds (a held checkpoint directory, or None).
+
+    `resolve` runs on a worker thread (it may read the disk), e.g. ``StageCheckpoints.path_for``.
+    """
+
+    def __init__(self, resolve: Callable[[str], Path | None], limits: ServingLimits = ServingLimits()):
+        self.resolve, self.limits = resolve, limits
+        self.namespace: str | None = None
+        self._slots = asyncio.Semaphore(limits.max_transfers)
+
+    async def rpc_read(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            request = await self._receive(requests)
+        except _Refusal as e:
+            yield self._refuse(context, None, e)
+            await self._drain(requests)
+            return
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.limits.slot_timeout)
+        except asyncio.TimeoutError:
+            busy = _Refusal(BUSY, f"all {self.limits.max_transfers} transfer slots stayed taken")
+            yield self._refuse(context, request, busy)
+            return
+        lease = _Lease(self._slots, self.limits.transfer_timeout)
+        try:
+            async for frame in self._send(request, context, lease):
+                yield frame
+        finally:
+            lease.release()
+
+    async def unregister(self, p2p: P2P) -> None:
+        """Stop serving on `p2p`."""
+        await self.remove_p2p_handlers(p2p, namespace=self.namespace)
+
+    async def _receive(self, requests: AsyncIterator) -> _FileRequest:
+        """The one request frame of a call, checked; the end of the stream must follow it."""
+        try:
+            frame = await asyncio.wait_for(anext(requests, None), self.limits.receive_timeout)
+            if frame is None:
+                raise _Refusal(BAD_REQUEST, "the stream ended before a request arrived")
+            if await asyncio.wait_for(anext(requests, None), self.limits.receive_timeout) is not None:
+                raise _Refusal(BAD_REQUEST, "a call carries exactly one request frame")
+        except asyncio.TimeoutError:
+            raise _Refusal(BAD_REQUEST, f"request not received within {self.limits.receive_timeout:g}s") from None
+        return _parse_request(frame)
+
+    async def _send(self, request: _FileRequest, context: P2PContext, lease: _Lease) -> AsyncIterator:
+        try:
+            source, size = await asyncio.to_thread(self._open, request)
+        except _Refusal as e:
+            yield self._refuse(context, request, e)
+            return
+        except Exception as e:  # a bug in `resolve` or here: the caller still gets an answer
+            log.warning("serving %s of checkpoint %s failed", request.file, request.manifest_id, exc_info=True)
+            yield self._refuse(context, request, _Refusal(INTERNAL, f"{type(e).__name__}: {e}"))
+            return
+        try:
+            yield _header_frame({"ok": True, "size": size, "offset": request.offset})
+            left = size - request.offset
+            while left > 0:
+                chunk = await asyncio.to_thread(source.read, min(left, self.limits.chunk_bytes))
+                if not chunk:
+                    break  # cannot happen for an immutable checkpoint: the fetcher sees the truncation
+                if lease.expired:
+                    log.warning("cut off sending %s of checkpoint %s to %s: it took over %gs", request.file,
+                                request.manifest_id, context.remote_id, self.limits.transfer_timeout)
+                    return
+                left -= len(chunk)
+                yield runtime_pb2.ExpertResponse(metadata=chunk)
+        except OSError as e:  # the header is out: ending the stream early is all we can still say
+            log.warning("reading %s of checkpoint %s failed: %s", request.file, request.manifest_id, e)
+        finally:
+            source.close()
+
+    def _open(self, request: _FileRequest) -> tuple[BinaryIO, int]:
+        """The requested file, positioned at the offset, and its size; on a worker thread."""
+        directory = self.resolve(request.manifest_id)
+        if directory is None:
+            raise _Refusal(NOT_FOUND, f"no checkpoint {request.manifest_id} is held here")
+        try:
+            with open(directory / MANIFEST_NAME, "rb") as f:
+                data = f.read(MAX_MANIFEST_BYTES + 1)
+            if manifest_id(data) != request.manifest_id:
+                raise _Refusal(INTERNAL, f"our copy of checkpoint {request.manifest_id} is damaged (manifest)")
+            if request.file == MANIFEST_NAME:
+                source, size = io.BytesIO(data), len(data)
+            else:
+                entry = StageManifest.from_bytes(data).files.get(request.file)
+                if entry is None:
+                    raise _Refusal(NOT_FOUND, f"checkpoint {request.manifest_id} has no file {request.file!r}")
+                source = open(directory / request.file, "rb")  # noqa: SIM115 (closed by _send)
+                size = os.fstat(source.fileno()).st_size
+                if size != entry.size:
+                    source.close()
+                    raise _Refusal(INTERNAL, f"our copy of {request.file} of checkpoint {request.manifest_id} "
+                                             f"is damaged ({size} bytes, not {entry.size})")
+        except (OSError, CheckpointError) as e:  # pruned meanwhile, or unreadable
+            raise _Refusal(NOT_FOUND, f"checkpoint {request.manifest_id} cannot be read here: {e}") from None
+        if request.offset > size:
+            source.close()
+            raise _Refusal(BAD_REQUEST, f"offset {request.offset} is past the end of {request.file} ({size} bytes)")
+        source.seek(request.offset)
+        return source, size
+
+    @staticmethod
+    def _refuse(context: P2PContext, request: _FileRequest | None, refusal: _Refusal) -> runtime_pb2.ExpertResponse:
+        what = f"{request.file} of {request.manifest_id}" if request else "a request"
+        log.info("refused %s from %s: [%s] %s", what, context.remote_id, refusal.code, refusal.message)
+        return _header_frame({"ok": False, "code": refusal.code, "error": refusal.message[:MAX_ERROR_CHARS]})
+
+    async def _drain(self, requests: AsyncIterator) -> None:
+        # hivemind's stream handler blocks on its full prefetch queue if nobody reads, and never closes
+        async def discard() -> None:
+            async for _ in requests:
+                pass
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(discard(), self.limits.drain_timeout)
+
+
+class _Lease:
+    """A transfer slot, given back when the transfer ends or its time is up, whichever comes first."""
+
+    def __init__(self, slots: asyncio.Semaphore, duration: float):
+        self._slots, self._released = slots, False
+        self._timer = asyncio.get_running_loop().call_later(duration, self.release)
+
+    @property
+    def expired(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        self._timer.cancel()
+        if not self._released:
+            self._released = True
+            self._slots.release()
+
+
+async def serve_checkpoints(
+    p2p: P2P, run_id: str, resolve: Callable[[str], Path | None], limits: ServingLimits = ServingLimits()
+) -> CheckpointServer:
+    """Serve the checkpoints `resolve` finds on `p2p` (run on the loop that owns `p2p`)."""
+    server = CheckpointServer(resolve, limits)
+    server.namespace = checkpoint_namespace(run_id)
+    await server.add_p2p_handlers(p2p, namespace=server.namespace)
+    return server
+
+
+def _parse_request(frame: runtime_pb2.ExpertRequest) -> _FileRequest:
+    if frame.tensors or len(frame.metadata) > MAX_REQUEST_BYTES:
+        raise _Refusal(BAD_REQUEST, f"a request is a msgpack map of at most {MAX_REQUEST_BYTES} bytes, no tensors")
+    meta = unpack_map(frame.metadata)
+    if meta is None:
+        raise _Refusal(BAD_REQUEST, "the request metadata is not a msgpack map")
+    mid, file, offset = meta.get("manifest_id"), meta.get("file"), meta.get("offset")
+    if type(mid) is not str or not _SHA256.fullmatch(mid):
+        raise _Refusal(BAD_REQUEST, "manifest_id must be 64 lowercase hex digits")
+    if not (file == MANIFEST_NAME or is_plain_name(file)):
+        raise _Refusal(NOT_FOUND, f"no file {file!r:.300} is served: only {MANIFEST_NAME} and the files it lists")
+    if type(offset) is not int or offset < 0:
+        raise _Refusal(BAD_REQUEST, f"offset must be an integer >= 0, got {offset!r:.80}")
+    return _FileRequest(mid, file, offset)
+
+
+def _header_frame(meta: dict) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=msgpack.packb(meta, use_bin_type=True))
+

@@ -141,30 +141,45 @@ def record_steps(server: StageServer) -> list[dict]:
     return steps
 
 
-def reference_val_loss(config: RunConfig, swarm_steps: list[dict]) -> float:
-    """Val loss of a ReferenceTrainer that took the swarm's steps: as many, each of as many samples, of
-    which as many came one step late (their gradient taken on the parameters from before the last step,
-    as a server computes those that come while a round runs beside compute)."""
+def reference_val_loss(config: RunConfig, stage_steps: list[list[dict]]) -> float:
+    """Val loss of a ReferenceTrainer whose every stage took the steps its swarm replicas took: as many,
+    each of as many samples, of which as many came one step late (their gradient taken on the stage's
+    parameters from before its last step, as a server computes those that come while a round runs
+    beside compute). The stages step on their own schedules, over the same micro-batches."""
     reference = ReferenceTrainer(config)
-    previous = copy.deepcopy(reference.stages)  # the parameters before the last step
-    for stats in swarm_steps:
-        late, samples = stats["late"], stats["samples"]
-        current = copy.deepcopy(reference.stages)
-        for done in range(0, samples, MICRO):
-            stages = previous if done < late else reference.stages
-            x, y = reference.sampler.next_batch()
-            hidden = x
-            for stage in stages[:-1]:
-                hidden = stage(hidden)
-            (stages[-1](hidden, targets=y) * x.shape[0]).backward()  # sums over samples, as servers take
-        for opt, old in zip(reference.optimizers, previous):
-            if late:
-                opt.accumulate([p.grad for p in old.parameters()], late)
-            if samples > late:
-                opt.add_samples(samples - late)
-            opt.step()
-        previous = current
+    stages, optimizers = reference.stages, reference.optimizers
+    previous = [_without_grads(copy.deepcopy(stage)) for stage in stages]  # each stage before its last step
+    position, done = [0] * len(stages), [0] * len(stages)  # the step each stage accumulates, and its samples
+    while any(at < len(steps) for at, steps in zip(position, stage_steps)):
+        used = [old if at < len(steps) and done_k < steps[at]["late"] else stage
+                for stage, old, at, steps, done_k in zip(stages, previous, position, stage_steps, done)]
+        x, y = reference.sampler.next_batch()
+        hidden = x
+        for stage in used[:-1]:
+            hidden = stage(hidden)
+        (used[-1](hidden, targets=y) * x.shape[0]).backward()  # sums over samples, as servers take
+        for k, steps in enumerate(stage_steps):
+            if position[k] >= len(steps):  # this stage took all its steps: the rest is not learned from
+                stages[k].zero_grad(set_to_none=True)
+                continue
+            done[k] += x.shape[0]
+            stats = steps[position[k]]
+            if done[k] < stats["samples"]:
+                continue
+            before = _without_grads(copy.deepcopy(stages[k]))
+            if stats["late"]:
+                optimizers[k].accumulate([p.grad for p in previous[k].parameters()], stats["late"])
+            if stats["samples"] > stats["late"]:
+                optimizers[k].add_samples(stats["samples"] - stats["late"])
+            optimizers[k].step()
+            previous[k], position[k], done[k] = before, position[k] + 1, 0
     return reference.evaluate()
+
+
+def _without_grads(module: torch.nn.Module) -> torch.nn.Module:
+    for p in module.parameters():
+        p.grad = None
+    return module
 
 
 def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
@@ -182,6 +197,7 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
                                 TrainerOptions(trainer_index=i, max_samples=budget, in_flight=2))
                         for i, p in enumerate(trainer_peers)]
             train(trainers)
+            failed_calls = sum(t.pipeline.stats.failures for t in trainers)
             wait_until(lambda: settled(servers), SETTLE_TIMEOUT, interval=0.2,
                        what="every stage's replicas at one final step")
             states = [snapshot(s) for s in servers]
@@ -195,7 +211,7 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         assert a["step"] == b["step"] == len(steps_a) == len(steps_b)
         torch.testing.assert_close(b["params"], a["params"], **EXACT)
         torch.testing.assert_close(b["optimizer"], a["optimizer"], **MOMENTS)
-        # every step a round of both replicas over at least a batch, and no sample lost or counted twice
+        # every step a round of both replicas over at least a batch
         assert [(x["averaging"], x["group_size"]) for x in steps_a + steps_b] == [("succeeded", 2)] * 2 * len(steps_a)
         samples_per_step = [x["samples"] for x in steps_a]
         assert samples_per_step == [x["samples"] for x in steps_b]
@@ -205,15 +221,18 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         # micro-batches before the other's arrived
         assert max(on_time) <= BATCH + 2 * MICRO * (STAGES.count(stage) - 1), (samples_per_step, on_time)
         stage_left = sum(n for n, s in zip(left, STAGES) if s == stage)
-        assert sum(samples_per_step) + stage_left == STEPS * BATCH
+        # none lost; a backward whose reply was lost (a broken stream on loaded cores) and that was
+        # retried on the other replica counts twice, so at most a micro-batch per failed call more
+        counted = sum(samples_per_step) + stage_left
+        assert STEPS * BATCH <= counted <= STEPS * BATCH + MICRO * failed_calls, (counted, failed_calls)
 
     swarm_model = ReferenceTrainer(config)  # to chain the stages and evaluate them as the reference does
     initial_loss = swarm_model.evaluate()
     for module, stage in zip(swarm_model.stages, (0, 1)):
         module.load_state_dict(states[STAGES.index(stage)]["params"])
     swarm_loss = swarm_model.evaluate()
-    # stage 0's steps: the other stage's rounds may split the same samples another way (say, one step more)
-    reference_loss = reference_val_loss(copy.deepcopy(config), steps[0])
+    # each stage as its replicas stepped (the stages' rounds may split the same samples differently)
+    reference_loss = reference_val_loss(copy.deepcopy(config), [steps[STAGES.index(stage)] for stage in (0, 1)])
 
     assert swarm_loss < LEARNED * initial_loss and reference_loss < LEARNED * initial_loss, \
         (initial_loss, swarm_loss, reference_loss)

@@ -22,6 +22,7 @@ from swarm.checkpoint.manifest import MANIFEST_NAME, RunManifest, manifest_id
 from swarm.checkpoint.serving import serve_checkpoints
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.checkpoint.transfer import fetch_newest
+from swarm.checkpoint.verify import check_stage, verify_run
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords
 from swarm.dht.schemas import CheckpointRecord, RunCheckpointRecord, RunCheckpointStage
@@ -55,11 +56,16 @@ class RunArchive:
         """Serve what this disk holds and announce it (a restarted coordinator is a holder at once)."""
         self._p2p = p2p
         self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, self._resolve), LOOP_CALL_TIMEOUT)
-        newest = self.runs.newest_verified(self.state_hash)
-        if newest is not None:
-            manifest, _, path = newest
+        for path in self.runs.entries():  # the newest that verifies (files hashed, tensors not read)
+            try:
+                manifest, _, _ = verify_run(path, run_id=self.config.run_id, state_hash=self.state_hash,
+                                            read_state=False)
+            except CheckpointError as e:
+                log.warning("skipping run checkpoint %s: %s", path, e)
+                continue
             self._assembled = {entry.stage: entry.manifest_sha256 for entry in manifest.stages}
             log.info("holding the run checkpoint of step %d (%s)", manifest.step, path)
+            break
         self.announce()
 
     def run(self, stop: threading.Event) -> None:
@@ -102,10 +108,10 @@ class RunArchive:
         newest: dict[int, Path] = {}
         ids: dict[int, str] = {}
         for stage, store in self.stages.items():
-            found = store.newest_verified(state_hash=self.state_hash)
+            found = _newest_intact(store, self.state_hash)
             if found is None:
                 return False  # not every stage has a checkpoint yet
-            _, ids[stage], _, newest[stage] = found
+            ids[stage], newest[stage] = found
         if ids == self._assembled:
             return False
         try:
@@ -161,3 +167,14 @@ class RunArchive:
         entries = store.entries()
         return int(entries[0].name.removeprefix("step")) if entries else -1
 
+
+def _newest_intact(store: StageCheckpoints, state_hash: str) -> tuple[str, Path] | None:
+    """(manifest id, path) of the newest checkpoint in `store` whose files verify (its tensors are not read)."""
+    for path in store.entries():
+        try:
+            _, mid = check_stage(path, run_id=store.run_id, stage=store.stage, state_hash=state_hash)
+        except CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+            continue
+        return mid, path
+    return None

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from swarm.averaging.progress import fingerprints_differ, param_fingerprint
-from swarm.checkpoint.store import StageCheckpoints
+from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.config import RunConfig
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
@@ -35,6 +35,7 @@ RESUME_TIMEOUT = 150.0  # a new server starting, fetching and loading a checkpoi
 LOSS_TIMEOUT = 90.0  # a new trainer training two batches
 RESUMED = re.compile(r"resumed from the checkpoint of step (\d+)")
 PULLED = re.compile(r"pulled the checkpoint of stage 1 at step (\d+)")
+ASSEMBLED = re.compile(r"run checkpoint of steps \[\d+, \d+\] written")
 
 
 def write_config(tiny_config_path: Path, tmp_path: Path) -> Path:
@@ -111,6 +112,10 @@ def test_a_dead_stage_and_then_a_whole_swarm_resume_from_checkpoints(procs: Proc
     coordinator.proc.wait_until(
         lambda: any(int(s) >= TRAINED - EVERY for s in PULLED.findall(coordinator.proc.stderr())), PULL_TIMEOUT,
         "the coordinator pulling a recent checkpoint of stage 1")
+    coordinator.proc.wait_until(lambda: ASSEMBLED.search(coordinator.proc.stderr()), PULL_TIMEOUT,
+                                "the coordinator assembling a run checkpoint of both stages")
+    run = RunCheckpoints(tmp_path / "coordinator", config.run_id, config.checkpoint.keep).newest_verified()
+    assert run is not None and sorted(run[1]) == [0, 1]  # what swarm-export reads, verified file by file
     initial_loss = math.log(config.model.vocab_size)  # of a fresh model: uniform over the vocabulary
     trainer.proc.wait_until(lambda: (trainer.metric("swarm_trainer_loss") or initial_loss) < initial_loss - 0.5,
                             TRAIN_TIMEOUT, "the trainer's loss (published every 5 s) falling")

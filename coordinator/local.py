@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"swarm-local: error: {e}")
     print(f"done: {summary['steps']} steps, loss {_num(summary['initial_loss'])} -> {_num(summary['final_loss'])}, "
           f"validation loss {_num(summary['val_loss'])}, {summary['samples_per_second']:.1f} samples/s", flush=True)
+    checkpoint = summary.get("run_checkpoint")
+    if checkpoint:
+        print(f"run checkpoint of steps {checkpoint['steps']}: swarm-export --checkpoint-dir "
+              f"{checkpoint['checkpoint_dir']} --out model/  (a GPT-2 model transformers loads)", flush=True)
     if args.summary:
         Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarm.checkpoint.errors import CheckpointError
 from swarm.config import RunConfig
 from swarm.data import eval_batches, load_tokenizer, load_tokens
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, join_run, load_identity
@@ -49,6 +50,7 @@ class LocalSwarm:
         self.trainers = trainers
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="swarm-local-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = self.log_dir / "checkpoints"  # each server's, and the coordinator's
         self.metrics_port = metrics_port or free_port()
         self.stop = stop
         self.children: list[Child] = []
@@ -103,7 +105,22 @@ class LocalSwarm:
             "servers_per_stage": self.servers_per_stage,
             "trainers": self.trainers,
             "log_dir": str(self.log_dir),
+            "run_checkpoint": self._newest_run_checkpoint(),
         }
+
+    def _newest_run_checkpoint(self) -> dict[str, Any] | None:
+        """The coordinator's newest run checkpoint: where it is and each stage's step (what swarm-export reads)."""
+        from swarm.checkpoint.store import RunCheckpoints
+        from swarm.checkpoint.verify import verify_run
+
+        root = self.checkpoint_dir / "coordinator"
+        for path in RunCheckpoints(root, self.config.run_id, self.config.checkpoint.keep).entries():
+            try:
+                manifest, _, _ = verify_run(path, run_id=self.config.run_id, state_hash=None, read_state=False)
+            except CheckpointError:
+                continue
+            return {"checkpoint_dir": str(root), "path": str(path), "steps": [e.step for e in manifest.stages]}
+        return None
 
     def _child(self, name: str, module: str, maddr: str | None, *args: str) -> Child:
         common = ["--host-maddrs", LOCAL, "--log-level", os.environ.get("SWARM_LOG_LEVEL", "INFO")]
@@ -126,7 +143,8 @@ class LocalSwarm:
 
     def _start_coordinator(self) -> str:
         coordinator = self._child("coordinator", "coordinator.cli", None, "--config", self.config_path,
-                                  "--metrics-port", str(self.metrics_port))
+                                  "--metrics-port", str(self.metrics_port), "--checkpoint-dir",
+                                  str(self.checkpoint_dir / "coordinator"))
         match = coordinator.wait_for_output(r"initial peers: (\S+)", START_TIMEOUT, self.stop)
         print(f"coordinator: {match.group(1)}\n  status: http://127.0.0.1:{self.metrics_port}/status"
               f"\n  logs:   {self.log_dir}", flush=True)
@@ -139,7 +157,7 @@ class LocalSwarm:
                 self.server_ports.append((stage, port))
                 name = f"server-{stage}-{replica}"
                 self._child(name, "peer.cli", maddr, "--role", "server", "--stage", str(stage), "--device", "cpu",
-                            "--metrics-port", str(port), "--checkpoint-dir", str(self.log_dir / "checkpoints" / name))
+                            "--metrics-port", str(port), "--checkpoint-dir", str(self.checkpoint_dir / name))
 
     def _averaging_stats(self) -> dict[str, list[float | None]]:
         """Per stage, from its servers' /metrics: the share of samples that came while a round ran (one

@@ -175,6 +175,7 @@ def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # (safetensors creates its file readable by its owner only)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

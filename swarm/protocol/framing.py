@@ -30,6 +30,10 @@ DEFAULT_PART_BYTES = MAX_UNARY_PAYLOAD_SIZE
 Frame = TypeVar("Frame", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
 
+# Every message's metadata says how many tensors follow (absent from error replies, and from older
+# peers), so a stream that ends after whole tensors is caught like one that ends inside a tensor.
+TENSOR_COUNT = "n_tensors"
+
 @dataclass(frozen=True)
 class WireLimits:
     """Caps on one message (request or reply); both sides check them, the receiver strictly."""
@@ -72,7 +76,7 @@ def to_frames(
 
     Parts are cut lazily, so only one extra part is held in memory at a time.
     """
-    meta_bytes = encode_metadata(meta)
+    meta_bytes = encode_metadata({**meta, TENSOR_COUNT: len(tensors)})
     if len(tensors) > limits.max_tensors:
         raise ProtocolError(f"a message carries at most {limits.max_tensors} tensors, got {len(tensors)}")
     total = len(meta_bytes) + sum(len(tensor.buffer) for tensor in tensors)
@@ -98,12 +102,16 @@ async def gather_frames(
     `on_metadata` sees the metadata as soon as it arrives and may raise to stop reading early
     (a client does this for error replies, which carry no tensors).
     """
-    meta = None
+    meta, declared = None, None
     assembler = _TensorAssembler(limits)
     async for frame in stream:
         if meta is None:
             meta = decode_metadata(frame.metadata, limits)
             assembler.take_bytes(len(frame.metadata))
+            declared = meta.pop(TENSOR_COUNT, None)
+            if declared is not None and (not isinstance(declared, int) or isinstance(declared, bool)
+                                         or not 0 <= declared <= limits.max_tensors):
+                raise ProtocolError(f"a message must declare 0..{limits.max_tensors} tensors, got {declared!r}")
             if on_metadata is not None:
                 on_metadata(meta)
         elif frame.metadata:
@@ -114,7 +122,10 @@ async def gather_frames(
             assembler.add(part)
     if meta is None:
         raise ProtocolError("the stream ended before any metadata arrived")
-    return meta, assembler.finish()
+    tensors = assembler.finish()
+    if declared is not None and len(tensors) != declared:  # a stream cut short after whole tensors
+        raise ProtocolError(f"the message declared {declared} tensors, {len(tensors)} arrived")
+    return meta, tensors
 
 
 class _TensorAssembler:

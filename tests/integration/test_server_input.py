@@ -36,6 +36,7 @@ from swarm.protocol import (
     StageReply,
     StageRequest,
     StageService,
+    StageUnavailable,
     receive_reply,
     register,
     stage_namespace,
@@ -111,6 +112,16 @@ def good_request(stage: int) -> StageRequest:
     if stage == 0:
         return StageRequest(FORWARD, 0, "good-0", tokens())
     return StageRequest(FORWARD, 1, "good-1", hidden(), targets=tokens())
+
+
+def good_reply(swarm, stub: StageClient, stage: int) -> StageReply:
+    """The reply to good_request(stage), sent once more if the transport failed: a reply stream cut
+    short on loaded cores was seen once in 10 runs, and what this checks is the server, not p2pd.
+    (A forward changes nothing, so sending it twice is harmless.)"""
+    try:
+        return swarm.call(stub.call(good_request(stage)))
+    except StageUnavailable:
+        return swarm.call(stub.call(good_request(stage)))
 
 
 def check_good_reply(stage: int, reply: StageReply) -> None:
@@ -252,7 +263,7 @@ def test_bad_input_is_refused_and_leaves_no_trace(swarm, case):
     assert error.value.code == case.code
     assert case.message in error.value.message
 
-    check_good_reply(case.stage, swarm.call(stub.call(good_request(case.stage))))
+    check_good_reply(case.stage, good_reply(swarm, stub, case.stage))
     assert accumulated(server) == (0, 0), "a refused request added samples or gradients"
     after = stage_state(server)
     assert all(torch.equal(before[name], after[name]) for name in before), "a refused request changed parameters"

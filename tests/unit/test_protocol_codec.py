@@ -317,3 +317,13 @@ def test_service_refuses_an_oversized_request_early_and_drains_the_rest():
     error, left = _serve(_Stage(StageReply()), big)
     assert error.code == BAD_REQUEST and "message limit" in error.message
     assert left == 0  # read to the end, so hivemind's reader never blocks on a full queue
+
+
+@pytest.mark.parametrize("kept", [0, 1], ids=["metadata-only", "one-of-two"])
+def test_a_stream_cut_after_whole_tensors_is_caught(kept):
+    """Frames end on a tensor boundary (seen under load: a reply that lost its tail in transport)."""
+    tensors = [encode_tensor(torch.ones(3), "float32"), encode_tensor(torch.zeros(2), "float32")]
+    frames = list(to_frames({"ok": True}, tensors, runtime_pb2.ExpertResponse))
+    assert asyncio.run(gather_frames(iter_as_aiter(frames)))[0] == {"ok": True}  # whole: the count is not metadata
+    with pytest.raises(ProtocolError, match=f"declared 2 tensors, {kept} arrived"):
+        asyncio.run(gather_frames(iter_as_aiter(frames[:1 + kept])))

@@ -269,7 +269,7 @@ class LocalSwarm:
     async def _make_pipeline(self) -> RemotePipeline:
         p2p = await self.dht.replicate_p2p()
         config = self.config
-        pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire_dtype,
+        pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire,
                                   PipelineSettings.from_config(config.network))
         servers = self.records.lookup_all_servers(config.stages.num_stages)
         pipeline.update_servers({k: [r.peer_id for r in v if r.state == "ONLINE"] for k, v in servers.items()})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -44,8 +45,15 @@ def fraction(value: str) -> float:
 
 def non_negative(value: str) -> float:
     x = float(value)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    if not 0 <= x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return x
+
+
+def positive_float(value: str) -> float:
+    x = float(value)
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
     return x
 
 
@@ -79,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true",
                    help="server: start a stage that has no live server from fresh weights even though the run "
                    "has checkpoints or progress (a new run under an old run id)")
+    p.add_argument("--activation-cache-mb", type=non_negative, default=None, metavar="MB",
+                   help="server: memory for forward graphs kept until their backward, so it need not recompute "
+                   "the forward (default: a quarter of the device's free memory; 0 turns it off)")
+    p.add_argument("--activation-cache-ttl", type=positive_float, default=None, metavar="SECONDS",
+                   help="server: how long a kept forward graph waits for its backward (default: 120)")
     p.add_argument("--join-timeout", type=float, default=60.0, help="seconds to find the run and its config")
     p.add_argument("--check", action="store_true", help="join, print the run config, and exit")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -166,6 +179,10 @@ def run_server(args, config, dht, records, loop, device, registry, stop) -> None
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
                             inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
                             fresh=args.fresh)
+    if args.activation_cache_mb is not None:
+        options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
+    if args.activation_cache_ttl is not None:
+        options.activation_cache_ttl = args.activation_cache_ttl
     server = StageServer(config, dht, records, loop, options, registry)
     try:
         server.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
@@ -14,9 +15,11 @@ from pathlib import Path
 import hivemind
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from swarm.activations import DEFAULT_TTL, ActivationCache, default_cache_bytes
 from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, StateDownloadError, averaging_prefix
-from swarm.backend import BackwardResult, Overloaded, StageBackend
+from swarm.backend import BackwardResult, Overloaded, StageBackend, autocast
 from swarm.checkpoint.keeper import StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
@@ -54,6 +57,8 @@ class ServerOptions:
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
     checkpoint_dir: Path | None = None  # where this server keeps its stage's checkpoints; None: none kept
     fresh: bool = False  # start the stage from fresh weights even though the run has progress elsewhere
+    activation_cache_bytes: int | None = None  # forward graphs kept for their backward; None: a share of free memory
+    activation_cache_ttl: float = DEFAULT_TTL  # seconds a kept graph waits for its backward
 
 
 class StageStateMissing(RuntimeError):
@@ -86,6 +91,33 @@ class ServerMetrics:
                                registry=registry)
         self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
                                registry=registry)
+        registry.register(ActivationCacheCollector(backend_ref))
+
+
+class ActivationCacheCollector:
+    """The activation cache's counters, read when Prometheus scrapes (the cache itself stays lock-free)."""
+
+    def __init__(self, server: StageServer):
+        self.server = server
+
+    def collect(self):
+        backend = self.server.backend
+        cache = backend.cache if backend is not None else None
+        values = (0, 0, 0, 0, 0) if cache is None else (cache.hits, cache.misses, cache.evictions,
+                                                         cache.bytes_held, len(cache))
+        for name, doc, value in zip(("hits", "misses", "evictions"), (
+                "Backwards served from the forward's kept graph",
+                "Backwards that recomputed the forward (graph evicted, expired, never kept, or stale)",
+                "Kept forward graphs dropped before their backward came (for room or age)"), values):
+            family = CounterMetricFamily(f"swarm_activation_cache_{name}", doc)
+            family.add_metric([], value)
+            yield family
+        held = GaugeMetricFamily("swarm_activation_cache_bytes", "Activation memory held by kept forward graphs")
+        held.add_metric([], values[3])
+        yield held
+        entries = GaugeMetricFamily("swarm_activation_cache_entries", "Forward graphs kept for their backward")
+        entries.add_metric([], values[4])
+        yield entries
 
 
 class StageServer:
@@ -130,7 +162,8 @@ class StageServer:
         self.averager = StageAverager(self.stage_state, self.dht, self.config, owner_key=self.records.local_owner_key,
                                       peer_id=self.peer_id, registry=self.registry)
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
-                                    on_step=self._on_step, stepper=self.averager)
+                                    on_step=self._on_step, stepper=self.averager,
+                                    compute_dtype=self.config.stages.compute_dtype, cache=self._activation_cache())
         if self.options.checkpoint_dir is not None:
             self.keeper = StageKeeper(self.stage_state, self.config, self.options.checkpoint_dir, self.records,
                                       self.loop, self.peer_id, self.registry)
@@ -158,6 +191,12 @@ class StageServer:
         self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
         self._announcer.start()
         log.info("serving stage %d of %d (%.1f samples/s measured) as %s", stage, n, self.throughput, self.peer_id)
+
+    def _activation_cache(self) -> ActivationCache:
+        size = self.options.activation_cache_bytes
+        if size is None:
+            size = default_cache_bytes(torch.device(self.options.device))
+        return ActivationCache(size, self.options.activation_cache_ttl)
 
     def _resume(self, fresh_ok: bool = True) -> int | None:
         """The stage has no live server: load its newest checkpoint (its step), or start it fresh (None) only
@@ -205,6 +244,9 @@ class StageServer:
                 self.announce()
             except Exception as e:  # a DHT hiccup must not stop the renewals
                 log.warning("announce failed: %s", e)
+            if self.backend.cache is not None:  # graphs whose backward never came go even when no request does
+                with contextlib.suppress(Overloaded, RuntimeError):
+                    self.backend.submit(self.backend.cache.expire)
 
     def _on_step(self, stats: dict) -> None:
         if self.keeper is not None and not stats["skipped"]:
@@ -240,7 +282,7 @@ class StageRequestHandler(StageHandler):
 
     def __init__(self, server: StageServer):
         self.server = server
-        self._recent: OrderedDict[str, asyncio.Future[BackwardResult]] = OrderedDict()
+        self._recent: OrderedDict[tuple, asyncio.Future[BackwardResult]] = OrderedDict()
 
     async def forward(self, request: StageRequest) -> StageReply:
         with self.server.metrics.in_flight.labels(kind=request.kind).track_inprogress():
@@ -253,7 +295,8 @@ class StageRequestHandler(StageHandler):
     async def _forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
         backend = await self._admit(request)
-        out, step = await self._run(request, backend.forward_at, request.inputs, request.targets)
+        keep = (request.caller, request.request_id) if request.backward_follows else None
+        out, step = await self._run(request, backend.forward_at, request.inputs, request.targets, keep)
         self._done(request, started)
         return StageReply([out], server_step=step)
 
@@ -262,15 +305,17 @@ class StageRequestHandler(StageHandler):
         backend = await self._admit(request)
         # A retry of a request this server already ran (or is running) must not add its gradient
         # twice: the first run's result is shared, shielded from the first caller's cancellation.
-        task = self._recent.get(request.request_id)
+        # Keys name the caller too: one peer's request ids cannot collide with, or take, another's.
+        key = (request.caller, request.request_id)
+        task = self._recent.get(key)
         first = task is None
         if first:
-            task = asyncio.ensure_future(self._run(request, backend.backward, request.inputs,
-                                                   request.grad_outputs, request.targets, request.forward_step))
-            self._recent[request.request_id] = task
+            task = asyncio.ensure_future(self._run(request, backend.backward, request.inputs, request.grad_outputs,
+                                                   request.targets, request.forward_step, key))
+            self._recent[key] = task
             while len(self._recent) > BACKWARD_CACHE_SIZE:
                 self._recent.popitem(last=False)
-            task.add_done_callback(lambda t, rid=request.request_id: self._forget_failed(rid, t))
+            task.add_done_callback(lambda t, k=key: self._forget_failed(k, t))
         result = await asyncio.shield(task)
         if first:
             self.server.metrics.samples.inc(request.inputs.shape[0])
@@ -283,9 +328,9 @@ class StageRequestHandler(StageHandler):
         info = {} if result.loss is None else {"loss": result.loss}
         return StageReply(tensors, server_step=result.step, info=info)
 
-    def _forget_failed(self, request_id: str, task: asyncio.Future) -> None:
+    def _forget_failed(self, key: tuple, task: asyncio.Future) -> None:
         if task.cancelled() or task.exception() is not None:
-            self._recent.pop(request_id, None)  # nothing was accumulated: a retry must run again
+            self._recent.pop(key, None)  # nothing was accumulated: a retry must run again
 
     async def _admit(self, request: StageRequest) -> StageBackend:
         server, options = self.server, self.server.options
@@ -323,7 +368,9 @@ class StageRequestHandler(StageHandler):
 def measure_throughput(backend: StageBackend, config: RunConfig, repeats: int = 3) -> float:
     """Samples per second of forward + backward on one micro-batch, on a copy of the stage.
 
-    A copy, so the measurement leaves no gradient behind in the real stage.
+    A copy, so the measurement leaves no gradient behind in the real stage. It times what a request
+    costs: in the backend's compute dtype, and with the forward run once (graph kept for the
+    backward) when the backend keeps graphs, twice (recomputed) when it does not.
     """
     import copy
 
@@ -334,13 +381,18 @@ def measure_throughput(backend: StageBackend, config: RunConfig, repeats: int = 
     else:
         x = torch.randn(n, t, config.model.d_model, device=backend.device)
     targets = torch.randint(0, config.model.vocab_size, (n, t), device=backend.device) if module.is_last else None
+    recompute = backend.cache is None and not module.is_last
     timings = []
     for _ in range(repeats + 1):  # the first run warms up allocators and kernels
         started = time.perf_counter()
-        with torch.no_grad():
-            module(x, targets)
-        x_grad = x.float().requires_grad_(True) if not module.is_first else x
-        out = module(x_grad, targets)
+        with autocast(backend.device, backend.compute_dtype):
+            if recompute:
+                with torch.no_grad():
+                    module(x, targets)
+            x_grad = x.float().requires_grad_(True) if not module.is_first else x
+            out = module(x_grad, targets)
         out.sum().backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
         timings.append(time.perf_counter() - started)
     return n / min(timings[1:])

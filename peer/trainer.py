@@ -118,7 +118,7 @@ class Trainer:
         p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
         settings = PipelineSettings.from_config(self.config.network)
         self.pipeline = RemotePipeline(p2p, self.config.run_id, self.config.stages.num_stages,
-                                       self.config.stages.wire_dtype, settings, self.balancer_factory)
+                                       self.config.stages.wire, settings, self.balancer_factory)
         future = asyncio.run_coroutine_threadsafe(self._main(), self.loop.loop)
         try:
             while not future.done():

@@ -1,18 +1,25 @@
-"""A stage's compute: forward, backward by recomputation, gradient accumulation, optimizer steps.
+"""A stage's compute: forward, backward (from a kept graph, or by recomputation), gradient
+accumulation, optimizer steps.
 
 No networking here. Every task runs on one worker thread owned by the backend, so torch work never
 blocks an event loop and the module, its gradients and its optimizer are only touched by that
 thread. At most `max_queue` tasks may wait; more are refused at once with :class:`Overloaded`,
 so a flood of requests cannot grow memory without bound.
+
+Mixed precision: the stage computes under autocast in its compute dtype (bfloat16 on a GPU by
+default) while its parameters, their gradients and the optimizer state stay float32. On CUDA,
+TF32 is allowed for what stays float32, inputs and outputs cross to and from the device through
+pinned buffers on a copy stream, and nothing waits for the device but the copy of a reply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.func import functional_call
 
+from swarm.activations import ActivationCache, CachedForward, SavedBytes, StaleGraph
 from swarm.model import StageModule
 from swarm.optim import StageOptimizer
 
@@ -30,6 +38,32 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 UTILIZATION_WINDOW = 30.0  # seconds over which utilization() is measured
 UTILIZATION_MARK_PERIOD = 1.0
+
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_compute_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The dtype a stage computes in on `device`: "auto" is bfloat16 on a CUDA device that has it, else float32."""
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif name == "auto":
+        device = torch.device(device)
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    elif name in COMPUTE_DTYPES:
+        dtype = COMPUTE_DTYPES[name]
+    else:
+        raise ValueError(f"unknown compute dtype {name!r}; expected auto or one of {', '.join(COMPUTE_DTYPES)}")
+    if dtype not in COMPUTE_DTYPES.values():
+        raise ValueError(f"a stage cannot compute in {dtype}: float16 would need loss scaling; use bfloat16")
+    return dtype
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` on `device`, or nothing for float32 (the parameters' own dtype)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 class Overloaded(RuntimeError):
@@ -44,6 +78,7 @@ class BackwardResult:
     step_stats: dict[str, Any] | None  # set when this task completed a batch and the stage stepped
     staleness: int | None = None  # steps the stage took between the micro-batch's forward and this backward
     stashed: bool = False  # the gradient was computed on the parameters the forward used, kept from before a step
+    cached: bool = False  # the forward's graph was kept: no recomputation
 
 
 class StageBackend:
@@ -58,8 +93,11 @@ class StageBackend:
         on_step: Callable[[dict[str, Any]], None] | None = None,
         stepper: StageStepper | None = None,
         stash_weights: bool = True,
+        compute_dtype: str | torch.dtype = "auto",
+        cache: ActivationCache | None = None,
     ):
         self.device = torch.device(device)
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
         self.module = module.to(self.device)
         self.optimizer = optimizer
         self.stepper = optimizer if stepper is None else stepper  # decides when and how the stage steps
@@ -78,6 +116,13 @@ class StageBackend:
         self._param_names = [name for name, p in module.named_parameters() if p.requires_grad]
         self._stash: list[torch.Tensor] | None = None
         self._stash_step: int | None = None  # the step whose parameters _stash holds
+        # Forward graphs kept for their backward (never for the last stage: it runs both in one call)
+        self.cache = None if module.is_last or cache is None or cache.max_bytes == 0 else cache
+        self._copy_stream = None
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # what stays float32 may use tensor cores
+            torch.backends.cudnn.allow_tf32 = True
+            self._copy_stream = torch.cuda.Stream(self.device)
 
     @property
     def queue_depth(self) -> int:
@@ -126,61 +171,162 @@ class StageBackend:
         """Stage output for `x` (the mean loss on the last stage); no gradients are kept."""
         return self.forward_at(x, targets)[0]
 
-    def forward_at(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        """forward(), and the step whose parameters it used (what a trainer sends back with the backward)."""
-        with torch.no_grad():
-            out = self.module(x.to(self.device), _to(targets, self.device))
+    def forward_at(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: Hashable | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """forward(), and the step whose parameters it used (what a trainer sends back with the backward).
+
+        With `keep` (the caller's key for this micro-batch), the graph is kept in the activation
+        cache so the backward under the same key need not recompute the forward.
+        """
+        module = self.module
+        x = self._to_device(x)
+        targets = self._to_device(targets)
+        if keep is not None and self.cache is not None:
+            module.check_input(x, targets)  # before .float(), which would pass integers off as hidden states
+            inputs = x if module.is_first else x.detach().float().requires_grad_(True)
+            versions = self._param_versions()
+            with SavedBytes(self.optimizer.params) as saved, self._autocast():
+                out = module(inputs, targets)
+            nbytes = saved.nbytes + out.untyped_storage().nbytes()
+            self.cache.put(keep, inputs, out, self.step, versions, nbytes)
+        else:
+            with torch.no_grad(), self._autocast():
+                out = module(x, targets)
         self.samples_processed += x.shape[0]
-        return out.float().cpu(), self.step
+        return self._to_host(out.detach().float() if out.dim() == 0 else out.detach()), self.step
 
     def backward(
         self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-        forward_step: int | None = None,
+        forward_step: int | None = None, key: Hashable | None = None,
     ) -> BackwardResult:
-        """Recompute the forward from `x`, hand the parameter gradients to the stepper, step when it is ready.
+        """Backward from the forward's kept graph, or recompute the forward from `x`; hand the parameter
+        gradients to the stepper, step when it is ready.
 
         Gradients are of the SUM of per-sample losses (the last stage scales its mean loss by the
         micro-batch size), so the optimizer can average over however many samples arrived.
         `forward_step`, the step at which this stage ran the micro-batch's forward, tells how stale
-        the gradient is: `grad_output` came from activations of then. If the stage has stepped once
-        since, the forward is recomputed on the stashed parameters of then, so the gradient is
-        consistent (one step old); if more, on the parameters of now.
+        the gradient is: `grad_output` came from activations of then. A graph kept under `key` is
+        used only if it was built on the parameters of now from the same `x`. Otherwise the forward
+        is recomputed: if the stage has stepped once since, on the stashed parameters of then, so
+        the gradient is consistent (one step old); if more, on the parameters of now.
         """
         staleness = None if forward_step is None else max(0, self.step - forward_step)
-        stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
         module = self.module
         n = x.shape[0]
-        x = x.to(self.device)
+        x = self._to_device(x)
+        targets = self._to_device(targets)
         if not module.is_first:
             module.check_input(x, targets)  # before .float(), which would pass integers off as hidden states
-            x = x.detach().float().requires_grad_(True)
+        entry = self.cache.take(key) if self.cache is not None and key is not None else None
         params = self.optimizer.params
         kept = [p.grad for p in params]  # this micro-batch's gradients are computed apart, then handed over
-        for p in params:
-            p.grad = None
+        stashed = cached = False
         try:
-            if stashed:  # fresh leaves each time, so their gradients are this micro-batch's alone
-                leaves = [t.detach().requires_grad_(True) for t in self._stash]
-                out = functional_call(module, dict(zip(self._param_names, leaves)), (x, _to(targets, self.device)))
+            for p in params:
+                p.grad = None
+            result = None
+            if entry is not None and self._usable(entry, x, forward_step):
+                result = self._backward_cached(entry, grad_output)
+            if result is not None:
+                cached = True
+                grads, loss, grad_input = result
             else:
-                leaves = params
-                out = module(x, _to(targets, self.device))  # validates x and targets
-            if module.is_last:
-                loss = float(out.detach())
-                (out * n).backward()
-            else:
-                loss = None
-                _check_grad_output(grad_output, out)
-                out.backward(grad_output.to(device=self.device, dtype=out.dtype))
-            grads = [leaf.grad for leaf in leaves]
+                stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
+                grads, loss, grad_input = self._backward_recomputed(x, grad_output, targets, n, stashed)
         finally:  # a request that fails changes nothing
             for p, grad in zip(params, kept):
                 p.grad = grad
+        if self.cache is not None:
+            if cached:
+                self.cache.hits += 1
+            else:
+                self.cache.misses += 1
         self.stepper.accumulate(grads, n)
         self.samples_processed += n
         stats = self._step_if_ready()
-        grad_input = None if module.is_first else x.grad.detach().cpu()
-        return BackwardResult(grad_input, loss, self.step, stats, staleness, stashed)
+        grad_input = None if grad_input is None else self._to_host(grad_input)
+        return BackwardResult(grad_input, loss, self.step, stats, staleness, stashed, cached)
+
+    def _usable(self, entry: CachedForward, x: torch.Tensor, forward_step: int | None) -> bool:
+        """Whether a kept graph gives this backward's gradient: same parameters, same input."""
+        if entry.step != self.step or forward_step not in (None, entry.step):
+            return False
+        if entry.versions != self._param_versions():  # changed in place without a step: a state loaded
+            return False
+        seen = entry.inputs.detach()
+        return seen.shape == x.shape and bool((seen == x).all())
+
+    def _backward_cached(self, entry: CachedForward, grad_output: torch.Tensor | None):
+        """(gradients, None, grad of the input) from a kept graph; None if its tensors changed since."""
+        out = entry.output
+        _check_grad_output(grad_output, out)
+        try:
+            out.backward(self._to_device(grad_output).to(out.dtype))
+        except StaleGraph as e:  # the step check above should make this unreachable; recompute if not
+            log.warning("stage %d: a kept forward graph was stale (%s); recomputing", self.module.index, e)
+            for p in self.optimizer.params:
+                p.grad = None
+            return None
+        grad_input = None if self.module.is_first else entry.inputs.grad.detach()
+        return [p.grad for p in self.optimizer.params], None, grad_input
+
+    def _backward_recomputed(self, x: torch.Tensor, grad_output: torch.Tensor | None, targets: torch.Tensor | None,
+                             n: int, stashed: bool):
+        """(gradients, loss on the last stage, grad of the input) by running the forward again."""
+        module = self.module
+        if not module.is_first:
+            x = x.detach().float().requires_grad_(True)
+        with self._autocast():
+            if stashed:  # fresh leaves each time, so their gradients are this micro-batch's alone
+                leaves = [t.detach().requires_grad_(True) for t in self._stash]
+                out = functional_call(module, dict(zip(self._param_names, leaves)), (x, targets))
+            else:
+                leaves = self.optimizer.params
+                out = module(x, targets)  # validates x and targets
+        if module.is_last:
+            loss = float(out.detach())
+            (out * n).backward()
+        else:
+            loss = None
+            _check_grad_output(grad_output, out)
+            out.backward(self._to_device(grad_output).to(out.dtype))
+        grad_input = None if module.is_first else x.grad.detach()
+        return [leaf.grad for leaf in leaves], loss, grad_input
+
+    def _param_versions(self) -> tuple[int, ...]:
+        """Every in-place change of a parameter (a step, a state loaded, a repair) bumps its version."""
+        return tuple(p._version for p in self.optimizer.params)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device, self.compute_dtype)
+
+    def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """`t` on the stage's device; from the host through a pinned buffer on the copy stream (CUDA)."""
+        if t is None or t.device == self.device:
+            return t
+        if self._copy_stream is None or t.device.type != "cpu":
+            return t.to(self.device)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            moved = t.pin_memory().to(self.device, non_blocking=True)
+        compute.wait_stream(self._copy_stream)  # the compute waits for the copy, not the host
+        moved.record_stream(compute)
+        return moved
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the host; from a CUDA device into a pinned buffer on the copy stream, waiting for that copy only."""
+        if t.device.type == "cpu":
+            return t
+        if self._copy_stream is None:
+            return t.cpu()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self._copy_stream)
+        self._copy_stream.synchronize()
+        return host
 
     def _step_if_ready(self) -> dict[str, Any] | None:
         if not self.stepper.ready:

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 COMPRESSIONS = ("none", "float16", "bfloat16", "blockwise8bit")
 
 
@@ -55,11 +56,27 @@ class StagesConfig:
     """How the model is split into pipeline stages, and how activations cross the wire."""
 
     num_stages: int = 2
-    wire_dtype: str = "float32"  # activations and their gradients between stages
+    # What a stage computes in: "auto" is bfloat16 on a CUDA device and float32 on a CPU. Under
+    # bfloat16 the weights, their gradients and the optimizer state stay float32 (autocast).
+    compute_dtype: str = "auto"
+    # Activations and their gradients between stages: "auto" is bfloat16 when compute_dtype is
+    # bfloat16 and float32 otherwise (a trainer cannot know which servers of "auto" have a GPU).
+    wire_dtype: str = "auto"
 
     def validate(self) -> None:
         _positive(self, "num_stages", "stages")
-        _choice(self, "wire_dtype", WIRE_DTYPES, "stages")
+        if self.compute_dtype == "float16":
+            raise ConfigError("stages.compute_dtype float16 would need loss scaling, which swarm does not do; "
+                              "use bfloat16 (same speed on GPUs that have it, no scaling needed) or float32")
+        _choice(self, "compute_dtype", COMPUTE_DTYPES, "stages")
+        _choice(self, "wire_dtype", ("auto", *WIRE_DTYPES), "stages")
+
+    @property
+    def wire(self) -> str:
+        """The wire dtype requests are sent in, "auto" resolved."""
+        if self.wire_dtype != "auto":
+            return self.wire_dtype
+        return "bfloat16" if self.compute_dtype == "bfloat16" else "float32"
 
 
 @dataclass

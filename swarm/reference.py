@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from swarm.backend import autocast, resolve_compute_dtype
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, DataError, eval_batches, load_tokenizer, load_tokens, sampler_seed
 from swarm.model import build_stages
@@ -29,6 +30,7 @@ class ReferenceTrainer:
     def __init__(self, config: RunConfig, trainer_index: int = 0, device: str | torch.device = "cpu"):
         self.config = config
         self.device = torch.device(device)
+        self.compute_dtype = resolve_compute_dtype(config.stages.compute_dtype, self.device)  # as a server's
         tokenizer = load_tokenizer(config.data)
         if tokenizer.vocab_size > config.model.vocab_size:
             raise DataError(
@@ -51,11 +53,12 @@ class ReferenceTrainer:
         return self.optimizers[0].step_count
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of one batch through the chained stages."""
+        """Mean cross-entropy of one batch through the chained stages, in the run's compute dtype."""
         hidden = x.to(self.device)
-        for stage in self.stages[:-1]:
-            hidden = stage(hidden)
-        return self.stages[-1](hidden, targets=y.to(self.device))
+        with autocast(self.device, self.compute_dtype):
+            for stage in self.stages[:-1]:
+                hidden = stage(hidden)
+            return self.stages[-1](hidden, targets=y.to(self.device))
 
     def train_step(self) -> dict[str, Any]:
         """Accumulate micro-batches until every stage has a full batch, then step every stage."""

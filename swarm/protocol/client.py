@@ -49,10 +49,15 @@ class StageClient:
         *,
         targets: torch.Tensor | None = None,
         wire_dtype: str = "float32",
+        backward_follows: bool = False,
         timeout: float | None = None,
     ) -> StageReply:
-        """Stage forward: reply.tensors is [outputs], or [loss] when `targets` are given (last stage)."""
-        request = StageRequest(FORWARD, stage, request_id, inputs, targets=targets, wire_dtype=wire_dtype)
+        """Stage forward: reply.tensors is [outputs], or [loss] when `targets` are given (last stage).
+
+        `backward_follows`: this caller will send the backward under the same request id, so the
+        server may keep the forward's graph for it."""
+        request = StageRequest(FORWARD, stage, request_id, inputs, targets=targets, wire_dtype=wire_dtype,
+                               backward_follows=backward_follows)
         return await self.call(request, timeout)
 
     async def backward(

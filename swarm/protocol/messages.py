@@ -10,7 +10,9 @@ float tensors travel in, both ways) and `has_targets` (last stage only). Its ten
 
 The last stage's backward has no grad_outputs: the gradient of the loss is implicitly 1.
 A backward may carry `forward_step`: the step the stage reported in its forward reply, so the
-server can tell how many of its own steps the micro-batch's gradient is stale by.
+server can tell how many of its own steps the micro-batch's gradient is stale by. A forward may
+carry `backward_follows: true`: the caller will send this micro-batch's backward (same request
+id), so the server may keep the forward's graph for it instead of recomputing the forward then.
 Reply metadata: `{"ok": true, "server_step": N, ...}` or `{"ok": false, "code": C, "error": MESSAGE}`.
 Fields a reader does not know are ignored, so newer peers can add some.
 """
@@ -52,6 +54,8 @@ class StageRequest:
     grad_outputs: torch.Tensor | None = None  # backward on every stage but the last
     wire_dtype: str = "float32"
     forward_step: int | None = None  # backward: the step this stage reported when it ran the forward
+    backward_follows: bool = False  # forward: the caller will send the backward of this micro-batch
+    caller: str | None = None  # the peer the request came from (set by the receiving side, never sent)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -64,6 +68,8 @@ class StageRequest:
             raise ProtocolError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if self.forward_step is not None and (not _is_int(self.forward_step) or self.forward_step < 0):
             raise ProtocolError(f"forward_step must be a non-negative integer, got {self.forward_step!r}")
+        if not isinstance(self.backward_follows, bool):
+            raise ProtocolError(f"backward_follows must be a boolean, got {self.backward_follows!r}")
         if self.targets is not None and (self.targets.is_floating_point() or self.targets.is_complex()):
             raise ProtocolError(f"targets must be integer token ids, got {self.targets.dtype}")
         if self.grad_outputs is not None and not self.grad_outputs.is_floating_point():
@@ -89,6 +95,8 @@ class StageRequest:
         )
         if self.forward_step is not None:
             meta["forward_step"] = self.forward_step
+        if self.backward_follows:
+            meta["backward_follows"] = True
         return meta
 
 
@@ -99,6 +107,7 @@ class StageReply:
     tensors: list[torch.Tensor] = field(default_factory=list)
     server_step: int | None = None
     info: dict[str, Any] = field(default_factory=dict)  # other metadata fields, passed through
+    server: str | None = None  # the peer that answered (set by the receiving side, never sent)
 
     def metadata(self) -> dict[str, Any]:
         meta = dict(self.info)
@@ -135,6 +144,7 @@ def parse_request(meta: dict, tensors: list[torch.Tensor]) -> StageRequest:
         grad_outputs=None if has_targets else second,
         wire_dtype=meta.get("wire_dtype", "float32"),
         forward_step=meta.get("forward_step"),
+        backward_follows=meta.get("backward_follows", False),
     )
 
 

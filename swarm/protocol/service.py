@@ -52,7 +52,7 @@ class StageHandler(ABC):
 
     @abstractmethod
     async def backward(self, request: StageRequest) -> StageReply:
-        """Recompute the forward, accumulate parameter grads, return grad of the inputs (none for stage 0)."""
+        """Accumulate parameter grads, return grad of the inputs (none for stage 0)."""
 
 
 class StageService(ServicerBase):
@@ -108,6 +108,7 @@ class StageService(ServicerBase):
         if request.kind != kind:
             message = f"a {request.kind} request was sent to the {kind} endpoint"
             return self._refuse(context, kind, BAD_REQUEST, message), True
+        request.caller = str(context.remote_id)  # what libp2p authenticated, not what the request claims
         try:
             work = self.handler.forward if kind == FORWARD else self.handler.backward
             reply = await work(request)

@@ -129,14 +129,24 @@ class StageBalancer:
 
     # --- choosing --------------------------------------------------------------------------------
 
-    def choose(self, task_size: int, kind: str, exclude: Iterable[str] = ()) -> Ticket | None:
-        """The available server where the task should finish first (None if there is none), charged for it."""
+    def choose(self, task_size: int, kind: str, exclude: Iterable[str] = (), prefer: str | None = None
+               ) -> Ticket | None:
+        """The available server where the task should finish first (None if there is none), charged for it.
+
+        A backward `prefer`s the server that ran its forward, which kept the graph and so saves
+        recomputing the forward: that server is chosen unless even with the saving it would finish
+        later than the best other one.
+        """
         candidates = self.available(exclude)
         if not candidates:
             return None
         # On a tie an untried server goes first: it is assumed as fast as the fastest, and with one
         # task in flight it would otherwise never get the probe that tells.
         best = min(candidates, key=lambda p: (self.expected_finish(p, task_size, kind), not self.untried(p), p))
+        if prefer is not None and prefer != best and prefer in candidates:
+            saving = self.expected_seconds(prefer, task_size, FORWARD)
+            if self.expected_finish(prefer, task_size, kind) - saving <= self.expected_finish(best, task_size, kind):
+                best = prefer
         return self.charge(best, task_size, kind)
 
     def untried(self, peer_id: str) -> bool:

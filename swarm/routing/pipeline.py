@@ -105,18 +105,20 @@ class RemotePipeline:
 
     async def train(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
         """Forward and backward of one micro-batch through every stage; returns its mean loss."""
-        inputs, steps = [x], []
+        inputs, steps, servers = [x], [], []
         for stage in range(self.num_stages - 1):
-            reply = await self._call(stage, FORWARD, request_id, inputs[stage])
+            reply = await self._call(stage, FORWARD, request_id, inputs[stage], backward_follows=True)
             inputs.append(reply.tensors[0])
             steps.append(reply.server_step)
+            servers.append(reply.server)
         last = self.num_stages - 1
         reply = await self._call(last, BACKWARD, request_id, inputs[last], targets=y)
         loss = float(reply.info["loss"])
         for stage in range(last - 1, -1, -1):
             grad = reply.tensors[0]
+            # The server that ran the forward holds its graph: the backward there needs no recomputation.
             reply = await self._call(stage, BACKWARD, request_id, inputs[stage], grad_outputs=grad,
-                                     forward_step=steps[stage])
+                                     forward_step=steps[stage], prefer=servers[stage])
         return loss
 
     async def evaluate(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
@@ -137,16 +139,20 @@ class RemotePipeline:
         targets: torch.Tensor | None = None,
         grad_outputs: torch.Tensor | None = None,
         forward_step: int | None = None,
+        backward_follows: bool = False,
+        prefer: str | None = None,
     ) -> StageReply:
+        """One call on some server of `stage` (`prefer`red if it is not much slower), retried on others."""
         request = StageRequest(kind, stage, request_id, inputs, targets=targets, grad_outputs=grad_outputs,
-                               wire_dtype=self.wire_dtype, forward_step=forward_step)
+                               wire_dtype=self.wire_dtype, forward_step=forward_step,
+                               backward_follows=backward_follows)
         balancer = self.balancers[stage]
         size = int(inputs.shape[0])
         deadline = time.monotonic() + self.settings.max_wait
         tried: set[str] = set()
         pause = self.settings.retry_pause
         while True:
-            ticket = balancer.choose(size, kind, exclude=tried)
+            ticket = balancer.choose(size, kind, exclude=tried, prefer=prefer)
             if ticket is None and balancer.listed():
                 # Every server of the stage is banned or was tried: rather than sit out the whole ban
                 # (a stage often has a single server), retry the one whose ban ends first, after a
@@ -194,6 +200,7 @@ class RemotePipeline:
                         stage, kind, peer[-8:], len(reply.tensors), expected)
             return None
         balancer.report_success(ticket)
+        reply.server = peer
         return reply
 
     async def _send(self, stage: int, peer: str, request: StageRequest, timeout: float) -> StageReply:

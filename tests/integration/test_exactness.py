@@ -35,6 +35,12 @@ STEP_TIMEOUT = 10.0  # after the trainer returns, every server has taken its ste
 EXACT = dict(atol=1e-5, rtol=1e-4)
 # AdamW's first moment after one step is 0.1 * gradient (values ~1e-4..1e-2): a tighter atol
 MOMENTS = dict(atol=1e-8, rtol=1e-4)
+# bfloat16 keeps 8 bits of mantissa (relative rounding 2**-9 per operation). Measured: loss and
+# gradient norms agree to 1e-4. An element whose gradient is near 0 may take Adam's first step (about
+# +-lr whatever the gradient's size) the other way: the update's relative error measured 0.055-0.06,
+# where a wrong gradient would give about 1.
+BF16 = 0.01
+BF16_UPDATE = 0.15
 
 
 def record_steps(server: StageServer) -> list[dict]:
@@ -69,11 +75,9 @@ def optimizer_state(server: StageServer) -> dict:
     return backend.call(lambda: copy.deepcopy(backend.optimizer.state_dict()), BACKEND_CALL_TIMEOUT)
 
 
-@pytest.mark.parametrize("num_stages", [1, 2])
-def test_one_swarm_step_equals_one_reference_step(num_stages):
-    # warmup_steps=1: the first step runs at the full lr, so every parameter moves ~1e-2, far beyond EXACT
-    config = tiny_config(f"exact{num_stages}", num_stages, batch_size=12, micro_batch_size=4, lr=1e-2,
-                         warmup_steps=1)
+def one_step(config, num_stages: int):
+    """Train exactly one batch on a swarm of one server per stage; yield (servers, their steps, their
+    initial parameters, trainer, reference that took the same step, its stats) with the servers still up."""
     batch = config.optimizer.batch_size
     stages = list(range(num_stages))
     with running_peers(config.run_id, num_stages + 1) as (trainer_peer, *server_peers), \
@@ -86,24 +90,32 @@ def test_one_swarm_step_equals_one_reference_step(num_stages):
         train_bounded(trainer)
         wait_until(lambda: all(server.backend.step >= 1 for server in servers), STEP_TIMEOUT,
                    what="every server's first optimizer step")
-
         reference = ReferenceTrainer(config, trainer_index=0)
         expected = reference.train_step()
         assert expected["samples"] == batch and not expected["skipped"]
-
         micro_batches = batch // config.optimizer.micro_batch_size
         assert trainer.samples == batch
         assert [n for *_, n in trainer.recent] == [config.optimizer.micro_batch_size] * micro_batches
-        swarm_loss = sum(loss for _, loss, _ in trainer.recent) / micro_batches
-        assert swarm_loss == pytest.approx(expected["loss"], rel=1e-5)
-
         for stage, server in enumerate(servers):
             # exactly one step, on exactly one batch, and nothing counted towards a second one
             assert server.backend.step == 1
             assert [s["samples"] for s in steps[stage]] == [batch]
             assert server.backend.optimizer.samples == 0
-            assert steps[stage][0]["grad_norm"] == pytest.approx(expected["grad_norms"][stage], rel=1e-4)
+        yield servers, steps, initial, trainer, reference, expected
 
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_one_swarm_step_equals_one_reference_step(num_stages):
+    # warmup_steps=1: the first step runs at the full lr, so every parameter moves ~1e-2, far beyond EXACT
+    config = tiny_config(f"exact{num_stages}", num_stages, batch_size=12, micro_batch_size=4, lr=1e-2,
+                         warmup_steps=1)
+    for servers, steps, initial, trainer, reference, expected in one_step(config, num_stages):
+        micro_batches = config.optimizer.batch_size // config.optimizer.micro_batch_size
+        swarm_loss = sum(loss for _, loss, _ in trainer.recent) / micro_batches
+        assert swarm_loss == pytest.approx(expected["loss"], rel=1e-5)
+        for stage, server in enumerate(servers):
+            assert server.backend.cache is None or server.backend.cache.hits > 0  # kept graphs were used
+            assert steps[stage][0]["grad_norm"] == pytest.approx(expected["grad_norms"][stage], rel=1e-4)
             swarm_params = stage_state(server)
             reference_params = reference.stages[stage].state_dict()
             assert any(not torch.equal(initial[stage][k], swarm_params[k]) for k in swarm_params)
@@ -111,3 +123,37 @@ def test_one_swarm_step_equals_one_reference_step(num_stages):
             swarm_moments = optimizer_state(server)["optimizer"]["state"]
             reference_moments = reference.optimizers[stage].state_dict()["optimizer"]["state"]
             torch.testing.assert_close(swarm_moments, reference_moments, **MOMENTS)
+
+
+def relative_error(actual: dict, expected: dict) -> float:
+    """|actual - expected| / |expected| over all tensors of two dicts (norms of the concatenation)."""
+    diff = sum(float((actual[k].float() - expected[k].float()).pow(2).sum()) for k in expected)
+    size = sum(float(expected[k].float().pow(2).sum()) for k in expected)
+    return (diff / size) ** 0.5
+
+
+def test_one_bfloat16_swarm_step_equals_one_bfloat16_reference_step():
+    """Under bfloat16 compute (and so a bfloat16 wire) the swarm's step is the reference's to bf16 precision;
+    the weights, gradients and moments themselves stay float32."""
+    config = tiny_config("exactbf16", 2, batch_size=12, micro_batch_size=4, lr=1e-2, warmup_steps=1)
+    config.stages.compute_dtype = "bfloat16"
+    assert config.stages.wire == "bfloat16"
+    for servers, steps, initial, trainer, reference, expected in one_step(config, 2):
+        micro_batches = config.optimizer.batch_size // config.optimizer.micro_batch_size
+        swarm_loss = sum(loss for _, loss, _ in trainer.recent) / micro_batches
+        assert swarm_loss == pytest.approx(expected["loss"], rel=BF16)
+        for stage, server in enumerate(servers):
+            assert server.backend.compute_dtype == torch.bfloat16
+            assert steps[stage][0]["grad_norm"] == pytest.approx(expected["grad_norms"][stage], rel=BF16)
+            swarm_params = stage_state(server)
+            assert all(v.dtype == torch.float32 for v in swarm_params.values())
+            reference_params = reference.stages[stage].state_dict()
+            update = {k: swarm_params[k] - initial[stage][k] for k in swarm_params}
+            expected_update = {k: reference_params[k] - initial[stage][k] for k in swarm_params}
+            assert relative_error(update, expected_update) < BF16_UPDATE
+            swarm_moments = optimizer_state(server)["optimizer"]["state"]
+            reference_moments = reference.optimizers[stage].state_dict()["optimizer"]["state"]
+            for key, moments in swarm_moments.items():
+                assert moments["exp_avg"].dtype == torch.float32
+                assert relative_error(moments, {k: v for k, v in reference_moments[key].items()
+                                                if k in ("exp_avg", "exp_avg_sq")}) < BF16

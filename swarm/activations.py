@@ -1,0 +1,158 @@
+"""The activation cache: a forward's autograd graph, kept until its backward arrives.
+
+Without it a stage server runs every micro-batch's forward twice: once to answer the forward, once
+more (recomputation) when the backward comes. With it the backward starts from the graph the
+forward left. The cache is bounded in bytes and in time and evicts oldest first; a backward that
+finds nothing (evicted, expired, a restarted server, a backward sent to another replica) recomputes
+as before, so correctness never depends on it.
+
+Entries are keyed by the caller's peer id and its request id: one peer cannot take, or spoil,
+another's entry. Only the stage's worker thread touches the cache, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MEMORY_FRACTION = 0.25  # of the device's free memory when the server starts
+DEFAULT_TTL = 120.0  # seconds an unused graph is kept: longer than a trainer waits for one call
+
+
+@dataclass
+class CachedForward:
+    inputs: torch.Tensor  # what the graph's first operation saw (a leaf requiring grad, or token ids)
+    output: torch.Tensor  # the stage's output, attached to its graph
+    step: int  # the optimizer step whose parameters built the graph
+    versions: tuple[int, ...]  # the parameters' in-place version counters then: any change since spoils the graph
+    nbytes: int  # activation memory the graph holds (parameters excluded)
+    created: float
+
+
+class ActivationCache:
+    """Forward graphs by key, at most `max_bytes` of activations, none older than `ttl` seconds."""
+
+    def __init__(self, max_bytes: int, ttl: float = DEFAULT_TTL, clock: Callable[[], float] = time.monotonic):
+        if max_bytes < 0 or ttl <= 0:
+            raise ValueError(f"the activation cache needs max_bytes >= 0 and ttl > 0, got {max_bytes}, {ttl}")
+        self.max_bytes, self.ttl, self.clock = max_bytes, ttl, clock
+        self._entries: OrderedDict[Hashable, CachedForward] = OrderedDict()
+        self.bytes_held = 0
+        self.hits = 0  # backwards served from a kept graph
+        self.misses = 0  # backwards that had to recompute the forward
+        self.evictions = 0  # graphs dropped unused: for room, for age, or too large to keep at all
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: Hashable, inputs: torch.Tensor, output: torch.Tensor, step: int, versions: tuple[int, ...],
+            nbytes: int) -> bool:
+        """Keep a graph, evicting the oldest ones until it fits; False (and nothing kept) if it never can."""
+        self.discard(key)
+        self.expire()
+        if nbytes > self.max_bytes:
+            self.evictions += 1
+            return False
+        while self.bytes_held + nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = CachedForward(inputs, output, step, versions, nbytes, self.clock())
+        self.bytes_held += nbytes
+        return True
+
+    def take(self, key: Hashable) -> CachedForward | None:
+        """Remove and return the graph kept under `key`, if any (and not expired). Counts nothing."""
+        self.expire()
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes_held -= entry.nbytes
+        return entry
+
+    def discard(self, key: Hashable) -> None:
+        if key in self._entries:
+            self._drop(key)
+
+    def expire(self) -> None:
+        """Drop graphs older than the ttl (oldest first, so stop at the first young one)."""
+        horizon = self.clock() - self.ttl
+        while self._entries and next(iter(self._entries.values())).created <= horizon:
+            self._drop(next(iter(self._entries)))
+
+    def clear(self) -> None:
+        while self._entries:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: Hashable) -> None:
+        entry = self._entries.pop(key)
+        self.bytes_held -= entry.nbytes
+        self.evictions += 1
+
+
+class StaleGraph(RuntimeError):
+    """A tensor a kept graph saved was changed in place since (e.g. the parameters stepped)."""
+
+
+class SavedBytes:
+    """Counts the bytes of the tensors autograd saves while a graph is built, parameters excluded.
+
+    Use as ``with SavedBytes(params) as saved: out = module(x)``; then ``saved.nbytes``. Each
+    storage counts once, however many views of it are saved. Saved-tensor hooks turn off autograd's
+    own check that a saved tensor was not modified in place, so the hooks check it themselves: the
+    backward of a graph whose parameters moved on raises :class:`StaleGraph` instead of giving a
+    gradient of parameters nobody has any more.
+    """
+
+    def __init__(self, params: list[torch.Tensor]):
+        self._skip = {p.untyped_storage().data_ptr() for p in params}
+        self._seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._seen.values())
+
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self._skip:
+            self._seen[pointer] = storage.nbytes()
+        return tensor, tensor._version
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    tensor, version = packed
+    if tensor._version != version:
+        raise StaleGraph(f"a tensor saved for backward changed in place (version {version} -> {tensor._version})")
+    return tensor
+
+
+def default_cache_bytes(device: torch.device, fraction: float = DEFAULT_MEMORY_FRACTION) -> int:
+    """`fraction` of the memory free on `device` now (its RAM for a CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _available_ram()
+    return int(free * fraction)
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

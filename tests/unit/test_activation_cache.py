@@ -1,0 +1,190 @@
+"""The activation cache: a backward from a kept graph equals a recomputed one; eviction and misses are safe."""
+
+import copy
+
+import pytest
+import torch
+
+from swarm.activations import ActivationCache, SavedBytes
+from swarm.backend import StageBackend, resolve_compute_dtype
+from swarm.config import ConfigError, RunConfig
+from swarm.model import build_stage
+from swarm.optim import StageOptimizer
+
+pytestmark = pytest.mark.timeout(60)
+
+ME, OTHER = "peer-a", "peer-b"
+
+
+def config(n_layer: int = 2, **stages) -> RunConfig:
+    return RunConfig.from_dict({
+        "model": {"n_layer": n_layer, "n_head": 2, "d_model": 16, "seq_len": 8},
+        "stages": {"num_stages": 2, **stages},
+        "optimizer": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 0},
+    })
+
+
+def backend(stage: int = 0, cache_bytes: int | None = 1 << 30, run: RunConfig | None = None, **kw) -> StageBackend:
+    run = run or config()
+    module = build_stage(run, stage)
+    cache = None if cache_bytes is None else ActivationCache(cache_bytes, **kw)
+    return StageBackend(module, StageOptimizer(module, run.optimizer), cache=cache,
+                        compute_dtype=run.stages.compute_dtype)
+
+
+def tokens(seed: int, n: int = 2) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def hidden(seed: int, n: int = 2) -> torch.Tensor:
+    return torch.randn(n, 8, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def grads(b: StageBackend) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in b.optimizer.params]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_backward_from_the_kept_graph_equals_a_recomputed_one_exactly(stage):
+    # stage 1 of 2 is the last: it keeps nothing (its backward runs its own forward), so test
+    # a middle stage by making the run 3 stages deep
+    run = config(n_layer=3, num_stages=3) if stage == 1 else config()
+    cached, plain = backend(stage, run=run), backend(stage, cache_bytes=None, run=run)
+    x = tokens(1) if stage == 0 else hidden(1)
+    out, step = cached.forward_at(x, keep=(ME, "mb-1"))
+    expected, _ = plain.forward_at(x)
+    assert torch.equal(out, expected)
+    grad = torch.randn_like(out)
+    hit = cached.backward(x, grad, forward_step=step, key=(ME, "mb-1"))
+    miss = plain.backward(x, grad, forward_step=step)
+    assert hit.cached and not miss.cached
+    assert (cached.cache.hits, cached.cache.misses, len(cached.cache), cached.cache.bytes_held) == (1, 0, 0, 0)
+    for a, b in zip(grads(cached), grads(plain)):
+        assert torch.equal(a, b)
+    if stage == 0:
+        assert hit.grad_input is None
+    else:
+        assert torch.equal(hit.grad_input, miss.grad_input)
+
+
+def test_the_oldest_graph_is_evicted_for_room_and_its_backward_still_succeeds():
+    probe = backend()
+    probe.forward_at(tokens(1), keep=(ME, "probe"))
+    one = probe.cache.bytes_held
+    assert one > 0
+    cached, plain = backend(cache_bytes=int(one * 1.5)), backend(cache_bytes=None)
+    cached.forward_at(tokens(1), keep=(ME, "mb-1"))
+    cached.forward_at(tokens(2), keep=(ME, "mb-2"))
+    assert (len(cached.cache), cached.cache.evictions) == (1, 1)
+    assert cached.cache.bytes_held <= cached.cache.max_bytes
+    grad = torch.randn(2, 8, 16)
+    first = cached.backward(tokens(1), grad, forward_step=0, key=(ME, "mb-1"))  # evicted: recomputed
+    assert not first.cached and cached.cache.misses == 1
+    plain.backward(tokens(1), grad, forward_step=0)
+    for a, b in zip(grads(cached), grads(plain)):
+        assert torch.equal(a, b)
+    assert cached.backward(tokens(2), grad, forward_step=0, key=(ME, "mb-2")).cached
+
+
+def test_a_graph_larger_than_the_cache_is_not_kept():
+    b = backend(cache_bytes=10)
+    b.forward_at(tokens(1), keep=(ME, "mb-1"))
+    assert (len(b.cache), b.cache.bytes_held, b.cache.evictions) == (0, 0, 1)
+    assert not b.backward(tokens(1), torch.ones(2, 8, 16), key=(ME, "mb-1")).cached
+
+
+def test_graphs_expire():
+    now = [0.0]
+    b = backend(ttl=5.0, clock=lambda: now[0])
+    b.forward_at(tokens(1), keep=(ME, "mb-1"))
+    now[0] = 6.0
+    b.cache.expire()
+    assert (len(b.cache), b.cache.bytes_held, b.cache.evictions) == (0, 0, 1)
+
+
+def test_a_graph_is_only_used_by_its_caller_and_for_the_same_input():
+    b = backend()
+    b.forward_at(tokens(1), keep=(ME, "mb-1"))
+    assert not b.backward(tokens(1), torch.ones(2, 8, 16), key=(OTHER, "mb-1")).cached  # another peer's id
+    b.forward_at(tokens(1), keep=(ME, "mb-2"))
+    plain = backend(cache_bytes=None)
+    plain.backward(tokens(3), torch.ones(2, 8, 16))
+    for p in b.optimizer.params:
+        p.grad = None
+    b.optimizer.samples = 0
+    result = b.backward(tokens(3), torch.ones(2, 8, 16), key=(ME, "mb-2"))  # other tokens than the forward's
+    assert not result.cached
+    for a, c in zip(grads(b), grads(plain)):
+        assert torch.equal(a, c)
+
+
+def test_a_graph_built_before_a_step_is_not_used_and_the_stash_gives_the_gradient_of_then():
+    b = backend()
+    then = copy.deepcopy(b.module)
+    x = tokens(6)
+    h, forward_step = b.forward_at(x, keep=(ME, "late"))
+    for seed in (7, 8):  # a batch of 4 from other micro-batches: the stage steps to 1
+        b.backward(tokens(seed), torch.ones_like(h))
+    assert b.step == 1
+    for p in b.optimizer.params:
+        p.grad = None
+    grad = torch.randn_like(h)
+    result = b.backward(x, grad, forward_step=forward_step, key=(ME, "late"))
+    assert result.stashed and not result.cached
+    then(x).backward(grad)
+    for param, expected in zip(b.optimizer.params, then.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad)
+
+
+def test_parameters_changed_in_place_without_a_step_make_the_graph_stale_and_it_is_recomputed():
+    b, plain = backend(), backend(cache_bytes=None)
+    b.forward_at(tokens(1), keep=(ME, "mb-1"))
+    with torch.no_grad():  # e.g. a state loaded from a peer at the same step
+        for module in (b, plain):
+            module.optimizer.params[1].mul_(0.5)
+    result = b.backward(tokens(1), torch.ones(2, 8, 16), key=(ME, "mb-1"))
+    plain.backward(tokens(1), torch.ones(2, 8, 16))
+    assert not result.cached
+    for a, c in zip(grads(b), grads(plain)):
+        assert torch.equal(a, c)
+
+
+def test_saved_bytes_counts_activations_once_and_not_parameters():
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with SavedBytes(list(linear.parameters())) as saved:
+        torch.relu(linear(x)).sum()
+    assert saved.nbytes == 2 * 3 * 4 * 4  # the input and the relu's output, float32; the weight not at all
+
+
+def test_bfloat16_compute_keeps_float32_weights_gradients_and_moments_and_matches_plain_autocast():
+    run = config(compute_dtype="bfloat16")
+    b = backend(run=run)
+    assert b.compute_dtype == torch.bfloat16
+    reference = build_stage(run, 0)
+    x, grad = tokens(1), torch.randn(2, 8, 16)
+    out, _ = b.forward_at(x, keep=(ME, "mb"))
+    b.backward(x, grad, key=(ME, "mb"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(x)
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected.detach(), atol=0, rtol=0)
+    for p, q in zip(b.optimizer.params, reference.parameters()):
+        assert p.dtype == p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad)
+    b.backward(tokens(2), grad)  # 4 samples: a step
+    assert b.step == 1
+    moments = [v for state in b.optimizer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    assert moments and all(m.dtype == torch.float32 for m in moments if m.dim() > 0)
+
+
+def test_compute_dtypes():
+    assert resolve_compute_dtype("auto", "cpu") == torch.float32
+    assert resolve_compute_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="loss scaling"):
+        resolve_compute_dtype(torch.float16, "cpu")
+    with pytest.raises(ConfigError, match="loss scaling"):
+        config(compute_dtype="float16")
+    assert config().stages.wire == "float32"
+    assert config(compute_dtype="bfloat16").stages.wire == "bfloat16"
+    assert config(compute_dtype="bfloat16", wire_dtype="float32").stages.wire == "float32"

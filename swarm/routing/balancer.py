@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 
 from swarm.protocol import BACKWARD, FORWARD
 
-BACKWARD_TO_FORWARD = 2.5  # a backward runs the forward again first; SWARM assumes the same ratio
+# A backward from the forward's kept graph costs about two forwards (three when it must recompute the
+# forward); only until a server's own times are measured.
+BACKWARD_TO_FORWARD = 2.0
 REPROBE_SPACING = 50  # a server's estimates go stale no sooner than this many times its last answer's duration
 
 

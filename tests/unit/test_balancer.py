@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from swarm.protocol import BACKWARD, FORWARD
-from swarm.routing.balancer import StageBalancer
+from swarm.routing.balancer import BACKWARD_TO_FORWARD, StageBalancer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -222,18 +222,40 @@ def test_each_kind_has_its_own_estimate_and_an_unmeasured_kind_is_scaled_from_th
     clock = FakeClock()
     b = balancer(clock, "a", "b")
     assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(0.01)  # the default
-    assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.025)
+    assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.01 * BACKWARD_TO_FORWARD)
     ticket = b.charge("a", 10, FORWARD)
     clock.now += 1.0
     b.report_success(ticket)
     assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(0.1)
-    assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.25)  # x 2.5
-    assert b.expected_seconds_per_sample("b", BACKWARD) == pytest.approx(0.25)  # as fast as the fastest
+    assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.1 * BACKWARD_TO_FORWARD)
+    assert b.expected_seconds_per_sample("b", BACKWARD) == pytest.approx(0.1 * BACKWARD_TO_FORWARD)  # as the fastest
     ticket = b.charge("a", 10, BACKWARD)
     clock.now += 2.0
     b.report_success(ticket)
     assert b.expected_seconds_per_sample("a", BACKWARD) == pytest.approx(0.2)
     assert b.expected_seconds_per_sample("a", FORWARD) == pytest.approx(0.1)  # untouched by a backward
+
+
+def measured(b: StageBalancer, clock: FakeClock, peer: str, seconds_per_sample: float) -> None:
+    for kind in (FORWARD, BACKWARD):
+        ticket = b.charge(peer, 10, kind)
+        clock.now += 10 * seconds_per_sample
+        b.report_success(ticket)
+
+
+def test_a_backward_goes_back_to_the_server_holding_its_graph_unless_another_is_sooner_even_so():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b")
+    measured(b, clock, "a", 0.1)
+    measured(b, clock, "b", 0.1)
+    busy = b.charge("a", 10, FORWARD)  # a has 1 s of our work ahead; the saving of its kept graph is 1 s
+    assert b.choose(10, BACKWARD).peer_id == "b"  # now b has 2 s ahead
+    assert b.choose(10, BACKWARD, prefer="a").peer_id == "a"  # 1 s ahead + 2 s - 1 s saved <= 2 s ahead + 2 s
+    for _ in range(3):
+        b.charge("a", 10, FORWARD)  # 6 s ahead: even without recomputing, b is sooner
+    assert b.choose(10, BACKWARD, prefer="a").peer_id == "b"
+    b.release(busy)
+    assert b.choose(10, BACKWARD, prefer="a", exclude=["a"]).peer_id == "b"  # a retry goes elsewhere
 
 
 def test_one_in_flight_alternating_kinds_still_avoids_the_slow_server():

@@ -6,6 +6,7 @@
               from the kept graph, output and input gradient back on the host
     recompute the same without the activation cache: the backward runs the forward again (what the
               server did before the cache)
+    compiled  (--compile) plain, through torch.compile: whether compiling a stage would pay
 
 Stage 0 of 2 of each shape (embedding and half the blocks), built by `build_stage`. Timings are
 interleaved (plain, server, recompute, plain, ...) so a change in the machine's load hits all three;
@@ -53,11 +54,13 @@ def sync(device: torch.device) -> None:
 
 
 class Plain:
-    """The stage as a single-process trainer would run it."""
+    """The stage as a single-process trainer would run it (`compiled`: through torch.compile)."""
 
     def __init__(self, config: RunConfig, device: torch.device, dtype: torch.dtype, x: torch.Tensor,
-                 grad: torch.Tensor):
+                 grad: torch.Tensor, compiled: bool = False):
         self.module = build_stage(config, 0).to(device)
+        if compiled:
+            self.module.compile()
         self.device, self.dtype = device, dtype
         self.x, self.grad = x.to(device), grad.to(device)
 
@@ -109,7 +112,8 @@ def check_gradients(config: RunConfig, device: torch.device, dtype: torch.dtype,
     return worst
 
 
-def measure(shape: str, device: torch.device, dtype: torch.dtype, repeats: int, warmup: int) -> dict:
+def measure(shape: str, device: torch.device, dtype: torch.dtype, repeats: int, warmup: int,
+            compiled: bool = False) -> dict:
     config = shape_config(shape)
     m, n = config.model, config.optimizer.micro_batch_size
     generator = torch.Generator().manual_seed(0)
@@ -119,6 +123,8 @@ def measure(shape: str, device: torch.device, dtype: torch.dtype, repeats: int, 
     runners = {"plain": Plain(config, device, dtype, x, grad),
                "server": Server(config, device, dtype, x, grad, cache=True),
                "recompute": Server(config, device, dtype, x, grad, cache=False)}
+    if compiled:  # whether torch.compile pays for this stage: plain compiled / plain
+        runners["compiled"] = Plain(config, device, dtype, x, grad, compiled=True)
     params = sum(p.numel() for p in runners["plain"].module.parameters())
     for _ in range(warmup):
         for fn in runners.values():
@@ -129,7 +135,7 @@ def measure(shape: str, device: torch.device, dtype: torch.dtype, repeats: int, 
             times[name].append(time_once(fn, device))
     # each round's ratio: the three ran one after the other, under the same load
     ratios = {name: statistics.median(p / t for p, t in zip(times["plain"], times[name]))
-              for name in ("server", "recompute")}
+              for name in runners if name != "plain"}
     median = {name: statistics.median(ts) for name, ts in times.items()}
     flops = 6 * params * n * m.seq_len  # forward + backward, as the issue counts them
     return {
@@ -138,6 +144,7 @@ def measure(shape: str, device: torch.device, dtype: torch.dtype, repeats: int, 
         "samples_per_second": {name: n / t for name, t in median.items()},
         "tflops": {name: flops / t / 1e12 for name, t in median.items()},
         "ratio_server": ratios["server"], "ratio_recompute": ratios["recompute"],
+        "ratio_compiled": ratios.get("compiled"),
         "gradient_mismatch": mismatch, "repeats": repeats,
     }
 
@@ -149,6 +156,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["small"], help="small (configs/small.yaml) and/or large")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="also time the plain stage under torch.compile")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -156,7 +164,7 @@ def main() -> None:
     goal = GOALS.get(device.type)
     results = []
     for shape in args.shapes:
-        r = measure(shape, device, dtype, args.repeats, args.warmup)
+        r = measure(shape, device, dtype, args.repeats, args.warmup, args.compile)
         results.append(r)
         sps, tf = r["samples_per_second"], r["tflops"]
         print(f"{shape} stage ({r['params'] / 1e6:.1f}M params, micro-batch {r['micro_batch']} x seq {r['seq_len']}, "
@@ -164,6 +172,9 @@ def main() -> None:
               f"server {sps['server']:.1f}, recompute {sps['recompute']:.1f}; "
               f"server / plain {r['ratio_server']:.3f} (goal >= {goal}), recompute / plain {r['ratio_recompute']:.3f}; "
               f"gradient mismatch {r['gradient_mismatch']:.1e}", flush=True)
+        if r["ratio_compiled"] is not None:
+            print(f"  torch.compile: plain compiled {sps['compiled']:.1f} samples/s, compiled / plain "
+                  f"{r['ratio_compiled']:.3f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -275,6 +275,11 @@ class StageServer:
             self.averager.shutdown()  # first: a round in progress on the backend's thread ends at once
         if self.backend is not None:
             self.backend.shutdown()
+            cache = self.backend.cache
+            if cache is not None and cache.hits + cache.misses:
+                log.info("activation cache: %d of %d backwards used the forward's kept graph (%d recomputed), "
+                         "%d graphs evicted unused", cache.hits, cache.hits + cache.misses, cache.misses,
+                         cache.evictions)
 
 
 class StageRequestHandler(StageHandler):

@@ -8,6 +8,7 @@ first peer's daemon holds a connection to each of the others (tests put the call
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 from hivemind.p2p import P2P
 
 from peer.server import ServerOptions, StageServer
+from peer.trainer import Trainer
 from swarm.config import DataConfig, ModelConfig, NetworkConfig, OptimizerConfig, RunConfig, StagesConfig
 from swarm.dht import BackgroundLoop, ServerState, SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
 from tests.helpers import wait_until
@@ -78,6 +80,19 @@ def stage_servers(config: RunConfig, peers: Sequence[Peer], stages: Sequence[int
             server.start()
             servers.append(server)
         yield servers
+
+
+def train_bounded(trainer: Trainer, timeout: float) -> None:
+    """Run the trainer to its max_samples; fail (and stop it) if that takes over `timeout` seconds."""
+    stop = threading.Event()
+    deadline = threading.Timer(timeout, stop.set)
+    deadline.start()
+    try:
+        trainer.run(stop)
+    finally:
+        deadline.cancel()
+    budget = trainer.options.max_samples
+    assert not stop.is_set(), f"the trainer did not finish its {budget} samples within {timeout:g}s"
 
 
 def wait_until_online(records: SwarmRecords, stages: Sequence[int], timeout: float = ONLINE_TIMEOUT) -> None:

@@ -99,6 +99,14 @@ def test_in_flight_must_be_positive(procs: ProcSet, coordinator: Coordinator):
     assert_clear_error(proc, "swarm-peer", "--in-flight", "at least 1")
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--activation-cache-mb", "nan"), ("--activation-cache-ttl", "0")])
+def test_activation_cache_flags_must_be_sane(procs: ProcSet, coordinator: Coordinator, flag: str, value: str):
+    proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "server", flag, value,
+                     *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
+    assert proc.returncode == 2, proc.describe()
+    assert_clear_error(proc, "swarm-peer", flag, "finite number")
+
+
 def test_missing_config_is_a_clear_error(procs: ProcSet, tmp_path: Path):
     missing = tmp_path / "missing.yaml"
     proc = procs.run("swarm-coordinator", "--config", str(missing), *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)

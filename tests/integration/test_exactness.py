@@ -7,7 +7,6 @@ after exactly one batch the servers' stage parameters and AdamW state must match
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from tests.integration.inproc import (
     stage_servers,
     stage_state,
     tiny_config,
+    train_bounded,
     wait_until_online,
 )
 
@@ -57,19 +57,6 @@ def record_steps(server: StageServer) -> list[dict]:
     return steps
 
 
-def train_bounded(trainer: Trainer) -> None:
-    """Run the trainer to its max_samples; fail (and stop it) if that takes over TRAIN_TIMEOUT."""
-    stop = threading.Event()
-    deadline = threading.Timer(TRAIN_TIMEOUT, stop.set)
-    deadline.start()
-    try:
-        trainer.run(stop)
-    finally:
-        deadline.cancel()
-    budget = trainer.options.max_samples
-    assert not stop.is_set(), f"the trainer did not finish its {budget} samples within {TRAIN_TIMEOUT:g}s"
-
-
 def optimizer_state(server: StageServer) -> dict:
     backend = server.backend
     return backend.call(lambda: copy.deepcopy(backend.optimizer.state_dict()), BACKEND_CALL_TIMEOUT)
@@ -87,7 +74,7 @@ def one_step(config, num_stages: int):
         wait_until_online(trainer_peer.records, stages)
         trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
                           TrainerOptions(trainer_index=0, max_samples=batch, in_flight=2))
-        train_bounded(trainer)
+        train_bounded(trainer, TRAIN_TIMEOUT)
         wait_until(lambda: all(server.backend.step >= 1 for server in servers), STEP_TIMEOUT,
                    what="every server's first optimizer step")
         reference = ReferenceTrainer(config, trainer_index=0)

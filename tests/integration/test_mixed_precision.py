@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 
 from peer.trainer import Trainer, TrainerOptions
 from swarm.reference import ReferenceTrainer
 from tests.helpers import wait_until
-from tests.integration.inproc import running_peers, stage_servers, stage_state, tiny_config, wait_until_online
+from tests.integration.inproc import (
+    running_peers,
+    stage_servers,
+    stage_state,
+    tiny_config,
+    train_bounded,
+    wait_until_online,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,14 +37,7 @@ def test_a_bfloat16_swarm_reaches_the_float32_references_validation_loss():
         trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
                           TrainerOptions(trainer_index=0, max_samples=STEPS * config.optimizer.batch_size,
                                          in_flight=1))
-        stop = threading.Event()
-        deadline = threading.Timer(TRAIN_TIMEOUT, stop.set)
-        deadline.start()
-        try:
-            trainer.run(stop)
-        finally:
-            deadline.cancel()
-        assert not stop.is_set(), f"the swarm did not train {STEPS} steps within {TRAIN_TIMEOUT:g}s"
+        train_bounded(trainer, TRAIN_TIMEOUT)
         wait_until(lambda: all(s.backend.step == STEPS for s in servers), STEP_TIMEOUT, what=f"step {STEPS}")
         assert all(s.backend.cache.hits > 0 for s in servers[:-1])
         trained = [stage_state(s) for s in servers]

@@ -150,6 +150,14 @@ def test_request_round_trip_in_parts():
     assert torch.allclose(received.grad_outputs, grad, rtol=1e-3, atol=1e-4)
 
 
+def test_a_forward_says_whether_its_backward_follows_and_never_who_sent_it():
+    request = StageRequest(FORWARD, 0, "mb", torch.ones(2, 3), backward_follows=True, caller="forged")
+    assert "caller" not in request.metadata()
+    received = _gather(request_frames(request))
+    assert received.backward_follows is True and received.caller is None  # the receiving side sets it
+    assert _gather(request_frames(StageRequest(FORWARD, 0, "mb", torch.ones(2, 3)))).backward_follows is False
+
+
 def test_last_stage_requests_carry_targets():
     ids, targets = torch.randint(0, 100, (2, 5)), torch.randint(0, 100, (2, 5))
     for kind in (FORWARD, BACKWARD):
@@ -189,6 +197,8 @@ def test_reply_round_trip_and_error_reply():
         (dict(kind=BACKWARD, stage=0, request_id="r", forward_step=-1), 2, "forward_step"),
         (dict(kind=BACKWARD, stage=0, request_id="r", forward_step="3"), 2, "forward_step"),
         (dict(kind=BACKWARD, stage=0, request_id="r", forward_step=True), 2, "forward_step"),
+        (dict(kind=FORWARD, stage=0, request_id="r", backward_follows=1), 1, "backward_follows"),
+        (dict(kind=FORWARD, stage=0, request_id="r", backward_follows="true"), 1, "backward_follows"),
     ],
 )
 def test_invalid_requests_raise_protocol_error(meta, tensor_count, match):

@@ -297,6 +297,8 @@ def test_a_forward_whose_backward_follows_keeps_its_graph_under_the_callers_peer
     assert keys == [(swarm.client.peer_id, "kept")]  # libp2p's word for who called, not the request's
     once_more(swarm, lambda: swarm.stubs[0].backward(0, "kept", x, grad_outputs=torch.ones_like(h)))
     assert (cache.hits - hits, cache.misses - misses, len(cache)) == (1, 0, 0)
+    assert stage0.registry.get_sample_value("swarm_activation_cache_hits_total") == cache.hits
+    assert stage0.registry.get_sample_value("swarm_activation_cache_bytes") == 0
     assert accumulated(stage0) == (B, sum(1 for _ in stage0.backend.module.parameters()))
 
 

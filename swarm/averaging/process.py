@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
@@ -40,6 +39,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.averaging.errors import AveragingError
 from swarm.config import AveragingConfig
+from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def total_samples(gathered: dict[Any, Any], step: int) -> tuple[int, int]:
     return total, late
 
 
-class AveragingProcess(DecentralizedAverager):
+class AveragingProcess(AveragerInternals):
     """Averages ``buffers`` with the servers of one stage; serves ``state_source()`` to downloaders."""
 
     def __init__(self, buffers: Sequence[torch.Tensor], dht: Any, *, prefix: str, config: AveragingConfig,
@@ -138,17 +138,15 @@ class AveragingProcess(DecentralizedAverager):
         # (another pid). Once the inherited copy is collected, P2P.__del__ would unlink the parent's
         # listen socket, and the parent's stage handlers would never receive a request again. With
         # no path, the copy's cleanup removes nothing (its TypeError is suppressed).
-        inherited = getattr(self.dht, "_p2p_replica", None)
-        if inherited is not None:
-            inherited._client_listen_maddr = None
+        forget_inherited_p2p_socket(self.dht)
         super().run()
 
-    async def _declare_for_download_periodically(self) -> None:
+    async def declare_for_download(self) -> None:
         # In the child. hivemind's own version re-declares this replica in the DHT whenever its
         # tensors change, which during an all-reduce is once per averaged tensor: dozens of DHT
         # stores competing with the round for CPU (measured: rounds 40% slower). This one declares
         # when sharing or its priority changes, and to renew the entry each declare period.
-        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        key = self.state_sources_key()
         changed = self._sharing_changed()
         was_allowed = False
         while True:
@@ -162,8 +160,7 @@ class AveragingProcess(DecentralizedAverager):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout=max(0.0, expiration - get_dht_time()))
 
-    async def _trigger_declare_load_state(self) -> None:
-        # in the child: the parent changed allow_state_sharing or state_sharing_priority
+    def on_sharing_changed(self) -> None:
         self._sharing_changed().set()
 
     def _sharing_changed(self) -> asyncio.Event:
@@ -189,7 +186,7 @@ class AveragingProcess(DecentralizedAverager):
         if not self.lock_averaged_tensors.acquire(timeout=timeout):
             raise RoundFailed(f"the averaging buffers stayed locked for {timeout:g}s")
         try:
-            yield self._averaged_tensors
+            yield self.averaged_tensors()
         finally:
             self.lock_averaged_tensors.release()
 
@@ -198,17 +195,10 @@ class AveragingProcess(DecentralizedAverager):
         """The averaging process's pid (for operators, and tests that kill it)."""
         return self.pid
 
-    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
-        # in the child: the round's runner is still registered under its group id until we return
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        registered = self._running_groups.get(group_info.group_id)
-        runner = registered.result() if registered is not None and registered.done() else None
-        container = getattr(runner, "tensor_part_container", None)
-        failed, total = getattr(container, "failed_size", 0), getattr(container, "total_size", 0)
-        if failed:
-            raise PartialRound(f"the all-reduce returned {100 * (1 - failed / max(total, 1)):.1f}% of the averaged "
-                               f"vector: a member failed partway")
-        return gathered
+    def after_all_reduce(self, failed_size: int, total_size: int) -> None:
+        if failed_size:
+            raise PartialRound(f"the all-reduce returned {100 * (1 - failed_size / max(total_size, 1)):.1f}% of the "
+                               f"averaged vector: a member failed partway")
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
         # hivemind calls this on a thread of the parent process when a peer downloads our state
@@ -223,9 +213,7 @@ class AveragingProcess(DecentralizedAverager):
     async def _set_round(self, group_bits: str, group_size: int, future: MPFuture) -> None:
         # runs in the child, between rounds (the parent waits for each round before the next)
         try:
-            matchmaking = self._matchmaking
-            matchmaking.group_key_manager.group_bits = group_bits
-            matchmaking.target_group_size = matchmaking.group_key_manager.target_group_size = group_size
+            self.set_group(group_bits, group_size)
             future.set_result(None)
         except Exception as e:  # the caller gets it
             future.set_exception(e)
@@ -274,8 +262,7 @@ class AveragingProcess(DecentralizedAverager):
         if not self.is_alive():
             raise AveragingError("the averaging process is not running")
         future = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(exclude=list(exclude), max_bytes=max_bytes,
-                                                            future=future)))
+        self.send_to_child("_download_state", future, exclude=list(exclude), max_bytes=max_bytes)
         try:
             return _wait(future, timeout, stop.is_set)
         except TimeoutError:  # GaveUp included
@@ -286,7 +273,7 @@ class AveragingProcess(DecentralizedAverager):
         # In the child: like hivemind's _load_state_from_peers, but it skips peers the caller refused
         # (a state that failed its checks), bounds what a peer may send, and says who sent the state.
         try:
-            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            key = self.state_sources_key()
             found = await self.dht.get(key, latest=True, return_future=True)
             offers = found.value if found is not None and isinstance(found.value, dict) else {}
             ranked = sorted(((item.value, random.random(), peer) for peer, item in offers.items()
@@ -309,7 +296,7 @@ class AveragingProcess(DecentralizedAverager):
                 future.set_result(None)
 
     async def _download_from(self, peer: PeerID, max_bytes: int) -> tuple[Any, list[torch.Tensor]] | None:
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stub = self.get_stub(self.child_p2p(), peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, tensors, parts, received = None, [], [], 0
         async for message in aiter_with_timeout(stream, timeout=self.config.next_chunk_timeout):
@@ -341,7 +328,7 @@ class AveragingProcess(DecentralizedAverager):
         if not self.is_alive():
             raise AveragingError("the averaging process is not running")
         future = MPFuture()
-        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
+        self.send_to_child(method, future, **kwargs)
         try:
             return future.result(timeout=timeout)
         except TimeoutError:

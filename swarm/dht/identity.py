@@ -18,6 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.dht.errors import SwarmDHTError
 from swarm.dht.keys import owner_key
+from swarm.hivemind_internals import private_key_from
 
 SIGNING_KEY_SUFFIX = ".rsa"
 
@@ -88,8 +89,4 @@ def _signing_key_from_der(der: bytes, key_path: str) -> RSAPrivateKey:
         ) from None
     if not isinstance(loaded, rsa.RSAPrivateKey):
         raise SwarmDHTError(f"signing key {key_path} holds a {type(loaded).__name__}, not an RSA key")
-    # RSAPrivateKey() would generate a key we'd throw away (slow); fill an empty instance instead,
-    # the same way hivemind's own unpickling does.
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key._private_key = loaded
-    return key
+    return private_key_from(loaded)

@@ -29,6 +29,7 @@ from swarm.dht.schemas import (
     SentFieldsOnly,
     ServerRecord,
 )
+from swarm.hivemind_internals import schema_count
 
 CONFIG_FIELD = "config"
 METRICS_FIELD = "metrics"
@@ -116,7 +117,7 @@ class RunSchemaValidator(SchemaValidator):
         self.run_id = run_id
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if len(self._schemas) != 1:  # merged with another schema: only the full state describes it
+        if schema_count(self) != 1:  # merged with another schema: only the full state describes it
             return super().__reduce_ex__(protocol)
         return RunSchemaValidator, (self.run_id,)
 

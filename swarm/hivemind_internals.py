@@ -1,0 +1,98 @@
+"""Every use of hivemind's private names, in one place (written against hivemind 1.1.12).
+
+hivemind offers no public way to do these things, and each one matters (see where they are used).
+Nothing else in swarm touches a name of hivemind's that starts with an underscore, and
+tests/unit/test_hivemind_internals.py fails if hivemind renames or reshapes any of them, so an
+upgrade breaks a named test instead of a running swarm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.averaging import DecentralizedAverager
+from hivemind.dht.schema import SchemaValidator
+from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
+
+
+class AveragerInternals(DecentralizedAverager):
+    """A DecentralizedAverager whose private parts are reached through named methods, and whose
+    private hooks call public ones a subclass overrides."""
+
+    # --- hooks hivemind calls in the averaging process, routed to ours ----------------------------
+
+    async def _declare_for_download_periodically(self) -> None:
+        await self.declare_for_download()
+
+    async def _trigger_declare_load_state(self) -> None:
+        self.on_sharing_changed()
+
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        # the round's runner is still registered under its group id until this returns
+        registered = self._running_groups.get(group_info.group_id)
+        runner = registered.result() if registered is not None and registered.done() else None
+        container = getattr(runner, "tensor_part_container", None)
+        self.after_all_reduce(getattr(container, "failed_size", 0), getattr(container, "total_size", 0))
+        return gathered
+
+    async def declare_for_download(self) -> None:
+        """In the child: keep this replica declared as a state source (hivemind's own way by default)."""
+        await super()._declare_for_download_periodically()
+
+    def on_sharing_changed(self) -> None:
+        """In the child: the parent changed allow_state_sharing or state_sharing_priority."""
+
+    def after_all_reduce(self, failed_size: int, total_size: int) -> None:
+        """In the child, after a round's all-reduce: `failed_size` of `total_size` elements came back
+        unaveraged (a member failed partway). Raise to fail the round."""
+
+    # --- private parts, by name --------------------------------------------------------------------
+
+    def state_sources_key(self) -> str:
+        """The DHT key under which replicas offer their state for download (in the child)."""
+        return f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+
+    def set_group(self, group_bits: str, group_size: int) -> None:
+        """In the child, between rounds: the group key's bits and the group size the next round waits for."""
+        matchmaking = self._matchmaking
+        matchmaking.group_key_manager.group_bits = group_bits
+        matchmaking.target_group_size = matchmaking.group_key_manager.target_group_size = group_size
+
+    def averaged_tensors(self) -> Sequence[torch.Tensor]:
+        """The shared-memory buffers the all-reduce averages (hold lock_averaged_tensors)."""
+        return self._averaged_tensors
+
+    def send_to_child(self, method: str, future: MPFuture, **kwargs: Any) -> None:
+        """Have the averaging process run `await self.<method>(**kwargs, future=future)`."""
+        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
+
+    def child_p2p(self) -> P2P:
+        """The averaging process's own P2P replica (in the child)."""
+        return self._p2p
+
+
+def forget_inherited_p2p_socket(dht: Any) -> None:
+    """In a forked child: make the parent's P2P replica, inherited through `dht`, unable to unlink the
+    parent's client socket when it is collected (P2P.__del__ would), or the parent's handlers go deaf."""
+    inherited = getattr(dht, "_p2p_replica", None)
+    if inherited is not None:
+        inherited._client_listen_maddr = None
+
+
+def private_key_from(loaded: rsa.RSAPrivateKey) -> RSAPrivateKey:
+    """hivemind's RSAPrivateKey around an already loaded key. Its constructor would generate a key
+    to throw away (slow); fill an empty instance instead, as hivemind's own unpickling does."""
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = loaded
+    return key
+
+
+def schema_count(validator: SchemaValidator) -> int:
+    """How many schemas a SchemaValidator checks (more than one once merged with another)."""
+    return len(validator._schemas)

@@ -1,0 +1,131 @@
+"""hivemind's private names that swarm/hivemind_internals.py relies on are still there, and still mean
+what it assumes. A hivemind upgrade that changes one fails here, by name."""
+
+import asyncio
+import inspect
+import re
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.partition import TensorPartContainer
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
+from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPublicKey
+from pydantic.v1 import BaseModel, StrictInt
+
+from swarm import hivemind_internals
+from swarm.hivemind_internals import AveragerInternals, private_key_from, schema_count
+
+pytestmark = pytest.mark.timeout(60)
+
+AVERAGER = inspect.getsource(DecentralizedAverager)
+
+
+def assigns(cls: type, attribute: str) -> bool:
+    """Whether `cls`'s source sets `self.<attribute>` (alone or in a tuple assignment)."""
+    return re.search(rf"self\.{attribute}\b[^=\n]*=(?!=)", inspect.getsource(cls)) is not None
+
+
+@pytest.mark.parametrize("attribute", ["_averaged_tensors", "_running_groups", "_outer_pipe", "_p2p", "_matchmaking"])
+def test_the_averager_still_has_the_attributes_we_read(attribute):
+    assert assigns(DecentralizedAverager, attribute)
+
+
+def test_the_averaging_process_still_runs_any_method_sent_down_its_pipe():
+    # send_to_child and the methods of ours it names (_set_round, _download_state) rely on this
+    assert "method, args, kwargs = self._inner_pipe.recv()" in AVERAGER
+    assert "getattr(self, method)(*args, **kwargs)" in AVERAGER
+
+
+@pytest.mark.parametrize("hook", ["_declare_for_download_periodically", "_trigger_declare_load_state",
+                                  "_aggregate_with_group"])
+def test_the_hooks_we_override_are_still_coroutines_hivemind_calls(hook):
+    assert inspect.iscoroutinefunction(getattr(DecentralizedAverager, hook))
+    assert re.search(rf"(self\.{hook}\(|\"{hook}\")", AVERAGER), f"hivemind no longer calls {hook}"
+    assert getattr(AveragerInternals, hook) is not getattr(DecentralizedAverager, hook)
+
+
+def test_aggregate_with_group_keeps_its_signature():
+    parameters = inspect.signature(DecentralizedAverager._aggregate_with_group).parameters
+    assert list(parameters)[:3] == ["self", "group_info", "min_vector_size"]
+
+
+def test_matchmaking_keeps_the_group_key_and_size_we_set():
+    assert assigns(Matchmaking, "group_key_manager") and assigns(Matchmaking, "target_group_size")
+    for attribute in ("prefix", "group_bits", "target_group_size"):
+        assert assigns(GroupKeyManager, attribute)
+    # the key hivemind itself declares and reads state sources under
+    assert 'f"{self._matchmaking.group_key_manager.prefix}.all_averagers"' in AVERAGER
+
+
+def test_a_round_runner_still_counts_the_part_of_the_vector_that_failed():
+    assert assigns(AllReduceRunner, "tensor_part_container")
+    container = TensorPartContainer([torch.zeros(8)], peer_fractions=(1.0,))
+    assert container.failed_size == 0 and container.total_size == 8
+
+
+def test_after_all_reduce_sees_hivemind_s_runner_bookkeeping(monkeypatch):
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    seen = []
+
+    class Probe(AveragerInternals):
+        def after_all_reduce(self, failed_size, total_size):
+            seen.append((failed_size, total_size))
+
+    async def finished(self, group_info, min_vector_size, **kwargs):
+        return "gathered"
+
+    monkeypatch.setattr(DecentralizedAverager, "_aggregate_with_group", finished)
+    probe = Probe.__new__(Probe)
+    probe._parent_pid = None  # (what its __del__ looks at)
+    runner = Future()
+    runner.set_result(SimpleNamespace(tensor_part_container=TensorPartContainer([torch.zeros(8)], (1.0,))))
+    probe._running_groups = {b"g": runner}
+    assert asyncio.run(probe._aggregate_with_group(SimpleNamespace(group_id=b"g"), 0)) == "gathered"
+    assert seen == [(0, 8)]
+
+
+def test_the_inherited_p2p_replica_and_its_socket_path_are_still_where_we_clear_them():
+    assert assigns(DHT, "_p2p_replica")
+    assert assigns(P2P, "_client_listen_maddr")
+    assert "_client_listen_maddr" in inspect.getsource(P2P.__del__) or "_client_listen_maddr" in inspect.getsource(
+        P2P._terminate)
+
+    class Holder:
+        pass
+
+    dht, replica = Holder(), Holder()
+    replica._client_listen_maddr = "/unix/p2pclient.sock"
+    dht._p2p_replica = replica
+    hivemind_internals.forget_inherited_p2p_socket(dht)
+    assert replica._client_listen_maddr is None
+
+
+def test_a_private_key_filled_in_signs_as_hivemind_s_own_key_does():
+    loaded = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    key = private_key_from(loaded)
+    signature = key.sign(b"record")
+    assert RSAPublicKey.from_bytes(key.get_public_key().to_bytes()).verify(b"record", signature)
+    assert RSASignatureValidator(key).local_public_key  # hivemind's validator accepts it
+
+
+def test_schema_count_counts_merged_schemas():
+    class One(BaseModel):
+        a: StrictInt
+
+    class Two(BaseModel):
+        b: StrictInt
+
+    validator = SchemaValidator(One, prefix="x")
+    assert schema_count(validator) == 1
+    assert validator.merge_with(SchemaValidator(Two, prefix="x"))
+    assert schema_count(validator) == 2

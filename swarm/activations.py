@@ -12,6 +12,7 @@ another's entry. Only the stage's worker thread touches the cache, so it needs n
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -79,10 +80,6 @@ class ActivationCache:
         """Drop graphs older than the ttl (oldest first, so stop at the first young one)."""
         horizon = self.clock() - self.ttl
         while self._entries and next(iter(self._entries.values())).created <= horizon:
-            self._drop(next(iter(self._entries)))
-
-    def clear(self) -> None:
-        while self._entries:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, key: Hashable) -> None:
@@ -153,6 +150,4 @@ def _available_ram() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

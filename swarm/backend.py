@@ -183,7 +183,8 @@ class StageBackend:
         x = self._to_device(x)
         targets = self._to_device(targets)
         if keep is not None and self.cache is not None:
-            module.check_input(x, targets)  # before .float(), which would pass integers off as hidden states
+            if not module.is_first:  # before .float(), which would pass integers off as hidden states
+                module.check_input(x, targets)
             inputs = x if module.is_first else x.detach().float().requires_grad_(True)
             versions = self._param_versions()
             with SavedBytes(self.optimizer.params) as saved, self._autocast():
@@ -221,19 +222,17 @@ class StageBackend:
         entry = self.cache.take(key) if self.cache is not None and key is not None else None
         params = self.optimizer.params
         kept = [p.grad for p in params]  # this micro-batch's gradients are computed apart, then handed over
-        stashed = cached = False
+        stashed = False
         try:
             for p in params:
                 p.grad = None
-            result = None
-            if entry is not None and self._usable(entry, x, forward_step):
-                result = self._backward_cached(entry, grad_output)
-            if result is not None:
-                cached = True
-                grads, loss, grad_input = result
-            else:
+            usable = entry is not None and self._usable(entry, x, forward_step)
+            result = self._backward_cached(entry, grad_output) if usable else None
+            cached = result is not None
+            if not cached:
                 stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
-                grads, loss, grad_input = self._backward_recomputed(x, grad_output, targets, n, stashed)
+                result = self._backward_recomputed(x, grad_output, targets, n, stashed)
+            grads, loss, grad_input = result
         finally:  # a request that fails changes nothing
             for p, grad in zip(params, kept):
                 p.grad = grad

@@ -39,6 +39,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.averaging.errors import AveragingError
 from swarm.config import AveragingConfig
+from swarm.dht.node import collect_before_fork
 from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class AveragingProcess(AveragerInternals):
         stops it, after leaving cleanly), and dies with this process. This process keeps its own
         SIGINT handler (hivemind would ignore SIGINT here for good).
         """
+        collect_before_fork()
         self._forked_by_main_thread = threading.current_thread() is threading.main_thread()
         self._owner_pid = os.getpid()
         if self._forked_by_main_thread:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -63,6 +64,7 @@ def start_dht(
     initial = parse_maddrs(initial_peers, "initial peer", need_peer_id=True)
     hosts = parse_maddrs(host_maddrs, "host multiaddr")
     announce = parse_maddrs(announce_maddrs, "announce multiaddr")
+    collect_before_fork()
     dht = hivemind.DHT(
         initial_peers=[str(maddr) for maddr in initial],
         start=True,
@@ -156,3 +158,14 @@ async def _peer_id(_dht: hivemind.DHT, node: Any) -> str:
 def peer_id(dht: hivemind.DHT, timeout: float = DEFAULT_CALL_TIMEOUT) -> str:
     """This node's libp2p peer id, base58 (``dht.peer_id`` would wait without a timeout)."""
     return call_in_dht(dht, _peer_id, timeout)
+
+
+def collect_before_fork() -> None:
+    """Collect garbage now, before hivemind forks a child (the DHT, an averaging process).
+
+    Garbage still uncollected at the fork is inherited, and the child's collector would free it
+    there: a torch tensor in shared memory (an averager's buffers) is then closed in the child,
+    which tries to unlink a file its owner already unlinked, and torch aborts the child
+    ("could not unlink the shared memory file"). A DHT process died that way in one test run.
+    """
+    gc.collect()

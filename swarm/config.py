@@ -113,6 +113,21 @@ class OptimizerConfig:
 
 
 @dataclass
+class ZeroConfig:
+    """ZeRO-style sharding of a stage's optimizer state among its servers (swarm.averaging.zero)."""
+
+    enabled: bool = False
+    replicas: int = 2  # servers that hold each chunk's moments: 2 survives any one leaving; 1 halves memory
+    chunk_elements: int = 2**17  # parameters per chunk (float32: 512 KiB, one message)
+
+    def validate(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"averaging.zero.replicas must be at least 1, got {self.replicas}")
+        if not 0 < self.chunk_elements <= 2**18:
+            raise ConfigError(f"averaging.zero.chunk_elements must be in 1..{2**18}, got {self.chunk_elements}")
+
+
+@dataclass
 class AveragingConfig:
     """Averaging of gradients among the servers of one stage (times in seconds)."""
 
@@ -126,9 +141,14 @@ class AveragingConfig:
     next_chunk_timeout: float = 10.0  # a peer silent this long in an all-reduce or download is dropped
     shutdown_timeout: float = 5.0  # the averaging process gets this long to leave cleanly
     progress_period: float = 1.0  # how often a server publishes its samples and reads its stage's
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
+        self.zero.validate()
+        if self.zero.enabled and self.compression != "none":
+            raise ConfigError("averaging.zero sends gradients and updates as float32: set averaging.compression "
+                              f"to none (got {self.compression!r}), or turn zero off")
         for name in ("target_group_size", "matchmaking_timeout", "allreduce_timeout", "state_download_timeout",
                      "min_matchmaking_time", "request_timeout", "next_chunk_timeout", "shutdown_timeout",
                      "progress_period"):

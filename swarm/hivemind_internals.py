@@ -33,6 +33,8 @@ class AveragerInternals(DecentralizedAverager):
         self.on_sharing_changed()
 
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+        if not self.runs_all_reduce():
+            return self._group_only(group_info)
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         # the round's runner is still registered under its group id until this returns
         registered = self._running_groups.get(group_info.group_id)
@@ -40,6 +42,25 @@ class AveragerInternals(DecentralizedAverager):
         container = getattr(runner, "tensor_part_container", None)
         self.after_all_reduce(getattr(container, "failed_size", 0), getattr(container, "total_size", 0))
         return gathered
+
+    def _group_only(self, group_info: Any) -> dict[Any, Any]:
+        """Each member's gather data, each with the round's group id, and no all-reduce (a sharded round
+        carries its own data): the group's membership is all the caller wants."""
+        gathered = {}
+        for peer, raw in zip(group_info.peer_ids, group_info.gathered):
+            _, _, user_bytes = self.serializer.loads(raw)
+            data = self.serializer.loads(user_bytes)
+            if isinstance(data, dict):
+                data["group_id"] = group_info.group_id.hex()
+            gathered[peer] = data
+        registered = self._running_groups.get(group_info.group_id)
+        if registered is not None and not registered.done():
+            registered.set_result(None)  # (hivemind warns about a registered group that never ran)
+        return gathered
+
+    def runs_all_reduce(self) -> bool:
+        """In the child: whether a formed group runs hivemind's all-reduce (else the round only forms the group)."""
+        return True
 
     async def declare_for_download(self) -> None:
         """In the child: keep this replica declared as a state source (hivemind's own way by default)."""

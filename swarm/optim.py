@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from swarm.config import OptimizerConfig
+
+if TYPE_CHECKING:
+    from swarm.averaging.zero import ShardedMoments
 
 ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, once it stepped
 
@@ -64,6 +67,7 @@ class StageOptimizer:
         )
         self.step_count = 0
         self.samples = 0  # accumulated since the last step
+        self.shards: ShardedMoments | None = None  # the moments, when sharded among the stage's servers
 
     def add_samples(self, n: int) -> None:
         """Record that gradients of ``n`` more samples were summed into ``.grad``."""
@@ -145,6 +149,27 @@ class StageOptimizer:
             "samples": samples,
             "skipped": skipped,
         }
+
+    def step_sharded(self, update: torch.Tensor, samples: int, grad_norm: float) -> dict[str, Any]:
+        """Apply a sharded round's AdamW update (flat, in ``params`` order; swarm.averaging.zero):
+        ``p = p * (1 - lr * weight_decay) - lr * u``, as torch.optim.AdamW does."""
+        lr = lr_at(self.step_count, self.config)
+        decay = {id(p): group["weight_decay"] for group in self.optimizer.param_groups for p in group["params"]}
+        sizes = [p.numel() for p in self.params]
+        if update.numel() != sum(sizes):
+            raise ValueError(f"an update of {update.numel()} elements for {sum(sizes)} parameters")
+        with torch.no_grad():
+            for param, part in zip(self.params, update.split(sizes)):
+                if decay[id(param)]:
+                    param.mul_(1 - lr * decay[id(param)])
+                param.add_(part.view(param.shape).to(device=param.device, dtype=param.dtype), alpha=-lr)
+        self.step_count += 1
+        return {"step": self.step_count, "lr": lr, "grad_norm": grad_norm, "samples": samples, "skipped": False}
+
+    def state_bytes(self) -> int:
+        """Bytes of AdamW moments this replica holds in torch's optimizer (not sharded ones)."""
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients and the sample count (e.g. after a failed round)."""

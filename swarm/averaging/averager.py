@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 
 from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.codecs import installed_compression
+from swarm.averaging.collective import Hyper, Mailbox, RoundResult, run_round
 from swarm.averaging.errors import AveragingError, StateDownloadError
 from swarm.averaging.intake import Loaded, StateIntake
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
@@ -53,6 +54,7 @@ from swarm.averaging.progress import (
     stage_view,
 )
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
+from swarm.averaging.zero import Layout, MemberInfo, Plan, PlanError, ShardedMoments, make_plan
 from swarm.config import RunConfig
 from swarm.state import StageState, StateRejected, flatten
 
@@ -110,10 +112,20 @@ class StageAverager:
         prefix = averaging_prefix(config.run_id, stage)
         ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
         self._compression = installed_compression(self.config.compression)
-        buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in optimizer.params]
+        self._zero = self.config.zero if self.config.zero.enabled else None
+        self._mailbox: Mailbox | None = None
+        self._prefix = prefix
+        if self._zero is not None:  # a round only forms the group; the collective carries the rest
+            self._layout = Layout([p.shape for p in optimizer.params], self._zero.chunk_elements)
+            optimizer.shards = ShardedMoments(self._layout)
+            self._hyper = Hyper(config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps,
+                                config.optimizer.grad_clip)
+            buffers = [torch.zeros(1)]
+        else:
+            buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in optimizer.params]
         self._process = AveragingProcess(buffers, dht, prefix=prefix, config=self.config,
                                          compression=self._compression, state_source=self._state_for_peer,
-                                         declare_period=ttl)
+                                         declare_period=ttl, all_reduce=self._zero is None)
         self._bytes_per_round = sum(
             b.numel() * b.element_size() * self._compression.estimate_compression_ratio(CompressionInfo.from_tensor(b))
             for b in buffers
@@ -188,12 +200,17 @@ class StageAverager:
             return None
         if not self._full(view):
             return None
+        sharded = self._zero is not None  # (even alone: only the chunks' owners hold their moments)
         with self._state_lock:  # the batch goes to the round; held samples start the next one
             grads, samples = self.optimizer.take_gradients()
             self._late_in_round, self._late = self._late, 0
             self._release_held()
-            if view.group_size > 1:
+            if view.group_size > 1 or sharded:
                 self._averaging = True
+        if sharded:
+            self._start_job(self._average_sharded, view, grads, samples)
+            self._tracker.nudge()
+            return None
         if view.group_size == 1:  # nobody else at this step or behind it
             return self._apply(self._mean(grads, samples), samples, LOCAL, [self.peer_id], self._late_in_round)
         self._start_job(self._average, view, grads, samples)
@@ -252,6 +269,12 @@ class StageAverager:
         straight here (see :mod:`swarm.averaging.channel`); without one, only through the DHT.
         """
         self._request_step = request_step
+        if self._zero is not None:
+            if channel is None:
+                raise AveragingError("sharded optimizer state (averaging.zero) needs the server's P2P channel")
+            mailbox = Mailbox(channel.p2p, channel.loop, self._prefix, self._layout, self.config.next_chunk_timeout)
+            channel.loop.run(mailbox.open(), CHANNEL_CALL_TIMEOUT)
+            self._mailbox = mailbox
         if channel is not None:
             channel.loop.run(channel.open(self._tracker.receive), CHANNEL_CALL_TIMEOUT)
             self._channel = channel
@@ -265,6 +288,7 @@ class StageAverager:
         self._closing.set()
         self._tracker.stop(leave=True)
         self._close_channel()
+        self._close_mailbox()
         self._jobs.shutdown(wait=False, cancel_futures=True)  # a job under way ends soon: it watches _closing
         self._process.close()
 
@@ -322,6 +346,91 @@ class StageAverager:
                   total, group, time.monotonic() - started, start_latency)
         return functools.partial(self._apply, mean, total, SUCCEEDED, [peer.to_base58() for peer in gathered], late)
 
+    def _average_sharded(self, view: StageView, grads: list[torch.Tensor | None], samples: int) -> Callable[[], Any]:
+        """A sharded round (averaging thread): the group forms as for averaging, then the collective
+        (swarm.averaging.collective) reduce-scatters gradients to the chunks' owners, who step them, and
+        all-gathers the updates. Alone, the same math without the network."""
+        started = time.monotonic()
+        self.metrics.in_round.set(1)
+        shards = self.optimizer.shards
+        held = shards.held_at(view.step)
+        info = MemberInfo(view.step, samples, self._layout.hash, held)
+        grad_sums = self._layout.flatten(grads)
+        failure: Exception | None = None
+        try:
+            if view.group_size > 1:
+                self._process.prepare_round(view.step, view.group_size)
+                gathered, start_latency = self._process.average(
+                    float(samples), {"step": view.step, "samples": samples, "late": self._late_in_round,
+                                     "zero": info.to_wire()}, self._closing, lambda: self.view().group_size == 1)
+                self.metrics.round_start_seconds.observe(start_latency)
+                _, late = total_samples(gathered, view.step)
+                infos = {peer.to_base58(): MemberInfo.from_wire(data.get("zero"), self._layout.num_chunks)
+                         for peer, data in gathered.items()}
+                group_ids = {data.get("group_id") for data in gathered.values()}
+                round_key = f"{view.step}:{group_ids.pop() if len(group_ids) == 1 else ''}"
+            else:
+                infos, late, round_key = {self.peer_id: info}, self._late_in_round, f"{view.step}:alone"
+            plan = make_plan(self._layout, infos, self._zero.replicas)
+            if self.peer_id not in plan.members:
+                raise PlanError("this server is not among the round's members")
+            result = run_round(self._mailbox, round_key, plan, self.peer_id, grad_sums,
+                               shards.chunks if held else {}, self._hyper,
+                               time.monotonic() + self.config.allreduce_timeout)
+        except (AveragingError, PlanError) as e:
+            failure = e
+        finally:
+            self.metrics.in_round.set(0)
+            self.metrics.round_seconds.observe(time.monotonic() - started)
+        if failure is not None:
+            self._check_process()
+            log.warning("stage %d: sharded round for step %d failed (%s); its %d samples count towards the next try",
+                        self.stage, view.step + 1, failure, samples)
+            return functools.partial(self._retry_later, grads, samples)
+        outcome = SUCCEEDED if len(plan.members) > 1 else LOCAL
+        return functools.partial(self._apply_sharded, result, plan, outcome, late)
+
+    def _apply_sharded(self, result: RoundResult, plan: Plan, outcome: str, late: int) -> dict[str, Any]:
+        """Apply a sharded round's update (compute thread): the same on every member; keep the moments of
+        the chunks this server owns now."""
+        shards = self.optimizer.shards
+        with self._state_lock:
+            if result.update is None:  # a non-finite gradient norm: every member skips alike
+                stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
+                         "samples": plan.total_samples, "skipped": True}
+            else:
+                stats = self.optimizer.step_sharded(result.update, plan.total_samples, result.grad_norm)
+                shards.replace(result.moments, self.optimizer.step_count)
+                self.state.round_id = round_of(self.optimizer.step_count, list(plan.members))
+                self.state.group = len(plan.members)
+            self._averaging = False
+            self._params_changed()
+        if result.fresh and plan.step > 0:
+            self.metrics.chunks_reinitialized.inc(len(result.fresh))
+            log.warning("stage %d: %d chunks of the optimizer state had no live holder at step %d (every owner "
+                        "left): their moments start again from zero", self.stage, len(result.fresh), plan.step)
+        if result.disagreements:
+            log.warning("stage %d: %d co-owned chunks computed another update than their primary's", self.stage,
+                        result.disagreements)
+        self.metrics.chunk_transfers["received"].inc(result.transfers_in)
+        self.metrics.chunk_transfers["sent"].inc(result.transfers_out)
+        self.metrics.bytes_sent.inc(result.bytes_sent)
+        self.metrics.group_size.set(len(plan.members))
+        self.metrics.rounds[outcome].inc()
+        self._after_step()
+        return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late}
+
+    def _retry_later(self, grads: list[torch.Tensor | None], samples: int) -> None:
+        """A sharded round failed (compute thread): its samples go back to the accumulation for the next try
+        (a replica cannot step on its own where others hold the moments)."""
+        with self._state_lock:
+            if samples > 0:
+                self.optimizer.accumulate(grads, samples)
+            self._late += self._late_in_round
+            self._averaging = False
+        self.metrics.rounds[FAILED].inc()
+        self._tracker.nudge()
+
     def _apply(self, mean: list[torch.Tensor | None], samples: int, outcome: str, members: list[str],
                late: int) -> dict[str, Any]:
         """Step on the stage's mean gradient (compute thread): the same math on every member of the round.
@@ -349,8 +458,15 @@ class StageAverager:
             return [None if g is None else g.div_(samples) for g in grads]
 
     def _after_step(self) -> None:
+        self._count_state_bytes()
         self._share_state()
         self._tracker.nudge()
+
+    def _count_state_bytes(self) -> None:
+        shards = self.optimizer.shards
+        sharded = shards.nbytes if shards is not None else 0
+        self.metrics.optimizer_state_bytes.set(sharded + self.optimizer.state_bytes())
+        self.metrics.chunks_owned.set(len(shards.chunks) if shards is not None else 0)
 
     def _params_changed(self) -> None:
         """Fingerprint the parameters just made (call with the state lock held, or before start)."""
@@ -475,6 +591,14 @@ class StageAverager:
                 self._tracker.refresh()
             except Exception as e:  # a DHT hiccup: decide on the last view
                 log.debug("stage %d: progress refresh failed: %s", self.stage, e)
+
+    def _close_mailbox(self) -> None:
+        mailbox, self._mailbox = self._mailbox, None
+        if mailbox is not None and mailbox.loop.is_running:
+            try:
+                mailbox.loop.run(mailbox.close(), CHANNEL_CALL_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - leaving anyway
+                log.debug("closing the sharded-round handler: %s", e)
 
     def _close_channel(self) -> None:
         channel, self._channel = self._channel, None

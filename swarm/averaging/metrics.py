@@ -48,4 +48,16 @@ class AveragingMetrics:
             "swarm_averaging_rejected_states", "States a peer sent that failed their checks (shapes, dtypes, "
             "non-finite values, a step or parameters the stage's progress does not back); the peer is not asked "
             "again for a while", ["stage"], registry=registry).labels(stage=label)
+        self.optimizer_state_bytes = Gauge(
+            "swarm_optimizer_state_bytes", "Bytes of optimizer state (AdamW moments) this server holds, sharded "
+            "(averaging.zero) or not", ["stage"], registry=registry).labels(stage=label)
+        self.chunks_owned = Gauge("swarm_zero_chunks_owned", "Chunks of the stage's optimizer state whose "
+                                  "moments this server holds (averaging.zero)", ["stage"],
+                                  registry=registry).labels(stage=label)
+        transfers = Counter("swarm_zero_chunk_transfers", "Chunks' moments handed to a new owner (a member joined "
+                            "or left), by direction", ["stage", "direction"], registry=registry)
+        self.chunk_transfers = {d: transfers.labels(stage=label, direction=d) for d in ("sent", "received")}
+        self.chunks_reinitialized = Counter(
+            "swarm_zero_chunks_reinitialized", "Chunks of the optimizer state whose every owner left: their moments "
+            "started again from zero", ["stage"], registry=registry).labels(stage=label)
         self.downloads = {outcome: downloads.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED)}

@@ -81,9 +81,11 @@ class AveragingProcess(AveragerInternals):
     """Averages ``buffers`` with the servers of one stage; serves ``state_source()`` to downloaders."""
 
     def __init__(self, buffers: Sequence[torch.Tensor], dht: Any, *, prefix: str, config: AveragingConfig,
-                 compression: CompressionBase, state_source: StateSource, declare_period: float):
+                 compression: CompressionBase, state_source: StateSource, declare_period: float,
+                 all_reduce: bool = True):
         self._state_source = state_source
         self.config = config
+        self._all_reduce = all_reduce  # False: sharded rounds, where a round only forms the group
         super().__init__(
             buffers,
             dht,
@@ -196,6 +198,9 @@ class AveragingProcess(AveragerInternals):
     def process_id(self) -> int | None:
         """The averaging process's pid (for operators, and tests that kill it)."""
         return self.pid
+
+    def runs_all_reduce(self) -> bool:
+        return self._all_reduce
 
     def after_all_reduce(self, failed_size: int, total_size: int) -> None:
         if failed_size:

@@ -1,0 +1,339 @@
+"""A sharded round's messages between the servers of a stage, over libp2p (the server's own P2P).
+
+hivemind's all-reduce returns every member the mean gradient; a sharded step needs something else
+on the way back (each chunk's update, computed by the members that hold that chunk's moments), so
+hivemind's matchmaking still forms each round's group (swarm.averaging.process) and this module
+carries what follows, in the communication of one all-reduce:
+
+1. reduce-scatter: every member with samples sends the gradient sum of each chunk to its primary;
+2. every member sends every other one its partial sum of squares (the global norm, for clipping);
+3. all-gather: each primary steps its chunks and sends each chunk's update to every member, the
+   clipped mean gradient to the chunk's co-owners (who step their own copy of its moments) and
+   the moments themselves to targets that do not hold them yet (churn).
+
+A round is all-or-nothing for each member: it returns an update for every chunk, or raises
+RoundFailed and nothing changes. Every message is checked before it is kept: a known kind, a
+chunk of this layout, a member of the round as its (libp2p-authenticated) sender, tensors of the
+chunk's size, bounded early buffering for rounds not yet opened here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+
+from swarm.averaging.errors import AveragingError
+from swarm.averaging.zero import ChunkMoments, Layout, Plan, adam_chunk, clip_coefficient
+from swarm.dht.loop import BackgroundLoop
+from swarm.protocol.codec import decode_tensor, encode_tensor
+from swarm.protocol.framing import WireLimits, decode_metadata, encode_metadata
+
+log = logging.getLogger(__name__)
+
+GRAD, NORM, UPDATE, MEAN, STATE = "grad", "norm", "update", "mean", "state"
+KINDS = (GRAD, NORM, UPDATE, MEAN, STATE)
+TENSORS_OF = {GRAD: 1, NORM: 0, UPDATE: 1, MEAN: 1, STATE: 2}
+MAX_ROUND_KEY = 96
+MAX_CONCURRENT_SENDS = 16
+EARLY_ROUNDS = 4  # rounds whose messages may arrive before this server opened them
+LIMITS = WireLimits(max_metadata_bytes=1024)
+# co-owners step the same moments on the same gradient; their updates should be equal
+AGREEMENT_ATOL = 1e-6
+
+Key = tuple[str, int, str]  # (kind, chunk, sender)
+
+
+class RoundFailed(AveragingError):
+    """A sharded round ended without an update for every chunk (a member gone, a timeout, bad data)."""
+
+
+def handler_name(prefix: str) -> str:
+    return f"{prefix}.zero"
+
+
+class _Inbox:
+    """What arrived for one round, for the averaging thread to wait on."""
+
+    def __init__(self, members: frozenset[str]):
+        self.members = members
+        self.messages: dict[Key, Any] = {}
+        self.ready = threading.Condition()
+
+    def put(self, key: Key, payload: Any) -> None:
+        with self.ready:
+            self.messages.setdefault(key, payload)  # a repeat never replaces what came first
+            self.ready.notify_all()
+
+    def wait(self, keys: Iterable[Key], deadline: float) -> dict[Key, Any]:
+        wanted = set(keys)
+        with self.ready:
+            while True:
+                missing = wanted - self.messages.keys()
+                if not missing:
+                    return {key: self.messages[key] for key in wanted}
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    kinds = sorted({f"{kind} from {sender[-8:]}" for kind, _, sender in missing})
+                    raise RoundFailed(f"{len(missing)} messages did not come in time ({', '.join(kinds[:4])})")
+                self.ready.wait(min(remaining, 0.5))
+
+
+class Mailbox:
+    """The stage's sharded-round handler on this server: takes messages, sends ours."""
+
+    def __init__(self, p2p: P2P, loop: BackgroundLoop, prefix: str, layout: Layout, send_timeout: float):
+        self.p2p, self.loop, self.name, self.layout = p2p, loop, handler_name(prefix), layout
+        self.send_timeout = send_timeout
+        self._lock = threading.Lock()
+        self._rounds: dict[str, _Inbox] = {}
+        # messages of rounds not opened here yet: a peer may begin a moment before us
+        self._early: dict[str, list[tuple[Key, Any]]] = {}
+        self._early_bytes = 0
+        self.max_early_bytes = 4 * layout.numel * 4 + 2**20  # a bit more than one round can send us
+        self.dropped = 0
+
+    async def open(self) -> None:
+        await self.p2p.add_protobuf_handler(self.name, self._handle, runtime_pb2.ExpertRequest)
+
+    async def close(self) -> None:
+        await self.p2p.remove_protobuf_handler(self.name)
+
+    def open_round(self, key: str, members: Iterable[str]) -> _Inbox:
+        inbox = _Inbox(frozenset(members))
+        with self._lock:
+            self._rounds[key] = inbox
+            early = self._early.pop(key, [])
+            self._early_bytes -= sum(_payload_bytes(p) for _, p in early)
+        for message_key, payload in early:
+            if message_key[2] in inbox.members:
+                inbox.put(message_key, payload)
+        return inbox
+
+    def close_round(self, key: str) -> None:
+        with self._lock:
+            self._rounds.pop(key, None)
+
+    # receiving (on the loop)
+    async def _handle(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        try:
+            key, round_key, payload = self._parse(request, context.remote_id.to_base58())
+            self._deliver(round_key, key, payload)
+            return runtime_pb2.ExpertResponse(metadata=encode_metadata({"ok": True}))
+        except Exception as e:  # noqa: BLE001 - a malformed message is refused; the handler keeps serving
+            self.dropped += 1
+            log.debug("refused a sharded-round message from %s: %s", context.remote_id, e)
+            return runtime_pb2.ExpertResponse(metadata=encode_metadata({"error": str(e)[:200]}))
+
+    def _parse(self, request: runtime_pb2.ExpertRequest, sender: str) -> tuple[Key, str, Any]:
+        meta = decode_metadata(request.metadata, LIMITS)
+        round_key, kind, chunk = meta.get("round"), meta.get("kind"), meta.get("chunk")
+        if not isinstance(round_key, str) or not 0 < len(round_key) <= MAX_ROUND_KEY:
+            raise ValueError("bad round key")
+        if kind not in KINDS or not isinstance(chunk, int) or isinstance(chunk, bool) \
+                or not 0 <= chunk < self.layout.num_chunks:
+            raise ValueError(f"bad kind or chunk: {kind!r}, {chunk!r}")
+        if len(request.tensors) != TENSORS_OF[kind]:
+            raise ValueError(f"a {kind} message carries {TENSORS_OF[kind]} tensors, got {len(request.tensors)}")
+        numel = self.layout.chunk_numel(chunk)
+        tensors = [decode_tensor(t, max_elements=numel) for t in request.tensors]
+        for tensor in tensors:
+            if tensor.shape != (numel,) or tensor.dtype != torch.float32:
+                raise ValueError(f"chunk {chunk} has {numel} float32 elements, got {tuple(tensor.shape)}")
+        if kind == NORM:
+            value = meta.get("value")
+            if not isinstance(value, float):
+                raise ValueError("a norm message without its value")
+            payload: Any = value
+        elif kind == STATE:
+            steps = meta.get("steps")
+            if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+                raise ValueError("moments without their step count")
+            if not all(bool(torch.isfinite(t).all()) for t in tensors) or bool((tensors[1] < 0).any()):
+                raise ValueError("moments with non-finite or negative second moments")
+            payload = ChunkMoments(tensors[0], tensors[1], steps)
+        else:
+            payload = tensors[0]
+        return (kind, chunk, sender), round_key, payload
+
+    def _deliver(self, round_key: str, key: Key, payload: Any) -> None:
+        with self._lock:
+            inbox = self._rounds.get(round_key)
+            if inbox is None:
+                size = _payload_bytes(payload)
+                if self._early_bytes + size > self.max_early_bytes or \
+                        (round_key not in self._early and len(self._early) >= EARLY_ROUNDS):
+                    raise ValueError("too much for rounds not opened here")
+                self._early.setdefault(round_key, []).append((key, payload))
+                self._early_bytes += size
+                return
+        if key[2] not in inbox.members:
+            raise ValueError("the sender is not a member of this round")
+        inbox.put(key, payload)
+
+    def forget_early(self, keep: Iterable[str] = ()) -> None:
+        """Drop early messages of rounds other than `keep` (those rounds are over or never came)."""
+        kept = set(keep)
+        with self._lock:
+            for round_key in [k for k in self._early if k not in kept]:
+                self._early_bytes -= sum(_payload_bytes(p) for _, p in self._early.pop(round_key))
+
+    # sending (from the averaging thread)
+    def send(self, messages: list[tuple[str, dict, list[torch.Tensor]]], deadline: float) -> int:
+        """Send (peer, metadata, tensors) messages concurrently; RoundFailed unless every one was taken.
+        Returns the bytes sent."""
+        if not messages:
+            return 0
+        requests = [(peer, runtime_pb2.ExpertRequest(metadata=encode_metadata(meta),
+                                                      tensors=[encode_tensor(t, "float32") for t in tensors]))
+                    for peer, meta, tensors in messages]
+        sent = sum(sum(len(t.buffer) for t in request.tensors) for _, request in requests)
+        timeout = max(0.0, deadline - time.monotonic())
+        try:
+            self.loop.run(self._send_all(requests), timeout)
+        except TimeoutError:
+            raise RoundFailed(f"sending {len(requests)} messages took over {timeout:.1f}s") from None
+        return sent
+
+    async def _send_all(self, requests: list[tuple[str, runtime_pb2.ExpertRequest]]) -> None:
+        slots = asyncio.Semaphore(MAX_CONCURRENT_SENDS)
+
+        async def one(peer: str, request: runtime_pb2.ExpertRequest) -> None:
+            async with slots:
+                reply = await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer), self.name, request, runtime_pb2.ExpertResponse), self.send_timeout)
+            answer = decode_metadata(reply.metadata, LIMITS)
+            if not answer.get("ok"):
+                raise RoundFailed(f"{peer[-8:]} refused a message: {answer.get('error')}")
+
+        results = await asyncio.gather(*(one(p, r) for p, r in requests), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise RoundFailed(f"{len(errors)} of {len(requests)} messages were not delivered: "
+                              f"{type(errors[0]).__name__}: {errors[0]}")
+
+
+@dataclass
+class RoundResult:
+    """What a sharded round gives a member: the update of every chunk and its moments after the step."""
+
+    update: torch.Tensor | None  # flat; None when the step is skipped (a non-finite gradient norm)
+    moments: dict[int, ChunkMoments]  # the chunks this member owns after the round
+    grad_norm: float
+    bytes_sent: int = 0
+    transfers_in: int = 0  # chunks whose moments came from another member
+    transfers_out: int = 0
+    fresh: list[int] = field(default_factory=list)  # chunks nobody held: stepped from zero moments
+    disagreements: int = 0  # co-owned chunks whose own update differed from the primary's
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The AdamW settings a round needs (the rest is the replica's: lr, weight decay)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    grad_clip: float
+
+
+def run_round(mailbox: Mailbox, round_key: str, plan: Plan, me: str, grad_sums: torch.Tensor,
+              moments: Mapping[int, ChunkMoments], hyper: Hyper, deadline: float) -> RoundResult:
+    """This member's part of one sharded round (on the averaging thread); RoundFailed if it cannot end whole."""
+    layout = mailbox.layout
+    inbox = mailbox.open_round(round_key, plan.members)
+    try:
+        return _run(mailbox, inbox, round_key, plan, me, layout, grad_sums, moments, hyper, deadline)
+    finally:
+        mailbox.close_round(round_key)
+
+
+def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, layout: Layout,
+         grad_sums: torch.Tensor, moments: Mapping[int, ChunkMoments], hyper: Hyper, deadline: float) -> RoundResult:
+    def chunk_of(flat: torch.Tensor, c: int) -> torch.Tensor:
+        start, end = layout.bounds(c)
+        return flat[start:end]
+
+    def meta(kind: str, chunk: int, **extra: Any) -> dict:
+        return {"round": round_key, "kind": kind, "chunk": chunk, **extra}
+
+    others = [m for m in plan.members if m != me]
+    mine = plan.primary_of(me)
+    senders = plan.senders()
+    # 1. reduce-scatter: gradient sums to each chunk's primary
+    sent = 0
+    if plan.samples[me] > 0:
+        sent += mailbox.send([(plan.primary[c], meta(GRAD, c), [chunk_of(grad_sums, c)])
+                              for c in range(layout.num_chunks) if plan.primary[c] != me], deadline)
+    got = inbox.wait([(GRAD, c, s) for c in mine for s in senders if s != me], deadline)
+    means: dict[int, torch.Tensor] = {}
+    for c in mine:
+        total = torch.zeros(layout.chunk_numel(c))
+        for sender in senders:  # (a fixed order: every co-owner would sum the same way)
+            total += chunk_of(grad_sums, c) if sender == me else got[(GRAD, c, sender)]
+        means[c] = total.div_(plan.total_samples)
+    partial = math.fsum(float(means[c].double().square().sum()) for c in mine)
+    # 2. the global norm
+    sent += mailbox.send([(peer, meta(NORM, 0, value=partial), []) for peer in others], deadline)
+    norms = inbox.wait([(NORM, 0, peer) for peer in others], deadline)
+    partials = [partial if m == me else norms[(NORM, 0, m)] for m in plan.members]
+    grad_norm, scale = clip_coefficient(partials, hyper.grad_clip)
+    if not math.isfinite(scale):  # every member sees the same norm: all skip this step
+        return RoundResult(None, dict(moments), grad_norm, sent)
+    # 3. all-gather: each primary steps its chunks and sends the update
+    result = RoundResult(torch.empty(layout.numel), {}, grad_norm)
+    stepped: dict[int, ChunkMoments] = {}
+    outgoing = []
+    for c in mine:
+        grad = means[c].mul_(scale) if scale != 1.0 else means[c]
+        before = moments.get(c)
+        if before is None:
+            result.fresh.append(c)
+            before = ChunkMoments.zeros(layout.chunk_numel(c))
+        stepped[c], update = adam_chunk(before, grad, hyper.beta1, hyper.beta2, hyper.eps)
+        chunk_of(result.update, c).copy_(update)
+        outgoing += [(peer, meta(UPDATE, c), [update]) for peer in others]
+        outgoing += [(peer, meta(MEAN, c), [grad]) for peer in plan.co_owners[c]]
+        outgoing += [(peer, meta(STATE, c, steps=stepped[c].steps), [stepped[c].exp_avg, stepped[c].exp_avg_sq])
+                     for peer in plan.receivers[c]]
+        result.transfers_out += len(plan.receivers[c])
+    sent += mailbox.send(outgoing, deadline)
+    wanted = [(UPDATE, c, plan.primary[c]) for c in range(layout.num_chunks) if plan.primary[c] != me]
+    wanted += [(MEAN, c, plan.primary[c]) for c in range(layout.num_chunks) if me in plan.co_owners[c]]
+    wanted += [(STATE, c, plan.primary[c]) for c in range(layout.num_chunks) if me in plan.receivers[c]]
+    got = inbox.wait(wanted, deadline)
+    for c in range(layout.num_chunks):
+        if plan.primary[c] == me:
+            continue
+        update = got[(UPDATE, c, plan.primary[c])]
+        chunk_of(result.update, c).copy_(update)
+        if me in plan.co_owners[c]:
+            stepped[c], own = adam_chunk(moments[c], got[(MEAN, c, plan.primary[c])], hyper.beta1, hyper.beta2,
+                                         hyper.eps)
+            if not torch.allclose(own, update, rtol=0, atol=AGREEMENT_ATOL):
+                result.disagreements += 1
+        elif me in plan.receivers[c]:
+            stepped[c] = got[(STATE, c, plan.primary[c])]
+            result.transfers_in += 1
+    if not bool(torch.isfinite(result.update).all()):
+        raise RoundFailed("a primary sent a non-finite update")
+    result.moments = {c: stepped[c] for c in plan.owned_by(me)}
+    result.bytes_sent = sent
+    return result
+
+
+def _payload_bytes(payload: Any) -> int:
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * 4
+    if isinstance(payload, ChunkMoments):
+        return payload.nbytes
+    return 64

@@ -1,0 +1,172 @@
+"""Sharded optimizer state (averaging.zero): 4 servers of one stage step exactly as one optimizer would,
+each holding the moments of about r/n of the parameters, and no moment is lost when one is killed.
+
+The servers are real (DHT, averaging process, P2P) on 127.0.0.1, in this process; micro-batches go
+straight into their backends (see test_averaging.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.server import StageServer
+from swarm.averaging.zero import Layout, targets
+from swarm.model import build_stage
+from swarm.optim import StageOptimizer
+from tests.helpers import wait_until
+from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers
+from tests.integration.test_averaging import (
+    MICRO,
+    ROUND_TIMEOUT,
+    STAGE,
+    feed,
+    make_config,
+    micro_batch,
+    wait_until_peers_see_each_other,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+SERVERS = 4
+CHUNK = 1024  # the tiny stage has ~20k parameters: about 20 chunks
+STEPS = 2
+
+
+def zero_config(run_id: str, replicas: int):
+    config = make_config(run_id)
+    config.averaging.zero.enabled = True
+    config.averaging.zero.replicas = replicas
+    config.averaging.zero.chunk_elements = CHUNK
+    config.optimizer.batch_size = SERVERS * MICRO  # one micro-batch per server makes a step
+    return config.validate()
+
+
+def sharded_state(server: StageServer) -> dict:
+    """Parameters, held chunks (copies) and step of a replica, read on its worker thread."""
+    backend = server.backend
+
+    def read() -> dict:
+        shards = backend.optimizer.shards
+        return {"params": copy.deepcopy(backend.module.state_dict()), "step": backend.step,
+                "chunks": {c: copy.deepcopy(m) for c, m in shards.chunks.items()}, "chunks_step": shards.step}
+
+    return backend.call(read, BACKEND_CALL_TIMEOUT)
+
+
+def step_all(servers: list[StageServer], batches: list[list]) -> None:
+    """Feed servers[i] the micro-batches batches[i] (one batch in all); wait until every one stepped."""
+    wait_until_peers_see_each_other(servers)
+    steps = [s.backend.step for s in servers]
+    for server, mine in zip(servers, batches):
+        for batch in mine:
+            feed(server, batch)
+    wait_until(lambda: all(s.backend.step == step + 1 for s, step in zip(servers, steps)), ROUND_TIMEOUT,
+               interval=0.1, what="every server's step after the sharded round")
+
+
+def reference_steps(config, rounds: list[list]) -> StageOptimizer:
+    """One unsharded StageOptimizer on the same samples, batch by batch."""
+    module = build_stage(config, STAGE)
+    optimizer = StageOptimizer(module, config.optimizer)
+    for batch in rounds:
+        for x, y in batch:
+            (module(x, y) * x.shape[0]).backward()
+            optimizer.add_samples(x.shape[0])
+        optimizer.step()
+    return optimizer
+
+
+def assert_moments_match(states: list[dict], reference: StageOptimizer, layout: Layout, replicas: int) -> None:
+    """Every chunk is held by min(r, n) replicas, all agreeing with the reference's AdamW state."""
+    flat_m = layout.flatten([reference.optimizer.state[p]["exp_avg"] for p in reference.params])
+    flat_v = layout.flatten([reference.optimizer.state[p]["exp_avg_sq"] for p in reference.params])
+    for c in range(layout.num_chunks):
+        start, end = layout.bounds(c)
+        holders = [s["chunks"][c] for s in states if c in s["chunks"]]
+        assert len(holders) == min(replicas, len(states)), f"chunk {c} is held {len(holders)} times"
+        for held in holders:
+            assert held.steps == reference.step_count
+            torch.testing.assert_close(held.exp_avg, flat_m[start:end], atol=1e-7, rtol=1e-4)
+            torch.testing.assert_close(held.exp_avg_sq, flat_v[start:end], atol=1e-9, rtol=1e-4)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sharded_steps_equal_one_unsharded_optimizer_and_each_server_holds_r_over_n(replicas):
+    config = zero_config(f"zero-exact-{replicas}", replicas)
+    rounds = [[[micro_batch(config, 10 * step + i)] for i in range(SERVERS)] for step in range(STEPS)]
+    rounds[0][0].append(rounds[0][-1].pop())  # 8 samples on one, none on another: weighed by count
+    with running_peers(config.run_id, SERVERS) as peers, \
+            stage_servers(config, peers, [STAGE] * SERVERS) as servers:
+        for batches in rounds:
+            step_all(servers, batches)
+        states = [sharded_state(s) for s in servers]
+        layout = servers[0].averager._layout
+        reference = reference_steps(config, [[b for mine in batches for b in mine] for batches in rounds])
+
+        for state in states:
+            assert state["step"] == STEPS
+            for name, tensor in reference.module.state_dict().items():
+                torch.testing.assert_close(state["params"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+        assert_moments_match(states, reference, layout, replicas)
+        full = 8 * layout.numel
+        for server, state in zip(servers, states):
+            held = sum(m.nbytes for m in state["chunks"].values())
+            assert held <= 1.6 * full * replicas / SERVERS, f"{held} bytes of moments, {full} unsharded"
+            labels = {"stage": str(STAGE)}
+            assert server.registry.get_sample_value("swarm_optimizer_state_bytes", labels) == held
+            assert server.registry.get_sample_value("swarm_zero_chunks_owned", labels) == len(state["chunks"])
+
+
+def vanish(peer, server: StageServer) -> None:
+    """SIGKILL everything that makes `server` reachable (its DHT process, p2p daemon, averaging process),
+    as if its machine died: nothing of it leaves cleanly."""
+    for pid in [*descendants(peer.dht.pid), peer.dht.pid, server.averager.process_id]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def test_a_sigkilled_member_loses_no_moment_and_a_joiner_takes_over_its_chunks():
+    config = zero_config("zero-churn", 2)
+    batches = [[[micro_batch(config, 10 * step + i)] for i in range(SERVERS)] for step in range(3)]
+    with running_peers(config.run_id, SERVERS + 1) as peers, \
+            stage_servers(config, peers[:SERVERS], [STAGE] * SERVERS) as servers:
+        step_all(servers, batches[0])
+        vanish(peers[SERVERS - 1], servers[-1])
+        survivors = servers[:-1]
+        batches[1][0] += batches[1].pop()  # (a batch is 16 samples)
+        step_all(survivors, batches[1])  # once the others stopped counting it (its record expired)
+        with stage_servers(config, [peers[SERVERS]], [STAGE]) as (joiner,):
+            live = [*survivors, joiner]
+            step_all(live, batches[2])
+            states = [sharded_state(s) for s in live]
+            layout = joiner.averager._layout
+            reference = reference_steps(config, [[b for mine in step for b in mine] for step in batches])
+            for state in states:
+                assert state["step"] == 3
+                for name, tensor in reference.module.state_dict().items():
+                    torch.testing.assert_close(state["params"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+            assert_moments_match(states, reference, layout, 2)  # every chunk: 2 live owners, none lost
+            members = [s.peer_id for s in live]
+            for c in range(layout.num_chunks):  # ...and they are the chunk's targets among the live members
+                owners = {s.peer_id for s, state in zip(live, states) if c in state["chunks"]}
+                assert owners == set(targets(layout.hash, c, members, 2)), f"chunk {c}"
+            labels = {"stage": str(STAGE)}
+            moved = sum(s.registry.get_sample_value("swarm_zero_chunk_transfers_total",
+                                                    {**labels, "direction": "received"}) for s in live)
+            assert moved > 0 and joiner.registry.get_sample_value("swarm_zero_chunks_owned", labels) > 0
+            assert all(s.registry.get_sample_value("swarm_zero_chunks_reinitialized_total", labels) == 0 for s in live)

@@ -114,7 +114,7 @@ class OptimizerConfig:
 
 @dataclass
 class ZeroConfig:
-    """ZeRO-style sharding of a stage's optimizer state among its servers (swarm.averaging.zero)."""
+    """ZeRO-style sharding of a stage's optimizer state among its servers (swarm.zero)."""
 
     enabled: bool = False
     replicas: int = 2  # servers that hold each chunk's moments: 2 survives any one leaving; 1 halves memory

@@ -18,7 +18,7 @@ from torch import nn
 from swarm.config import OptimizerConfig
 
 if TYPE_CHECKING:
-    from swarm.averaging.zero import ShardedMoments
+    from swarm.zero import ShardedMoments
 
 ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, once it stepped
 
@@ -151,7 +151,7 @@ class StageOptimizer:
         }
 
     def step_sharded(self, update: torch.Tensor, samples: int, grad_norm: float) -> dict[str, Any]:
-        """Apply a sharded round's AdamW update (flat, in ``params`` order; swarm.averaging.zero):
+        """Apply a sharded round's AdamW update (flat, in ``params`` order; swarm.zero):
         ``p = p * (1 - lr * weight_decay) - lr * u``, as torch.optim.AdamW does."""
         lr = lr_at(self.step_count, self.config)
         decay = {id(p): group["weight_decay"] for group in self.optimizer.param_groups for p in group["params"]}

@@ -10,7 +10,13 @@ The tensors are flat and named, so they go as they are into safetensors (checkpo
 order, into hivemind's state download:
 
 - ``param/<name>``: every entry of the module's ``state_dict()``;
-- ``optim/<i>/<slot>``: the AdamW state of the i-th trainable parameter (none before the first step).
+- ``optim/<i>/<slot>``: the AdamW state of the i-th trainable parameter (none before the first step);
+- ``zero/<c>/<slot>``: with sharded moments (averaging.zero), those of each chunk c this replica holds
+  (``exp_avg``, ``exp_avg_sq``, ``steps``), and ``zero/chunk_elements``: the chunks' size.
+
+A state of either kind loads into a replica of either kind: full moments given to a sharded replica
+become every chunk (the next round hands each to its owners and drops the rest); chunks given to an
+unsharded replica become full moments, zeros where no chunk was given (with a warning).
 
 Every state that comes from elsewhere is untrusted: :meth:`StageState.check` refuses it unless its
 names, shapes and dtypes are exactly this replica's, every value is finite, and it says which
@@ -19,6 +25,7 @@ stage, step and round it is. A refused state changes nothing. Pure torch, no I/O
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +34,15 @@ import torch
 from torch import nn
 
 from swarm.optim import ADAMW_SLOTS, StageOptimizer
+from swarm.zero import MAX_CHUNK_ELEMENTS, ChunkMoments, Layout
+
+log = logging.getLogger(__name__)
 
 PARAM = "param/"
 OPTIM = "optim/"
+ZERO = "zero/"
+CHUNK_ELEMENTS = ZERO + "chunk_elements"
+CHUNK_SLOTS = ("exp_avg", "exp_avg_sq", "steps")
 STATE_FORMAT = 2  # bump when the layout changes
 
 
@@ -83,10 +96,21 @@ class StageState:
     def info(self) -> StateInfo:
         return StateInfo(self.stage, self.step, self.round_id, self.group)
 
-    def state_dict(self) -> tuple[StateInfo, dict[str, torch.Tensor]]:
-        """Copies of every tensor of the state (CPU, contiguous), by name, and what the state is."""
+    def state_dict(self, shards: bool = True) -> tuple[StateInfo, dict[str, torch.Tensor]]:
+        """Copies of every tensor of the state (CPU, contiguous), by name, and what the state is.
+
+        `shards`: include the sharded moments this replica holds (a checkpoint does; a peer joining
+        the stage does not need them: its rounds bring it the chunks it owns).
+        """
         tensors = {PARAM + name: _copy(t) for name, t in self.module.state_dict().items()}
         tensors.update({OPTIM + key: _copy(t) for key, t in self.optimizer.moments().items()})
+        held = self.optimizer.shards
+        if shards and held is not None and held.step == self.step and held.chunks:
+            tensors[CHUNK_ELEMENTS] = torch.tensor(held.layout.chunk_elements)
+            for chunk, moments in held.chunks.items():
+                tensors[f"{ZERO}{chunk}/exp_avg"] = _copy(moments.exp_avg)
+                tensors[f"{ZERO}{chunk}/exp_avg_sq"] = _copy(moments.exp_avg_sq)
+                tensors[f"{ZERO}{chunk}/steps"] = torch.tensor(moments.steps)
         return self.info, tensors
 
     def check(self, info: StateInfo, tensors: Mapping[str, Any]) -> None:
@@ -99,7 +123,8 @@ class StageState:
             missing = sorted(set(own) - names)
             raise StateRejected(f"the state lacks {len(missing)} tensors of this stage, e.g. {missing[0]}")
         params = self.optimizer.params
-        moments = sorted(names - set(own))
+        chunks = self._check_chunks(tensors)
+        moments = sorted(names - set(own) - set(chunks))
         expected_moments: dict[str, torch.Tensor] = {}
         for key in moments:
             index, slot = _moment_key(key, len(params))
@@ -112,14 +137,83 @@ class StageState:
         for name, reference in {**own, **expected_moments}.items():
             _check_tensor(name, tensors[name], reference)
 
+    def _check_chunks(self, tensors: Mapping[str, Any]) -> list[str]:
+        """The names of sharded moments in `tensors`, checked against the layout they say they have."""
+        names = [name for name in tensors if name.startswith(ZERO)]
+        if not names:
+            return []
+        size = tensors.get(CHUNK_ELEMENTS)
+        if not isinstance(size, torch.Tensor) or size.dim() != 0 or size.is_floating_point() or \
+                not 0 < int(size) <= MAX_CHUNK_ELEMENTS:
+            raise StateRejected("the state's sharded moments do not say their chunk size (or it is out of range)")
+        layout = Layout([p.shape for p in self.optimizer.params], int(size))
+        chunks = set()
+        for name in names:
+            if name == CHUNK_ELEMENTS:
+                continue
+            parts = name.split("/")
+            if len(parts) != 3 or not parts[1].isdigit() or parts[2] not in CHUNK_SLOTS or \
+                    not int(parts[1]) < layout.num_chunks:
+                raise StateRejected(f"unexpected tensor {name!r} in the state")
+            chunks.add(int(parts[1]))
+        for chunk in chunks:
+            for slot in CHUNK_SLOTS:
+                name = f"{ZERO}{chunk}/{slot}"
+                if name not in tensors:
+                    raise StateRejected(f"the state has moments of chunk {chunk} without its {slot}")
+                reference = torch.zeros((), dtype=torch.int64) if slot == "steps" else \
+                    torch.zeros(layout.chunk_numel(chunk))
+                _check_tensor(name, tensors[name], reference)
+            if int(tensors[f"{ZERO}{chunk}/steps"]) < 0 or bool((tensors[f"{ZERO}{chunk}/exp_avg_sq"] < 0).any()):
+                raise StateRejected(f"chunk {chunk} has a negative step count or second moment")
+        return names
+
     def load_state_dict(self, info: StateInfo, tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace this replica's state with `tensors` (checked first); gradients being accumulated are kept."""
         self.check(info, tensors)
         with torch.no_grad():
             self.module.load_state_dict({name[len(PARAM):]: t for name, t in tensors.items() if name.startswith(PARAM)})
-        self.optimizer.load_moments({name[len(OPTIM):]: t for name, t in tensors.items() if name.startswith(OPTIM)},
-                                    info.step)
+        moments = {name[len(OPTIM):]: t for name, t in tensors.items() if name.startswith(OPTIM)}
+        chunks = _chunks_of(tensors)
+        shards = self.optimizer.shards
+        if shards is None:
+            if chunks is not None:
+                chunk_elements, given = chunks
+                moments = self._full_moments(Layout([p.shape for p in self.optimizer.params], chunk_elements),
+                                             given, info.step)
+            self.optimizer.load_moments(moments, info.step)
+        else:
+            self.optimizer.load_moments({}, info.step)
+            if moments:
+                shards.replace(self._chunked(moments, shards.layout), info.step)
+            elif chunks is not None:
+                shards.replace(_rechunk(*chunks, shards.layout), info.step)
         self.round_id, self.group = info.round_id, info.group
+
+    def _chunked(self, moments: Mapping[str, torch.Tensor], layout: Layout) -> dict[int, ChunkMoments]:
+        """Full AdamW moments (``<i>/<slot>``) cut into every chunk of `layout`."""
+        params = self.optimizer.params
+        flat = {slot: layout.flatten([moments.get(f"{i}/{slot}") for i in range(len(params))])
+                for slot in ("exp_avg", "exp_avg_sq")}
+        steps = [int(t) for key, t in moments.items() if key.endswith("/step")]
+        chunk_steps = max(steps, default=0)
+        return {c: ChunkMoments(flat["exp_avg"][slice(*layout.bounds(c))].clone(),
+                                flat["exp_avg_sq"][slice(*layout.bounds(c))].clone(), chunk_steps)
+                for c in range(layout.num_chunks)}
+
+    def _full_moments(self, layout: Layout, chunks: dict[int, ChunkMoments], step: int) -> dict[str, torch.Tensor]:
+        """Chunks' moments as full AdamW moments (``<i>/<slot>``); zeros where no chunk was given."""
+        missing = layout.num_chunks - len(chunks)
+        if missing:
+            log.warning("stage %d: the state holds the moments of %d of %d chunks; the other %d start from zero",
+                        self.stage, len(chunks), layout.num_chunks, missing)
+        flat = {slot: torch.zeros(layout.numel) for slot in ("exp_avg", "exp_avg_sq")}
+        for c, moments in chunks.items():
+            flat["exp_avg"][slice(*layout.bounds(c))] = moments.exp_avg
+            flat["exp_avg_sq"][slice(*layout.bounds(c))] = moments.exp_avg_sq
+        views = {slot: layout.views(flat[slot]) for slot in flat}
+        return {f"{i}/{slot}": (torch.tensor(float(step)) if slot == "step" else views[slot][i].clone())
+                for i in range(len(layout.sizes)) for slot in ADAMW_SLOTS}
 
     def nbytes(self) -> int:
         """Bytes of the whole state once the optimizer has stepped (parameters, buffers, two moments each)."""
@@ -147,6 +241,37 @@ def unflatten(metadata: Any, tensors: Sequence[Any]) -> tuple[StateInfo, dict[st
     if len(keys) != len(tensors):
         raise StateRejected(f"the state names {len(keys)} tensors but has {len(tensors)}")
     return info, dict(zip(keys, tensors))
+
+
+def _chunks_of(tensors: Mapping[str, torch.Tensor]) -> tuple[int, dict[int, ChunkMoments]] | None:
+    """The chunk size and the sharded moments of a checked state; None if it has none."""
+    if CHUNK_ELEMENTS not in tensors:
+        return None
+    chunks: dict[int, ChunkMoments] = {}
+    for name, tensor in tensors.items():
+        parts = name.split("/")
+        if name.startswith(ZERO) and len(parts) == 3 and parts[2] == "steps":
+            c = int(parts[1])
+            chunks[c] = ChunkMoments(tensors[f"{ZERO}{c}/exp_avg"], tensors[f"{ZERO}{c}/exp_avg_sq"], int(tensor))
+    return int(tensors[CHUNK_ELEMENTS]), chunks
+
+
+def _rechunk(chunk_elements: int, chunks: dict[int, ChunkMoments], layout: Layout) -> dict[int, ChunkMoments]:
+    """Chunks cut with `chunk_elements` as chunks of `layout` (those wholly covered; all when the sizes match)."""
+    if chunk_elements == layout.chunk_elements:
+        return dict(chunks)
+    source = Layout(layout.shapes, chunk_elements)
+    covered = torch.zeros(layout.numel, dtype=torch.bool)
+    flat = {slot: torch.zeros(layout.numel) for slot in ("exp_avg", "exp_avg_sq")}
+    steps = 0
+    for c, moments in chunks.items():
+        start, end = source.bounds(c)
+        covered[start:end] = True
+        flat["exp_avg"][start:end], flat["exp_avg_sq"][start:end] = moments.exp_avg, moments.exp_avg_sq
+        steps = max(steps, moments.steps)
+    return {c: ChunkMoments(flat["exp_avg"][slice(*layout.bounds(c))].clone(),
+                            flat["exp_avg_sq"][slice(*layout.bounds(c))].clone(), steps)
+            for c in range(layout.num_chunks) if bool(covered[slice(*layout.bounds(c))].all())}
 
 
 def _check_tensor(name: str, tensor: Any, reference: torch.Tensor) -> None:

@@ -54,9 +54,9 @@ from swarm.averaging.progress import (
     stage_view,
 )
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
-from swarm.averaging.zero import Layout, MemberInfo, Plan, PlanError, ShardedMoments, make_plan
 from swarm.config import RunConfig
 from swarm.state import StageState, StateRejected, flatten
+from swarm.zero import Layout, MemberInfo, Plan, PlanError, ShardedMoments, make_plan
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +566,7 @@ class StageAverager:
     def _state_for_peer(self) -> tuple[dict, list[torch.Tensor]]:
         # called by hivemind on a thread of ours when a peer downloads our state
         with self._state_lock:
-            return flatten(*self.state.state_dict())
+            return flatten(*self.state.state_dict(shards=False))  # (a joiner's rounds bring it its chunks)
 
     def _share_state(self) -> None:
         if self._request_step is not None and not self._closing.is_set():  # started, not closed

@@ -33,10 +33,10 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.averaging.errors import AveragingError
-from swarm.averaging.zero import ChunkMoments, Layout, Plan, adam_chunk, clip_coefficient
 from swarm.dht.loop import BackgroundLoop
 from swarm.protocol.codec import decode_tensor, encode_tensor
 from swarm.protocol.framing import WireLimits, decode_metadata, encode_metadata
+from swarm.zero import ChunkMoments, Layout, Plan, adam_chunk, clip_coefficient
 
 log = logging.getLogger(__name__)
 

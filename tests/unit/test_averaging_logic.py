@@ -283,6 +283,7 @@ def test_an_all_reduce_that_lost_part_of_the_vector_is_a_failed_round(monkeypatc
     monkeypatch.setattr(DecentralizedAverager, "_aggregate_with_group", finished)
     process = AveragingProcess.__new__(AveragingProcess)  # only the round bookkeeping is used
     process._parent_pid = None  # (what its __del__ looks at)
+    process._all_reduce = True
     group = SimpleNamespace(group_id=b"g")
 
     def registered(failed: int) -> None:

@@ -94,6 +94,31 @@ def test_after_all_reduce_sees_hivemind_s_runner_bookkeeping(monkeypatch):
     assert seen == [(0, 8)]
 
 
+def test_a_round_that_only_forms_its_group_reads_the_gathered_data_as_hivemind_packs_it():
+    import asyncio as aio
+    from types import SimpleNamespace
+
+    from hivemind.utils import MSGPackSerializer
+
+    class GroupOnly(AveragerInternals):
+        def runs_all_reduce(self):
+            return False
+
+    # hivemind packs each member's gather as [bandwidth, mode, msgpack(user data)] (what _group_only unpacks)
+    assert "user_data_for_gather = self.serializer.dumps(gather)" in AVERAGER
+    assert "self.serializer.dumps([self.bandwidth, self.mode.value, user_data_for_gather])" in AVERAGER
+    probe = GroupOnly.__new__(GroupOnly)
+    probe._parent_pid = None
+    probe.serializer = MSGPackSerializer
+    registered = aio.Future(loop=aio.new_event_loop())
+    probe._running_groups = {b"g": registered}
+    packed = [MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps({"step": s})]) for s in (3, 4)]
+    group = SimpleNamespace(group_id=b"g", peer_ids=["a", "b"], gathered=packed)
+    got = asyncio.run(probe._aggregate_with_group(group, 0))
+    assert got == {"a": {"step": 3, "group_id": "67"}, "b": {"step": 4, "group_id": "67"}}
+    assert registered.done()  # (so hivemind does not warn of a group that never ran)
+
+
 def test_the_inherited_p2p_replica_and_its_socket_path_are_still_where_we_clear_them():
     assert assigns(DHT, "_p2p_replica")
     assert assigns(P2P, "_client_listen_maddr")

@@ -64,6 +64,9 @@ PROCESS_START_TIMEOUT = 30.0  # forking the averaging process until it serves
 DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubles on each failure
 DOWNLOAD_RETRY_PAUSE_MAX = 30.0
 CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
+ROUND_RETRY_PAUSE = 0.25  # sharded: first pause before a failed round's batch tries again; doubles up to the max
+ROUND_RETRY_PAUSE_MAX = 8.0
+ALONE_GRACE_ROUNDS = 3  # sharded: matchmaking timeouts a server alone waits before stepping on the chunks it holds
 
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
 
@@ -114,6 +117,9 @@ class StageAverager:
         self._compression = installed_compression(self.config.compression)
         self._zero = self.config.zero if self.config.zero.enabled else None
         self._mailbox: Mailbox | None = None
+        self._alone_since: float | None = None  # sharded: since when this server has seen no other
+        self._next_round = 0.0  # sharded: monotonic time before which no round is retried
+        self._round_pause = ROUND_RETRY_PAUSE
         self._prefix = prefix
         if self._zero is not None:  # a round only forms the group; the collective carries the rest
             self._layout = Layout([p.shape for p in optimizer.params], self._zero.chunk_elements)
@@ -165,7 +171,7 @@ class StageAverager:
         if job is not None:  # a round or a download runs beside compute: nothing to do until it ends
             return job.done()
         view = self.view()
-        return (view.needs_state and self._may_download()) or self._full(view)
+        return (view.needs_state and self._may_download()) or (self._full(view) and self._may_average())
 
     def step(self) -> dict[str, Any] | None:
         """Apply what a finished round or download brought, or start one; never waits on the network.
@@ -198,7 +204,7 @@ class StageAverager:
         if view.needs_state and self._may_download():
             self._start_job(self._catch_up, view)
             return None
-        if not self._full(view):
+        if not self._full(view) or not self._may_average():
             return None
         sharded = self._zero is not None  # (even alone: only the chunks' owners hold their moments)
         with self._state_lock:  # the batch goes to the round; held samples start the next one
@@ -370,10 +376,13 @@ class StageAverager:
                 group_ids = {data.get("group_id") for data in gathered.values()}
                 round_key = f"{view.step}:{group_ids.pop() if len(group_ids) == 1 else ''}"
             else:
+                self._check_alone(view.step, held)
                 infos, late, round_key = {self.peer_id: info}, self._late_in_round, f"{view.step}:alone"
             plan = make_plan(self._layout, infos, self._zero.replicas)
             if self.peer_id not in plan.members:
                 raise PlanError("this server is not among the round's members")
+            if len(plan.members) > 1:
+                self._alone_since = None
             result = run_round(self._mailbox, round_key, plan, self.peer_id, grad_sums,
                                shards.chunks if held else {}, self._hyper,
                                time.monotonic() + self.config.allreduce_timeout)
@@ -394,6 +403,7 @@ class StageAverager:
         """Apply a sharded round's update (compute thread): the same on every member; keep the moments of
         the chunks this server owns now."""
         shards = self.optimizer.shards
+        self._round_pause = ROUND_RETRY_PAUSE
         with self._state_lock:
             if result.update is None:  # a non-finite gradient norm: every member skips alike
                 stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
@@ -420,6 +430,20 @@ class StageAverager:
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late}
 
+    def _check_alone(self, step: int, held: frozenset[int]) -> None:
+        """A server that sees no other may step alone only on moments it holds whole, or once it has been alone
+        for ALONE_GRACE_ROUNDS matchmaking timeouts: until then the others may only be unseen for a moment,
+        and stepping would restart the moments of the chunks they own."""
+        if step == 0 or len(held) == self._layout.num_chunks:
+            return
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        waited = now - self._alone_since
+        if waited < ALONE_GRACE_ROUNDS * self.config.matchmaking_timeout:
+            raise PlanError(f"no other server of the stage is seen and this one holds {len(held)} of "
+                            f"{self._layout.num_chunks} chunks of the moments (alone for {waited:.0f}s)")
+
     def _retry_later(self, grads: list[torch.Tensor | None], samples: int) -> None:
         """A sharded round failed (compute thread): its samples go back to the accumulation for the next try
         (a replica cannot step on its own where others hold the moments)."""
@@ -428,6 +452,8 @@ class StageAverager:
                 self.optimizer.accumulate(grads, samples)
             self._late += self._late_in_round
             self._averaging = False
+        self._next_round = time.monotonic() + self._round_pause
+        self._round_pause = min(2 * self._round_pause, ROUND_RETRY_PAUSE_MAX)
         self.metrics.rounds[FAILED].inc()
         self._tracker.nudge()
 
@@ -574,6 +600,9 @@ class StageAverager:
 
     def _may_download(self) -> bool:
         return time.monotonic() >= self._next_download
+
+    def _may_average(self) -> bool:
+        return time.monotonic() >= self._next_round
 
     # progress
     def _own_record(self) -> ProgressRecord:

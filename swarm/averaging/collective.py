@@ -151,8 +151,8 @@ class Mailbox:
                 raise ValueError(f"chunk {chunk} has {numel} float32 elements, got {tuple(tensor.shape)}")
         if kind == NORM:
             value = meta.get("value")
-            if not isinstance(value, float):
-                raise ValueError("a norm message without its value")
+            if not isinstance(value, float) or value < 0:  # (nan and inf pass: every member then skips the step)
+                raise ValueError("a norm message without a sum of squares")
             payload: Any = value
         elif kind == STATE:
             steps = meta.get("steps")

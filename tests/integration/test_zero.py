@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import signal
 from pathlib import Path
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 from peer.server import StageServer
-from swarm.averaging.zero import Layout, targets
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
+from swarm.zero import Layout, targets
 from tests.helpers import wait_until
 from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers
 from tests.integration.test_averaging import (
@@ -35,7 +36,10 @@ from tests.integration.test_averaging import (
 pytestmark = pytest.mark.timeout(240)
 
 SERVERS = 4
-CHUNK = 1024  # the tiny stage has ~20k parameters: about 20 chunks
+CHUNK = 256  # the tiny stage has ~21k parameters: about 80 chunks
+# Rendezvous hashing balances owners only on average: a member's share of the chunks is binomial around
+# r/n; the test allows 5 standard deviations (the bench measures the balance on a real stage)
+BALANCE_SIGMAS = 5
 STEPS = 2
 
 
@@ -116,9 +120,11 @@ def test_sharded_steps_equal_one_unsharded_optimizer_and_each_server_holds_r_ove
                 torch.testing.assert_close(state["params"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
         assert_moments_match(states, reference, layout, replicas)
         full = 8 * layout.numel
+        share = replicas / SERVERS
+        most = share + BALANCE_SIGMAS * math.sqrt(share * (1 - share) / layout.num_chunks) + 1 / layout.num_chunks
         for server, state in zip(servers, states):
             held = sum(m.nbytes for m in state["chunks"].values())
-            assert held <= 1.6 * full * replicas / SERVERS, f"{held} bytes of moments, {full} unsharded"
+            assert held <= most * full, f"{held} bytes of moments, {full} unsharded"
             labels = {"stage": str(STAGE)}
             assert server.registry.get_sample_value("swarm_optimizer_state_bytes", labels) == held
             assert server.registry.get_sample_value("swarm_zero_chunks_owned", labels) == len(state["chunks"])

@@ -74,7 +74,8 @@ def test_a_sharded_state_goes_through_a_checkpoint_and_back_with_only_its_chunks
         shards=False)[1])
 
     store = StageCheckpoints(tmp_path, "run", 1, keep=2)
-    _, _, path = store.write(tensors, step=info.step, num_stages=2, state_hash=config.state_hash(), round_id="r", group=1)
+    _, _, path = store.write(tensors, step=info.step, num_stages=2, state_hash=config.state_hash(), round_id="r",
+                             group=1)
     _, _, loaded = store.load(path, state_hash=config.state_hash())
     restored = fresh_replica(config, 4)
     again = sharded(restored)

@@ -17,6 +17,9 @@ Map of the subsystem, from what a server uses down to pure logic::
                  stage's, through the DHT
     channel.py   ProgressChannel: progress pushed straight to the stage's other servers over libp2p,
                  so a full batch is known at once rather than at the next DHT read
+    collective.py  a sharded round (averaging.zero): gradients reduce-scattered to each chunk's owners,
+                 their updates all-gathered, moments handed to new owners; libp2p messages, checked
+                 (the layout, ownership and chunk AdamW are pure logic in swarm.zero)
     process.py   AveragingProcess: hivemind's DecentralizedAverager (a forked process: matchmaking,
                  all-reduce, state serving) with every timeout from the config and bounded calls
     metrics.py   AveragingMetrics: swarm_averaging_* Prometheus metrics

@@ -118,13 +118,13 @@ class ZeroConfig:
 
     enabled: bool = False
     replicas: int = 2  # servers that hold each chunk's moments: 2 survives any one leaving; 1 halves memory
-    chunk_elements: int = 2**17  # parameters per chunk (float32: 512 KiB, one message)
+    chunk_elements: int = 2**12  # parameters per chunk: the unit of ownership (smaller: better balanced owners)
 
     def validate(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"averaging.zero.replicas must be at least 1, got {self.replicas}")
-        if not 0 < self.chunk_elements <= 2**18:
-            raise ConfigError(f"averaging.zero.chunk_elements must be in 1..{2**18}, got {self.chunk_elements}")
+        if not 0 < self.chunk_elements <= 2**17:
+            raise ConfigError(f"averaging.zero.chunk_elements must be in 1..{2**17}, got {self.chunk_elements}")
 
 
 @dataclass

@@ -46,11 +46,26 @@ TENSORS_OF = {GRAD: 1, NORM: 0, UPDATE: 1, MEAN: 1, STATE: 2}
 MAX_ROUND_KEY = 96
 MAX_CONCURRENT_SENDS = 16
 EARLY_ROUNDS = 4  # rounds whose messages may arrive before this server opened them
-LIMITS = WireLimits(max_metadata_bytes=1024)
+# One message packs consecutive chunks for one peer: at most this many float32 values in all its tensors
+# (1 MiB, well under hivemind's 2 MiB unary cap) and this many chunks (its metadata lists them).
+MESSAGE_ELEMENTS = 2**18
+MESSAGE_CHUNKS = 2048
+LIMITS = WireLimits(max_metadata_bytes=32 * 1024)
 # co-owners step the same moments on the same gradient; their updates should be equal
 AGREEMENT_ATOL = 1e-6
 
 Key = tuple[str, int, str]  # (kind, chunk, sender)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One chunk's part of a message to `peer`: the chunk's slice of each tensor (and its step count for moments)."""
+
+    peer: str
+    kind: str
+    chunk: int
+    tensors: tuple[torch.Tensor, ...]
+    steps: int = 0
 
 
 class RoundFailed(AveragingError):
@@ -126,59 +141,66 @@ class Mailbox:
     # receiving (on the loop)
     async def _handle(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
-            key, round_key, payload = self._parse(request, context.remote_id.to_base58())
-            self._deliver(round_key, key, payload)
+            round_key, messages = self._parse(request, context.remote_id.to_base58())
+            self._deliver(round_key, messages)
             return runtime_pb2.ExpertResponse(metadata=encode_metadata({"ok": True}))
         except Exception as e:  # noqa: BLE001 - a malformed message is refused; the handler keeps serving
             self.dropped += 1
             log.debug("refused a sharded-round message from %s: %s", context.remote_id, e)
             return runtime_pb2.ExpertResponse(metadata=encode_metadata({"error": str(e)[:200]}))
 
-    def _parse(self, request: runtime_pb2.ExpertRequest, sender: str) -> tuple[Key, str, Any]:
+    def _parse(self, request: runtime_pb2.ExpertRequest, sender: str) -> tuple[str, list[tuple[Key, Any]]]:
+        """(round key, [((kind, chunk, sender), payload), ...]) of one message; ValueError if anything is off."""
         meta = decode_metadata(request.metadata, LIMITS)
-        round_key, kind, chunk = meta.get("round"), meta.get("kind"), meta.get("chunk")
+        round_key, kind, chunks = meta.get("round"), meta.get("kind"), meta.get("chunks")
         if not isinstance(round_key, str) or not 0 < len(round_key) <= MAX_ROUND_KEY:
             raise ValueError("bad round key")
-        if kind not in KINDS or not isinstance(chunk, int) or isinstance(chunk, bool) \
-                or not 0 <= chunk < self.layout.num_chunks:
-            raise ValueError(f"bad kind or chunk: {kind!r}, {chunk!r}")
+        if kind not in KINDS or not isinstance(chunks, list) or len(chunks) > MESSAGE_CHUNKS:
+            raise ValueError(f"bad kind or list of chunks: {kind!r}")
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < self.layout.num_chunks for c in chunks) \
+                or any(a >= b for a, b in zip(chunks, chunks[1:])):
+            raise ValueError("chunks must be increasing ids of this layout")
         if len(request.tensors) != TENSORS_OF[kind]:
             raise ValueError(f"a {kind} message carries {TENSORS_OF[kind]} tensors, got {len(request.tensors)}")
-        numel = self.layout.chunk_numel(chunk)
-        tensors = [decode_tensor(t, max_elements=numel) for t in request.tensors]
-        for tensor in tensors:
-            if tensor.shape != (numel,) or tensor.dtype != torch.float32:
-                raise ValueError(f"chunk {chunk} has {numel} float32 elements, got {tuple(tensor.shape)}")
         if kind == NORM:
             value = meta.get("value")
-            if not isinstance(value, float) or value < 0:  # (nan and inf pass: every member then skips the step)
-                raise ValueError("a norm message without a sum of squares")
-            payload: Any = value
-        elif kind == STATE:
-            steps = meta.get("steps")
-            if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-                raise ValueError("moments without their step count")
-            if not all(bool(torch.isfinite(t).all()) for t in tensors) or bool((tensors[1] < 0).any()):
-                raise ValueError("moments with non-finite or negative second moments")
-            payload = ChunkMoments(tensors[0], tensors[1], steps)
-        else:
-            payload = tensors[0]
-        return (kind, chunk, sender), round_key, payload
+            if chunks or not isinstance(value, float) or value < 0:  # (nan and inf pass: every member then skips)
+                raise ValueError("a norm message carries a sum of squares and no chunks")
+            return round_key, [((NORM, 0, sender), value)]
+        if not chunks:
+            raise ValueError(f"a {kind} message without chunks")
+        sizes = [self.layout.chunk_numel(c) for c in chunks]
+        tensors = [decode_tensor(t, max_elements=MESSAGE_ELEMENTS) for t in request.tensors]
+        for tensor in tensors:
+            if tensor.shape != (sum(sizes),) or tensor.dtype != torch.float32:
+                raise ValueError(f"{len(chunks)} chunks have {sum(sizes)} float32 elements, got {tuple(tensor.shape)}")
+        parts = [t.split(sizes) for t in tensors]
+        if kind != STATE:
+            return round_key, [((kind, c, sender), part) for c, part in zip(chunks, parts[0])]
+        steps = meta.get("steps")
+        if not isinstance(steps, list) or len(steps) != len(chunks) or \
+                not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in steps):
+            raise ValueError("moments without their step counts")
+        if not all(bool(torch.isfinite(t).all()) for t in tensors) or bool((tensors[1] < 0).any()):
+            raise ValueError("moments with non-finite or negative second moments")
+        return round_key, [((STATE, c, sender), ChunkMoments(m, v, n))
+                           for c, m, v, n in zip(chunks, parts[0], parts[1], steps)]
 
-    def _deliver(self, round_key: str, key: Key, payload: Any) -> None:
+    def _deliver(self, round_key: str, messages: list[tuple[Key, Any]]) -> None:
         with self._lock:
             inbox = self._rounds.get(round_key)
             if inbox is None:
-                size = _payload_bytes(payload)
+                size = sum(_payload_bytes(payload) for _, payload in messages)
                 if self._early_bytes + size > self.max_early_bytes or \
                         (round_key not in self._early and len(self._early) >= EARLY_ROUNDS):
                     raise ValueError("too much for rounds not opened here")
-                self._early.setdefault(round_key, []).append((key, payload))
+                self._early.setdefault(round_key, []).extend(messages)
                 self._early_bytes += size
                 return
-        if key[2] not in inbox.members:
-            raise ValueError("the sender is not a member of this round")
-        inbox.put(key, payload)
+        for key, payload in messages:
+            if key[2] not in inbox.members:
+                raise ValueError("the sender is not a member of this round")
+            inbox.put(key, payload)
 
     def forget_early(self, keep: Iterable[str] = ()) -> None:
         """Drop early messages of rounds other than `keep` (those rounds are over or never came)."""
@@ -188,14 +210,21 @@ class Mailbox:
                 self._early_bytes -= sum(_payload_bytes(p) for _, p in self._early.pop(round_key))
 
     # sending (from the averaging thread)
-    def send(self, messages: list[tuple[str, dict, list[torch.Tensor]]], deadline: float) -> int:
-        """Send (peer, metadata, tensors) messages concurrently; RoundFailed unless every one was taken.
-        Returns the bytes sent."""
-        if not messages:
+    def send(self, round_key: str, items: list[Item], deadline: float, norm: tuple[list[str], float] | None = None
+             ) -> int:
+        """Send `items` packed into as few messages as the limits allow (and a norm to each of norm's peers),
+        concurrently; RoundFailed unless every message was taken. Returns the bytes sent."""
+        requests = [(peer, _request({"round": round_key, "kind": NORM, "chunks": [], "value": norm[1]}, []))
+                    for peer in (norm[0] if norm is not None else [])]
+        for batch in _packed(items):
+            first = batch[0]
+            meta = {"round": round_key, "kind": first.kind, "chunks": [item.chunk for item in batch]}
+            if first.kind == STATE:
+                meta["steps"] = [item.steps for item in batch]
+            tensors = [torch.cat([item.tensors[i] for item in batch]) for i in range(len(first.tensors))]
+            requests.append((first.peer, _request(meta, tensors)))
+        if not requests:
             return 0
-        requests = [(peer, runtime_pb2.ExpertRequest(metadata=encode_metadata(meta),
-                                                      tensors=[encode_tensor(t, "float32") for t in tensors]))
-                    for peer, meta, tensors in messages]
         sent = sum(sum(len(t.buffer) for t in request.tensors) for _, request in requests)
         timeout = max(0.0, deadline - time.monotonic())
         try:
@@ -263,17 +292,14 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
         start, end = layout.bounds(c)
         return flat[start:end]
 
-    def meta(kind: str, chunk: int, **extra: Any) -> dict:
-        return {"round": round_key, "kind": kind, "chunk": chunk, **extra}
-
     others = [m for m in plan.members if m != me]
     mine = plan.primary_of(me)
     senders = plan.senders()
     # 1. reduce-scatter: gradient sums to each chunk's primary
     sent = 0
     if plan.samples[me] > 0:
-        sent += mailbox.send([(plan.primary[c], meta(GRAD, c), [chunk_of(grad_sums, c)])
-                              for c in range(layout.num_chunks) if plan.primary[c] != me], deadline)
+        sent += mailbox.send(round_key, [Item(plan.primary[c], GRAD, c, (chunk_of(grad_sums, c),))
+                                         for c in range(layout.num_chunks) if plan.primary[c] != me], deadline)
     got = inbox.wait([(GRAD, c, s) for c in mine for s in senders if s != me], deadline)
     means: dict[int, torch.Tensor] = {}
     for c in mine:
@@ -283,7 +309,7 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
         means[c] = total.div_(plan.total_samples)
     partial = math.fsum(float(means[c].double().square().sum()) for c in mine)
     # 2. the global norm
-    sent += mailbox.send([(peer, meta(NORM, 0, value=partial), []) for peer in others], deadline)
+    sent += mailbox.send(round_key, [], deadline, norm=(others, partial))
     norms = inbox.wait([(NORM, 0, peer) for peer in others], deadline)
     partials = [partial if m == me else norms[(NORM, 0, m)] for m in plan.members]
     grad_norm, scale = clip_coefficient(partials, hyper.grad_clip)
@@ -301,12 +327,12 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
             before = ChunkMoments.zeros(layout.chunk_numel(c))
         stepped[c], update = adam_chunk(before, grad, hyper.beta1, hyper.beta2, hyper.eps)
         chunk_of(result.update, c).copy_(update)
-        outgoing += [(peer, meta(UPDATE, c), [update]) for peer in others]
-        outgoing += [(peer, meta(MEAN, c), [grad]) for peer in plan.co_owners[c]]
-        outgoing += [(peer, meta(STATE, c, steps=stepped[c].steps), [stepped[c].exp_avg, stepped[c].exp_avg_sq])
+        outgoing += [Item(peer, UPDATE, c, (update,)) for peer in others]
+        outgoing += [Item(peer, MEAN, c, (grad,)) for peer in plan.co_owners[c]]
+        outgoing += [Item(peer, STATE, c, (stepped[c].exp_avg, stepped[c].exp_avg_sq), stepped[c].steps)
                      for peer in plan.receivers[c]]
         result.transfers_out += len(plan.receivers[c])
-    sent += mailbox.send(outgoing, deadline)
+    sent += mailbox.send(round_key, outgoing, deadline)
     wanted = [(UPDATE, c, plan.primary[c]) for c in range(layout.num_chunks) if plan.primary[c] != me]
     wanted += [(MEAN, c, plan.primary[c]) for c in range(layout.num_chunks) if me in plan.co_owners[c]]
     wanted += [(STATE, c, plan.primary[c]) for c in range(layout.num_chunks) if me in plan.receivers[c]]
@@ -329,6 +355,27 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
     result.moments = {c: stepped[c] for c in plan.owned_by(me)}
     result.bytes_sent = sent
     return result
+
+
+def _packed(items: list[Item]) -> list[list[Item]]:
+    """Items grouped into messages: one peer and kind each, chunks increasing, within the message limits."""
+    batches: list[list[Item]] = []
+    elements = 0
+    for item in sorted(items, key=lambda i: (i.peer, i.kind, i.chunk)):
+        size = sum(t.numel() for t in item.tensors)
+        last = batches[-1][-1] if batches else None
+        if last is None or (last.peer, last.kind) != (item.peer, item.kind) or elements + size > MESSAGE_ELEMENTS \
+                or len(batches[-1]) >= MESSAGE_CHUNKS:
+            batches.append([])
+            elements = 0
+        batches[-1].append(item)
+        elements += size
+    return batches
+
+
+def _request(meta: dict, tensors: list[torch.Tensor]) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=encode_metadata(meta), tensors=[encode_tensor(t, "float32")
+                                                                              for t in tensors])
 
 
 def _payload_bytes(payload: Any) -> int:

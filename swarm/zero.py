@@ -198,7 +198,17 @@ class ShardedMoments:
         return frozenset(self.chunks) if step == self.step else frozenset()
 
     def replace(self, chunks: Mapping[int, ChunkMoments], step: int) -> None:
-        self.chunks, self.step = dict(chunks), step
+        """Hold `chunks` (of `step`) from now on, copied into storage of their own: what a round returns are
+        views of larger tensors (messages, batches of chunks), which would otherwise stay alive whole."""
+        order = sorted(chunks)
+        sizes = [chunks[c].exp_avg.numel() for c in order]
+        if order:
+            exp_avg = torch.cat([chunks[c].exp_avg for c in order]).split(sizes)
+            exp_avg_sq = torch.cat([chunks[c].exp_avg_sq for c in order]).split(sizes)
+            self.chunks = {c: ChunkMoments(m, v, chunks[c].steps) for c, m, v in zip(order, exp_avg, exp_avg_sq)}
+        else:
+            self.chunks = {}
+        self.step = step
 
     @property
     def nbytes(self) -> int:
@@ -212,14 +222,32 @@ def adam_chunk(moments: ChunkMoments, grad: torch.Tensor, beta1: float, beta2: f
     A replica applies the step as ``p = p * (1 - lr * weight_decay) - lr * u``, which is what
     torch.optim.AdamW does with the bias corrections folded into u.
     """
-    steps = moments.steps + 1
-    exp_avg = moments.exp_avg.lerp(grad, 1 - beta1)
-    exp_avg_sq = moments.exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**steps
-    bias_correction2_sqrt = math.sqrt(1 - beta2**steps)
+    stepped, updates = adam_chunks([moments], [grad], beta1, beta2, eps)
+    return stepped[0], updates[0]
+
+
+def adam_chunks(moments: Sequence[ChunkMoments], grads: Sequence[torch.Tensor], beta1: float, beta2: float,
+                eps: float) -> tuple[list[ChunkMoments], list[torch.Tensor]]:
+    """:func:`adam_chunk` on many chunks with one pass of tensor operations over their concatenation
+    (per-chunk Python would cost more than the arithmetic). The results are views of shared tensors."""
+    if not moments:
+        return [], []
+    sizes = [g.numel() for g in grads]
+    grad = torch.cat(list(grads))
+    steps = [m.steps + 1 for m in moments]
+    exp_avg = torch.cat([m.exp_avg for m in moments]).lerp_(grad, 1 - beta1)
+    exp_avg_sq = torch.cat([m.exp_avg_sq for m in moments]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if len(set(steps)) == 1:
+        bias_correction1: float | torch.Tensor = 1 - beta1**steps[0]
+        bias_correction2_sqrt: float | torch.Tensor = math.sqrt(1 - beta2**steps[0])
+    else:  # (a chunk that starts afresh beside chunks with a history)
+        counts = torch.tensor(sizes)
+        bias_correction1 = torch.tensor([1 - beta1**n for n in steps]).repeat_interleave(counts)
+        bias_correction2_sqrt = torch.tensor([math.sqrt(1 - beta2**n) for n in steps]).repeat_interleave(counts)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     update = (exp_avg / denom).div_(bias_correction1)
-    return ChunkMoments(exp_avg, exp_avg_sq, steps), update
+    stepped = [ChunkMoments(m, v, n) for m, v, n in zip(exp_avg.split(sizes), exp_avg_sq.split(sizes), steps)]
+    return stepped, list(update.split(sizes))
 
 
 def clip_coefficient(partial_sums: Sequence[float], grad_clip: float) -> tuple[float, float]:

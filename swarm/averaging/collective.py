@@ -36,7 +36,7 @@ from swarm.averaging.errors import AveragingError
 from swarm.dht.loop import BackgroundLoop
 from swarm.protocol.codec import decode_tensor, encode_tensor
 from swarm.protocol.framing import WireLimits, decode_metadata, encode_metadata
-from swarm.zero import ChunkMoments, Layout, Plan, adam_chunk, clip_coefficient
+from swarm.zero import ChunkMoments, Layout, Plan, adam_chunks, clip_coefficient
 
 log = logging.getLogger(__name__)
 
@@ -83,24 +83,31 @@ class _Inbox:
         self.members = members
         self.messages: dict[Key, Any] = {}
         self.ready = threading.Condition()
+        self.arrived = time.monotonic()  # when the last message came
 
-    def put(self, key: Key, payload: Any) -> None:
+    def put(self, messages: list[tuple[Key, Any]]) -> None:
         with self.ready:
-            self.messages.setdefault(key, payload)  # a repeat never replaces what came first
+            for key, payload in messages:
+                self.messages.setdefault(key, payload)  # a repeat never replaces what came first
+            self.arrived = time.monotonic()
             self.ready.notify_all()
 
-    def wait(self, keys: Iterable[Key], deadline: float) -> dict[Key, Any]:
+    def wait(self, keys: Iterable[Key], deadline: float, silence: float = math.inf) -> dict[Key, Any]:
+        """Every message of `keys`; RoundFailed at `deadline`, or once nothing has come for `silence` seconds."""
         wanted = set(keys)
+        started = time.monotonic()
         with self.ready:
             while True:
                 missing = wanted - self.messages.keys()
                 if not missing:
                     return {key: self.messages[key] for key in wanted}
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                quiet_until = max(started, self.arrived) + silence
+                if now >= min(deadline, quiet_until):
                     kinds = sorted({f"{kind} from {sender[-8:]}" for kind, _, sender in missing})
-                    raise RoundFailed(f"{len(missing)} messages did not come in time ({', '.join(kinds[:4])})")
-                self.ready.wait(min(remaining, 0.5))
+                    why = "in time" if now >= deadline else f"and nothing came for {silence:g}s"
+                    raise RoundFailed(f"{len(missing)} messages did not come {why} ({', '.join(kinds[:4])})")
+                self.ready.wait(min(deadline, quiet_until) - now)
 
 
 class Mailbox:
@@ -129,9 +136,7 @@ class Mailbox:
             self._rounds[key] = inbox
             early = self._early.pop(key, [])
             self._early_bytes -= sum(_payload_bytes(p) for _, p in early)
-        for message_key, payload in early:
-            if message_key[2] in inbox.members:
-                inbox.put(message_key, payload)
+        inbox.put([(key, payload) for key, payload in early if key[2] in inbox.members])
         return inbox
 
     def close_round(self, key: str) -> None:
@@ -197,10 +202,9 @@ class Mailbox:
                 self._early.setdefault(round_key, []).extend(messages)
                 self._early_bytes += size
                 return
-        for key, payload in messages:
-            if key[2] not in inbox.members:
-                raise ValueError("the sender is not a member of this round")
-            inbox.put(key, payload)
+        if any(key[2] not in inbox.members for key, _ in messages):
+            raise ValueError("the sender is not a member of this round")
+        inbox.put(messages)
 
     def forget_early(self, keep: Iterable[str] = ()) -> None:
         """Drop early messages of rounds other than `keep` (those rounds are over or never came)."""
@@ -292,40 +296,45 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
         start, end = layout.bounds(c)
         return flat[start:end]
 
+    def wait(keys: list[Key]) -> dict[Key, Any]:
+        return inbox.wait(keys, deadline, mailbox.send_timeout)
+
+    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.zeros(0)
+
     others = [m for m in plan.members if m != me]
-    mine = plan.primary_of(me)
+    mine = plan.primary_of(me)  # (increasing: every chunk-wise list below follows this order)
+    sizes = [layout.chunk_numel(c) for c in mine]
     senders = plan.senders()
     # 1. reduce-scatter: gradient sums to each chunk's primary
     sent = 0
     if plan.samples[me] > 0:
         sent += mailbox.send(round_key, [Item(plan.primary[c], GRAD, c, (chunk_of(grad_sums, c),))
                                          for c in range(layout.num_chunks) if plan.primary[c] != me], deadline)
-    got = inbox.wait([(GRAD, c, s) for c in mine for s in senders if s != me], deadline)
-    means: dict[int, torch.Tensor] = {}
-    for c in mine:
-        total = torch.zeros(layout.chunk_numel(c))
-        for sender in senders:  # (a fixed order: every co-owner would sum the same way)
-            total += chunk_of(grad_sums, c) if sender == me else got[(GRAD, c, sender)]
-        means[c] = total.div_(plan.total_samples)
-    partial = math.fsum(float(means[c].double().square().sum()) for c in mine)
+    got = wait([(GRAD, c, s) for c in mine for s in senders if s != me])
+    mean = torch.zeros(sum(sizes))
+    for sender in senders:  # (in a fixed order)
+        mean += joined([chunk_of(grad_sums, c) if sender == me else got[(GRAD, c, sender)] for c in mine])
+    mean.div_(plan.total_samples)
+    partial = float(mean.double().square().sum())
     # 2. the global norm
     sent += mailbox.send(round_key, [], deadline, norm=(others, partial))
-    norms = inbox.wait([(NORM, 0, peer) for peer in others], deadline)
+    norms = wait([(NORM, 0, peer) for peer in others])
     partials = [partial if m == me else norms[(NORM, 0, m)] for m in plan.members]
     grad_norm, scale = clip_coefficient(partials, hyper.grad_clip)
     if not math.isfinite(scale):  # every member sees the same norm: all skip this step
         return RoundResult(None, dict(moments), grad_norm, sent)
     # 3. all-gather: each primary steps its chunks and sends the update
     result = RoundResult(torch.empty(layout.numel), {}, grad_norm)
-    stepped: dict[int, ChunkMoments] = {}
+    if scale != 1.0:
+        mean.mul_(scale)
+    grads = list(mean.split(sizes))
+    result.fresh = [c for c in mine if c not in moments]
+    before = [moments[c] if c in moments else ChunkMoments.zeros(layout.chunk_numel(c)) for c in mine]
+    stepped_mine, updates = adam_chunks(before, grads, hyper.beta1, hyper.beta2, hyper.eps)
+    stepped = dict(zip(mine, stepped_mine))
     outgoing = []
-    for c in mine:
-        grad = means[c].mul_(scale) if scale != 1.0 else means[c]
-        before = moments.get(c)
-        if before is None:
-            result.fresh.append(c)
-            before = ChunkMoments.zeros(layout.chunk_numel(c))
-        stepped[c], update = adam_chunk(before, grad, hyper.beta1, hyper.beta2, hyper.eps)
+    for c, grad, update in zip(mine, grads, updates):
         chunk_of(result.update, c).copy_(update)
         outgoing += [Item(peer, UPDATE, c, (update,)) for peer in others]
         outgoing += [Item(peer, MEAN, c, (grad,)) for peer in plan.co_owners[c]]
@@ -333,23 +342,24 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
                      for peer in plan.receivers[c]]
         result.transfers_out += len(plan.receivers[c])
     sent += mailbox.send(round_key, outgoing, deadline)
-    wanted = [(UPDATE, c, plan.primary[c]) for c in range(layout.num_chunks) if plan.primary[c] != me]
-    wanted += [(MEAN, c, plan.primary[c]) for c in range(layout.num_chunks) if me in plan.co_owners[c]]
-    wanted += [(STATE, c, plan.primary[c]) for c in range(layout.num_chunks) if me in plan.receivers[c]]
-    got = inbox.wait(wanted, deadline)
-    for c in range(layout.num_chunks):
-        if plan.primary[c] == me:
-            continue
-        update = got[(UPDATE, c, plan.primary[c])]
-        chunk_of(result.update, c).copy_(update)
-        if me in plan.co_owners[c]:
-            stepped[c], own = adam_chunk(moments[c], got[(MEAN, c, plan.primary[c])], hyper.beta1, hyper.beta2,
-                                         hyper.eps)
-            if not torch.allclose(own, update, rtol=0, atol=AGREEMENT_ATOL):
-                result.disagreements += 1
-        elif me in plan.receivers[c]:
-            stepped[c] = got[(STATE, c, plan.primary[c])]
-            result.transfers_in += 1
+    theirs = [c for c in range(layout.num_chunks) if plan.primary[c] != me]
+    co_owned = [c for c in theirs if me in plan.co_owners[c]]
+    received = [c for c in theirs if me in plan.receivers[c]]
+    got = wait([(UPDATE, c, plan.primary[c]) for c in theirs] + [(MEAN, c, plan.primary[c]) for c in co_owned]
+               + [(STATE, c, plan.primary[c]) for c in received])
+    for c in theirs:
+        chunk_of(result.update, c).copy_(got[(UPDATE, c, plan.primary[c])])
+    # co-owners step their own copy of the moments on the primary's gradient, and check they agree
+    stepped_co, own = adam_chunks([moments[c] for c in co_owned], [got[(MEAN, c, plan.primary[c])] for c in co_owned],
+                                  hyper.beta1, hyper.beta2, hyper.eps)
+    stepped.update(zip(co_owned, stepped_co))
+    theirs_updates = [got[(UPDATE, c, plan.primary[c])] for c in co_owned]
+    if co_owned and not torch.allclose(joined(own), joined(theirs_updates), rtol=0, atol=AGREEMENT_ATOL):
+        result.disagreements = sum(not torch.allclose(a, b, rtol=0, atol=AGREEMENT_ATOL)
+                                   for a, b in zip(own, theirs_updates))
+    for c in received:
+        stepped[c] = got[(STATE, c, plan.primary[c])]
+    result.transfers_in = len(received)
     if not bool(torch.isfinite(result.update).all()):
         raise RoundFailed("a primary sent a non-finite update")
     result.moments = {c: stepped[c] for c in plan.owned_by(me)}

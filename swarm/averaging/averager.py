@@ -325,11 +325,7 @@ class StageAverager:
         failure: AveragingError | None = None
         try:
             self._load_buffers(grads, samples)
-            self._process.prepare_round(view.step, view.group_size)
-            gathered, start_latency = self._process.average(
-                float(samples), {"step": view.step, "samples": samples, "late": self._late_in_round}, self._closing,
-                lambda: self.view().group_size == 1)
-            self.metrics.round_start_seconds.observe(start_latency)
+            gathered, start_latency = self._meet(view, samples, {})
             total, late = total_samples(gathered, view.step)
             mean = self._read_buffers()
         except AveragingError as e:
@@ -365,11 +361,7 @@ class StageAverager:
         failure: Exception | None = None
         try:
             if view.group_size > 1:
-                self._process.prepare_round(view.step, view.group_size)
-                gathered, start_latency = self._process.average(
-                    float(samples), {"step": view.step, "samples": samples, "late": self._late_in_round,
-                                     "zero": info.to_wire()}, self._closing, lambda: self.view().group_size == 1)
-                self.metrics.round_start_seconds.observe(start_latency)
+                gathered, _ = self._meet(view, samples, {"zero": info.to_wire()})
                 _, late = total_samples(gathered, view.step)
                 infos = {peer.to_base58(): MemberInfo.from_wire(data.get("zero"), self._layout.num_chunks)
                          for peer, data in gathered.items()}
@@ -456,6 +448,16 @@ class StageAverager:
         self._round_pause = min(2 * self._round_pause, ROUND_RETRY_PAUSE_MAX)
         self.metrics.rounds[FAILED].inc()
         self._tracker.nudge()
+
+    def _meet(self, view: StageView, samples: int, extra: dict[str, Any]) -> tuple[dict[Any, Any], float]:
+        """Form this round's group with the servers at our step (an all-reduce too, unless sharded): each
+        member's gather data (ours: step, samples, late samples and `extra`), and the round's start latency."""
+        self._process.prepare_round(view.step, view.group_size)
+        gathered, start_latency = self._process.average(
+            float(samples), {"step": view.step, "samples": samples, "late": self._late_in_round, **extra},
+            self._closing, lambda: self.view().group_size == 1)
+        self.metrics.round_start_seconds.observe(start_latency)
+        return gathered, start_latency
 
     def _apply(self, mean: list[torch.Tensor | None], samples: int, outcome: str, members: list[str],
                late: int) -> dict[str, Any]:

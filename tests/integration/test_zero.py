@@ -21,16 +21,13 @@ from peer.server import StageServer
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from swarm.zero import Layout, targets
-from tests.helpers import wait_until
 from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers
 from tests.integration.test_averaging import (
     MICRO,
-    ROUND_TIMEOUT,
     STAGE,
-    feed,
     make_config,
     micro_batch,
-    wait_until_peers_see_each_other,
+    run_round,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -62,17 +59,6 @@ def sharded_state(server: StageServer) -> dict:
                 "chunks": {c: copy.deepcopy(m) for c, m in shards.chunks.items()}, "chunks_step": shards.step}
 
     return backend.call(read, BACKEND_CALL_TIMEOUT)
-
-
-def step_all(servers: list[StageServer], batches: list[list]) -> None:
-    """Feed servers[i] the micro-batches batches[i] (one batch in all); wait until every one stepped."""
-    wait_until_peers_see_each_other(servers)
-    steps = [s.backend.step for s in servers]
-    for server, mine in zip(servers, batches):
-        for batch in mine:
-            feed(server, batch)
-    wait_until(lambda: all(s.backend.step == step + 1 for s, step in zip(servers, steps)), ROUND_TIMEOUT,
-               interval=0.1, what="every server's step after the sharded round")
 
 
 def reference_steps(config, rounds: list[list]) -> StageOptimizer:
@@ -109,7 +95,7 @@ def test_sharded_steps_equal_one_unsharded_optimizer_and_each_server_holds_r_ove
     with running_peers(config.run_id, SERVERS) as peers, \
             stage_servers(config, peers, [STAGE] * SERVERS) as servers:
         for batches in rounds:
-            step_all(servers, batches)
+            run_round(servers, batches)
         states = [sharded_state(s) for s in servers]
         layout = servers[0].averager._layout
         reference = reference_steps(config, [[b for mine in batches for b in mine] for batches in rounds])
@@ -151,14 +137,14 @@ def test_a_sigkilled_member_loses_no_moment_and_a_joiner_takes_over_its_chunks()
     batches = [[[micro_batch(config, 10 * step + i)] for i in range(SERVERS)] for step in range(3)]
     with running_peers(config.run_id, SERVERS + 1) as peers, \
             stage_servers(config, peers[:SERVERS], [STAGE] * SERVERS) as servers:
-        step_all(servers, batches[0])
+        run_round(servers, batches[0])
         vanish(peers[SERVERS - 1], servers[-1])
         survivors = servers[:-1]
         batches[1][0] += batches[1].pop()  # (a batch is 16 samples)
-        step_all(survivors, batches[1])  # once the others stopped counting it (its record expired)
+        run_round(survivors, batches[1])  # once the others stopped counting it (its record expired)
         with stage_servers(config, [peers[SERVERS]], [STAGE]) as (joiner,):
             live = [*survivors, joiner]
-            step_all(live, batches[2])
+            run_round(live, batches[2])
             states = [sharded_state(s) for s in live]
             layout = joiner.averager._layout
             reference = reference_steps(config, [[b for mine in step for b in mine] for step in batches])

@@ -24,6 +24,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.averaging.errors import AveragingError
 from swarm.dht.loop import BackgroundLoop
-from swarm.protocol.codec import decode_tensor, encode_tensor
+from swarm.protocol.codec import encode_tensor
 from swarm.protocol.framing import WireLimits, decode_metadata, encode_metadata
 from swarm.zero import ChunkMoments, Layout, Plan, adam_chunks, clip_coefficient
 
@@ -175,11 +176,10 @@ class Mailbox:
         if not chunks:
             raise ValueError(f"a {kind} message without chunks")
         sizes = [self.layout.chunk_numel(c) for c in chunks]
-        tensors = [decode_tensor(t, max_elements=MESSAGE_ELEMENTS) for t in request.tensors]
-        for tensor in tensors:
-            if tensor.shape != (sum(sizes),) or tensor.dtype != torch.float32:
-                raise ValueError(f"{len(chunks)} chunks have {sum(sizes)} float32 elements, got {tuple(tensor.shape)}")
+        tensors = [_float32_vector(t, sum(sizes)) for t in request.tensors]
         parts = [t.split(sizes) for t in tensors]
+        if kind in (UPDATE, MEAN) and not math.isfinite(float(tensors[0].sum())):  # (grads may: all then skip)
+            raise ValueError(f"a non-finite {kind}")
         if kind != STATE:
             return round_key, [((kind, c, sender), part) for c, part in zip(chunks, parts[0])]
         steps = meta.get("steps")
@@ -325,7 +325,7 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
     if not math.isfinite(scale):  # every member sees the same norm: all skip this step
         return RoundResult(None, dict(moments), grad_norm, sent)
     # 3. all-gather: each primary steps its chunks and sends the update
-    result = RoundResult(torch.empty(layout.numel), {}, grad_norm)
+    result = RoundResult(None, {}, grad_norm)
     if scale != 1.0:
         mean.mul_(scale)
     grads = list(mean.split(sizes))
@@ -333,9 +333,9 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
     before = [moments[c] if c in moments else ChunkMoments.zeros(layout.chunk_numel(c)) for c in mine]
     stepped_mine, updates = adam_chunks(before, grads, hyper.beta1, hyper.beta2, hyper.eps)
     stepped = dict(zip(mine, stepped_mine))
+    update_of = dict(zip(mine, updates))
     outgoing = []
     for c, grad, update in zip(mine, grads, updates):
-        chunk_of(result.update, c).copy_(update)
         outgoing += [Item(peer, UPDATE, c, (update,)) for peer in others]
         outgoing += [Item(peer, MEAN, c, (grad,)) for peer in plan.co_owners[c]]
         outgoing += [Item(peer, STATE, c, (stepped[c].exp_avg, stepped[c].exp_avg_sq), stepped[c].steps)
@@ -347,8 +347,8 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
     received = [c for c in theirs if me in plan.receivers[c]]
     got = wait([(UPDATE, c, plan.primary[c]) for c in theirs] + [(MEAN, c, plan.primary[c]) for c in co_owned]
                + [(STATE, c, plan.primary[c]) for c in received])
-    for c in theirs:
-        chunk_of(result.update, c).copy_(got[(UPDATE, c, plan.primary[c])])
+    update_of.update((c, got[(UPDATE, c, plan.primary[c])]) for c in theirs)
+    result.update = torch.cat([update_of[c] for c in range(layout.num_chunks)])
     # co-owners step their own copy of the moments on the primary's gradient, and check they agree
     stepped_co, own = adam_chunks([moments[c] for c in co_owned], [got[(MEAN, c, plan.primary[c])] for c in co_owned],
                                   hyper.beta1, hyper.beta2, hyper.eps)
@@ -360,11 +360,23 @@ def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, l
     for c in received:
         stepped[c] = got[(STATE, c, plan.primary[c])]
     result.transfers_in = len(received)
-    if not bool(torch.isfinite(result.update).all()):
+    if not math.isfinite(float(result.update.sum())):  # (a sum is finite if every element is, and cheap)
         raise RoundFailed("a primary sent a non-finite update")
     result.moments = {c: stepped[c] for c in plan.owned_by(me)}
     result.bytes_sent = sent
     return result
+
+
+def _float32_vector(serialized: runtime_pb2.Tensor, numel: int) -> torch.Tensor:
+    """A float32 vector of `numel` elements as sent (uncompressed), read in place: no copy of the bytes
+    (hivemind's decoder copies them twice). Read-only: what keeps it copies it first."""
+    if serialized.compression != runtime_pb2.CompressionType.NONE or serialized.dtype != "float32" or \
+            list(serialized.size) != [numel] or len(serialized.buffer) != 4 * numel:
+        raise ValueError(f"expected {numel} uncompressed float32 elements, got {list(serialized.size)} "
+                         f"{serialized.dtype} in {len(serialized.buffer)} bytes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch warns that the bytes are not writable)
+        return torch.frombuffer(serialized.buffer, dtype=torch.float32) if numel else torch.zeros(0)
 
 
 def _packed(items: list[Item]) -> list[list[Item]]:

@@ -780,6 +780,9 @@ def state(chunks: list, steps, *tensors: torch.Tensor) -> tuple[dict, list[torch
     state([2], [1], torch.ones(1), torch.tensor([-1e-3])),
     state([1, 2], [1, 1], torch.ones(9), torch.cat([torch.ones(8), torch.tensor([-1e-3])])),  # in the last chunk
     state([1, 2], [1, 1], torch.cat([torch.tensor([math.inf]), torch.ones(8)]), torch.ones(9)),  # in the first
+    # a non-finite update or mean gradient (a gradient may be: every member then skips the step)
+    ({"round": "r", "kind": UPDATE, "chunks": [0]}, [torch.cat([torch.ones(7), torch.tensor([math.nan])])]),
+    ({"round": "r", "kind": MEAN, "chunks": [0, 1]}, [torch.cat([torch.tensor([math.inf]), torch.ones(15)])]),
     # round keys
     ({"round": "r" * (MAX_ROUND_KEY + 1), "kind": GRAD, "chunks": [0]}, [torch.zeros(8)]),
     ({"round": "", "kind": GRAD, "chunks": [0]}, [torch.zeros(8)]),

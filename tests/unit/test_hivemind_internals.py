@@ -25,12 +25,27 @@ from swarm.hivemind_internals import AveragerInternals, private_key_from, schema
 
 pytestmark = pytest.mark.timeout(60)
 
-AVERAGER = inspect.getsource(DecentralizedAverager)
+def class_source(cls: type) -> str:
+    """The source of `cls`'s own functions. (inspect.getsource of a class parses its module into an AST,
+    which CPython 3.11 can break with "AST constructor recursion depth mismatch" when the garbage
+    collector runs a finalizer mid-parse; a function's source is found without parsing.)"""
+    functions = []
+    for member in vars(cls).values():
+        if isinstance(member, property):
+            functions += [f for f in (member.fget, member.fset, member.fdel) if f is not None]
+        elif isinstance(member, (classmethod, staticmethod)):
+            functions.append(member.__func__)
+        elif inspect.isfunction(member):
+            functions.append(member)
+    return "\n".join(inspect.getsource(f) for f in functions)
+
+
+AVERAGER = class_source(DecentralizedAverager)
 
 
 def assigns(cls: type, attribute: str) -> bool:
     """Whether `cls`'s source sets `self.<attribute>` (alone or in a tuple assignment)."""
-    return re.search(rf"self\.{attribute}\b[^=\n]*=(?!=)", inspect.getsource(cls)) is not None
+    return re.search(rf"self\.{attribute}\b[^=\n]*=(?!=)", class_source(cls)) is not None
 
 
 @pytest.mark.parametrize("attribute", ["_averaged_tensors", "_running_groups", "_outer_pipe", "_p2p", "_matchmaking"])

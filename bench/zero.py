@@ -9,7 +9,7 @@ process of its own, as each server is in a swarm (--in-process: all in this one)
 default all):
 
 bytes  stage 1 of configs/small.yaml (~6.3M parameters; averaging.zero.chunk_elements as configured,
-       or --chunk-elements: at the default 2**12, 1540 chunks),
+       or --chunk-elements: at the default 2**11, 3079 chunks),
        n = 2, 3, 4 and r = 1, 2: after one real round each, the bytes of AdamW moments every member
        holds sharded (``optimizer.shards.nbytes``) over those it holds unsharded (torch AdamW's
        ``optimizer.state_bytes()``): max and mean over the members, next to the goal 1.05 x r/n.
@@ -52,8 +52,8 @@ time   the same stage, n members: rounds on random gradients (the same on both s
        each co-owner), i.e. more than the all-reduce when r > 1.
        A round that fails (either side) is reported and the pair measured once more on fresh groups;
        a member process that dies or does not answer within REPLY_TIMEOUT fails that n.
-loss   configs/tiny.yaml as one stage (the whole ~0.87M-parameter model, num_stages = 1; 212 chunks at
-       2**12), n = 2, 3 (--loss-sizes; --quick: 2) servers, r = 2, batch = n x micro-batch: each step every
+loss   configs/tiny.yaml as one stage (the whole ~0.87M-parameter model, num_stages = 1; 423 chunks at
+       2**11), n = 2, 3 (--loss-sizes; --quick: 2) servers, r = 2, batch = n x micro-batch: each step every
        server gets one micro-batch of real data (the stdlib corpus, the same micro-batches for both
        sides), computes its gradient on its own replica, and the group takes one step; after --steps
        steps, the validation loss (ReferenceTrainer's windows) of member 0's parameters, zero /

@@ -118,7 +118,7 @@ class ZeroConfig:
 
     enabled: bool = False
     replicas: int = 2  # servers that hold each chunk's moments: 2 survives any one leaving; 1 halves memory
-    chunk_elements: int = 2**12  # parameters per chunk: the unit of ownership (smaller: better balanced owners)
+    chunk_elements: int = 2**11  # parameters per chunk: the unit of ownership (smaller: better balanced owners)
 
     def validate(self) -> None:
         if self.replicas < 1:

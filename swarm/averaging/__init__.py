@@ -17,6 +17,8 @@ Map of the subsystem, from what a server uses down to pure logic::
                  stage's, through the DHT
     channel.py   ProgressChannel: progress pushed straight to the stage's other servers over libp2p,
                  so a full batch is known at once rather than at the next DHT read
+    sharded.py   StageAverager's rounds when the moments are sharded (averaging.zero): meet, plan, run
+                 the collective, apply; a failed round changes nothing and is tried again
     collective.py  a sharded round (averaging.zero): gradients reduce-scattered to each chunk's owners,
                  their updates all-gathered, moments handed to new owners; libp2p messages, checked
                  (the layout, ownership and chunk AdamW are pure logic in swarm.zero)

@@ -22,12 +22,13 @@ the download too runs beside compute, and its state replaces the replica's betwe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,7 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.codecs import installed_compression
-from swarm.averaging.collective import Hyper, Mailbox, RoundResult, run_round
+from swarm.averaging.collective import Hyper, Mailbox
 from swarm.averaging.errors import AveragingError, StateDownloadError
 from swarm.averaging.intake import Loaded, StateIntake
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
@@ -53,10 +54,11 @@ from swarm.averaging.progress import (
     sharing_priority,
     stage_view,
 )
+from swarm.averaging.sharded import ROUND_RETRY_PAUSE, ShardedRounds
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import RunConfig
 from swarm.state import StageState, StateRejected, flatten
-from swarm.zero import Layout, MemberInfo, Plan, PlanError, ShardedMoments, make_plan
+from swarm.zero import Layout, ShardedMoments
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,6 @@ PROCESS_START_TIMEOUT = 30.0  # forking the averaging process until it serves
 DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubles on each failure
 DOWNLOAD_RETRY_PAUSE_MAX = 30.0
 CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
-ROUND_RETRY_PAUSE = 0.25  # sharded: first pause before a failed round's batch tries again; doubles up to the max
-ROUND_RETRY_PAUSE_MAX = 8.0
-ALONE_GRACE_ROUNDS = 3  # sharded: matchmaking timeouts a server alone waits before stepping on the chunks it holds
 
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
 
@@ -76,7 +75,7 @@ def averaging_prefix(run_id: str, stage: int) -> str:
     return f"{run_id}_stage{stage}_averaging"
 
 
-class StageAverager:
+class StageAverager(ShardedRounds):
     """A :class:`~swarm.averaging.stepper.StageStepper` for a stage that several servers serve.
 
     Create it on the main thread (it forks hivemind's averaging process), load the stage's state
@@ -321,18 +320,15 @@ class StageAverager:
     # rounds (on the averaging thread; each returns what the compute thread applies)
     def _average(self, view: StageView, grads: list[torch.Tensor | None], samples: int) -> Callable[[], Any]:
         started = time.monotonic()
-        self.metrics.in_round.set(1)
         failure: AveragingError | None = None
-        try:
-            self._load_buffers(grads, samples)
-            gathered, start_latency = self._meet(view, samples, {})
-            total, late = total_samples(gathered, view.step)
-            mean = self._read_buffers()
-        except AveragingError as e:
-            failure = e
-        finally:
-            self.metrics.in_round.set(0)
-            self.metrics.round_seconds.observe(time.monotonic() - started)
+        with self._in_round():
+            try:
+                self._load_buffers(grads, samples)
+                gathered, start_latency = self._meet(view, samples, {})
+                total, late = total_samples(gathered, view.step)
+                mean = self._read_buffers()
+            except AveragingError as e:
+                failure = e
         if failure is not None:
             self._check_process()
             log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
@@ -348,106 +344,16 @@ class StageAverager:
                   total, group, time.monotonic() - started, start_latency)
         return functools.partial(self._apply, mean, total, SUCCEEDED, [peer.to_base58() for peer in gathered], late)
 
-    def _average_sharded(self, view: StageView, grads: list[torch.Tensor | None], samples: int) -> Callable[[], Any]:
-        """A sharded round (averaging thread): the group forms as for averaging, then the collective
-        (swarm.averaging.collective) reduce-scatters gradients to the chunks' owners, who step them, and
-        all-gathers the updates. Alone, the same math without the network."""
+    @contextlib.contextmanager
+    def _in_round(self) -> Iterator[None]:
+        """A round's network part, counted in the round metrics (in progress while it runs, and its time)."""
         started = time.monotonic()
         self.metrics.in_round.set(1)
-        shards = self.optimizer.shards
-        held = shards.held_at(view.step)
-        info = MemberInfo(view.step, samples, self._layout.hash, held)
-        grad_sums = self._layout.flatten(grads)
-        failure: Exception | None = None
         try:
-            if view.group_size > 1:
-                gathered, _ = self._meet(view, samples, {"zero": info.to_wire()})
-                _, late = total_samples(gathered, view.step)
-                infos = {peer.to_base58(): MemberInfo.from_wire(data.get("zero"), self._layout.num_chunks)
-                         for peer, data in gathered.items()}
-                group_ids = {data.get("group_id") for data in gathered.values()}
-                round_key = f"{view.step}:{group_ids.pop() if len(group_ids) == 1 else ''}"
-            else:
-                self._check_alone(view.step, held)
-                infos, late, round_key = {self.peer_id: info}, self._late_in_round, f"{view.step}:alone"
-            plan = make_plan(self._layout, infos, self._zero.replicas)
-            if self.peer_id not in plan.members:
-                raise PlanError("this server is not among the round's members")
-            if len(plan.members) > 1:
-                self._alone_since = None
-            result = run_round(self._mailbox, round_key, plan, self.peer_id, grad_sums,
-                               shards.chunks if held else {}, self._hyper,
-                               time.monotonic() + self.config.allreduce_timeout)
-        except (AveragingError, PlanError) as e:
-            failure = e
+            yield
         finally:
             self.metrics.in_round.set(0)
             self.metrics.round_seconds.observe(time.monotonic() - started)
-        if failure is not None:
-            self._check_process()
-            log.warning("stage %d: sharded round for step %d failed (%s); its %d samples count towards the next try",
-                        self.stage, view.step + 1, failure, samples)
-            return functools.partial(self._retry_later, grads, samples)
-        outcome = SUCCEEDED if len(plan.members) > 1 else LOCAL
-        return functools.partial(self._apply_sharded, result, plan, outcome, late)
-
-    def _apply_sharded(self, result: RoundResult, plan: Plan, outcome: str, late: int) -> dict[str, Any]:
-        """Apply a sharded round's update (compute thread): the same on every member; keep the moments of
-        the chunks this server owns now."""
-        shards = self.optimizer.shards
-        self._round_pause = ROUND_RETRY_PAUSE
-        with self._state_lock:
-            if result.update is None:  # a non-finite gradient norm: every member skips alike
-                stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
-                         "samples": plan.total_samples, "skipped": True}
-            else:
-                stats = self.optimizer.step_sharded(result.update, plan.total_samples, result.grad_norm)
-                shards.replace(result.moments, self.optimizer.step_count)
-                self.state.round_id = round_of(self.optimizer.step_count, list(plan.members))
-                self.state.group = len(plan.members)
-            self._averaging = False
-            self._params_changed()
-        if result.fresh and plan.step > 0:
-            self.metrics.chunks_reinitialized.inc(len(result.fresh))
-            log.warning("stage %d: %d chunks of the optimizer state had no live holder at step %d (every owner "
-                        "left): their moments start again from zero", self.stage, len(result.fresh), plan.step)
-        if result.disagreements:
-            log.warning("stage %d: %d co-owned chunks computed another update than their primary's", self.stage,
-                        result.disagreements)
-        self.metrics.chunk_transfers["received"].inc(result.transfers_in)
-        self.metrics.chunk_transfers["sent"].inc(result.transfers_out)
-        self.metrics.bytes_sent.inc(result.bytes_sent)
-        self.metrics.group_size.set(len(plan.members))
-        self.metrics.rounds[outcome].inc()
-        self._after_step()
-        return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late}
-
-    def _check_alone(self, step: int, held: frozenset[int]) -> None:
-        """A server that sees no other may step alone only on moments it holds whole, or once it has been alone
-        for ALONE_GRACE_ROUNDS matchmaking timeouts: until then the others may only be unseen for a moment,
-        and stepping would restart the moments of the chunks they own."""
-        if step == 0 or len(held) == self._layout.num_chunks:
-            return
-        now = time.monotonic()
-        if self._alone_since is None:
-            self._alone_since = now
-        waited = now - self._alone_since
-        if waited < ALONE_GRACE_ROUNDS * self.config.matchmaking_timeout:
-            raise PlanError(f"no other server of the stage is seen and this one holds {len(held)} of "
-                            f"{self._layout.num_chunks} chunks of the moments (alone for {waited:.0f}s)")
-
-    def _retry_later(self, grads: list[torch.Tensor | None], samples: int) -> None:
-        """A sharded round failed (compute thread): its samples go back to the accumulation for the next try
-        (a replica cannot step on its own where others hold the moments)."""
-        with self._state_lock:
-            if samples > 0:
-                self.optimizer.accumulate(grads, samples)
-            self._late += self._late_in_round
-            self._averaging = False
-        self._next_round = time.monotonic() + self._round_pause
-        self._round_pause = min(2 * self._round_pause, ROUND_RETRY_PAUSE_MAX)
-        self.metrics.rounds[FAILED].inc()
-        self._tracker.nudge()
 
     def _meet(self, view: StageView, samples: int, extra: dict[str, Any]) -> tuple[dict[Any, Any], float]:
         """Form this round's group with the servers at our step (an all-reduce too, unless sharded): each

@@ -1,0 +1,136 @@
+"""Sharded rounds (averaging.zero): StageAverager's steps when the stage's AdamW moments are sharded.
+
+The group forms as for averaging (StageAverager._meet); then swarm.averaging.collective reduce-scatters
+the gradients to the chunks' owners, who step them, and all-gathers the updates; the compute thread
+applies the step. A failed round changes nothing: its samples count towards the next try, after a pause.
+A mixin: it uses StageAverager's state (its config, metrics, locks, process and mailbox).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from swarm.averaging.collective import RoundResult, run_round
+from swarm.averaging.errors import AveragingError
+from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
+from swarm.averaging.process import total_samples
+from swarm.averaging.progress import StageView, round_of
+from swarm.zero import MemberInfo, Plan, PlanError, make_plan
+
+log = logging.getLogger(__name__)
+
+ROUND_RETRY_PAUSE = 0.25  # first pause before a failed round's batch tries again; doubles up to the max
+ROUND_RETRY_PAUSE_MAX = 8.0
+ALONE_GRACE_ROUNDS = 3  # matchmaking timeouts a server alone waits before stepping on the chunks it holds
+
+
+class ShardedRounds:
+    """StageAverager's sharded rounds (see the module's docstring)."""
+
+    def _average_sharded(self, view: StageView, grads: list[torch.Tensor | None], samples: int) -> Callable[[], Any]:
+        """A sharded round (averaging thread): the group forms as for averaging, then the collective
+        (swarm.averaging.collective) reduce-scatters gradients to the chunks' owners, who step them, and
+        all-gathers the updates. Alone, the same math without the network."""
+        failure: Exception | None = None
+        with self._in_round():
+            try:
+                plan, late, result = self._sharded_round(view, grads, samples)
+            except (AveragingError, PlanError) as e:
+                failure = e
+        if failure is not None:
+            self._check_process()
+            log.warning("stage %d: sharded round for step %d failed (%s); its %d samples count towards the next try",
+                        self.stage, view.step + 1, failure, samples)
+            return functools.partial(self._retry_later, grads, samples)
+        outcome = SUCCEEDED if len(plan.members) > 1 else LOCAL
+        return functools.partial(self._apply_sharded, result, plan, outcome, late)
+
+    def _apply_sharded(self, result: RoundResult, plan: Plan, outcome: str, late: int) -> dict[str, Any]:
+        """Apply a sharded round's update (compute thread): the same on every member; keep the moments of
+        the chunks this server owns now."""
+        shards = self.optimizer.shards
+        self._round_pause = ROUND_RETRY_PAUSE
+        with self._state_lock:
+            if result.update is None:  # a non-finite gradient norm: every member skips alike
+                stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
+                         "samples": plan.total_samples, "skipped": True}
+            else:
+                stats = self.optimizer.step_sharded(result.update, plan.total_samples, result.grad_norm)
+                shards.replace(result.moments, self.optimizer.step_count)
+                self.state.round_id = round_of(self.optimizer.step_count, list(plan.members))
+                self.state.group = len(plan.members)
+            self._averaging = False
+            self._params_changed()
+        if result.fresh and plan.step > 0:
+            self.metrics.chunks_reinitialized.inc(len(result.fresh))
+            log.warning("stage %d: %d chunks of the optimizer state had no live holder at step %d (every owner "
+                        "left): their moments start again from zero", self.stage, len(result.fresh), plan.step)
+        if result.disagreements:
+            log.warning("stage %d: %d co-owned chunks computed another update than their primary's", self.stage,
+                        result.disagreements)
+        self.metrics.chunk_transfers["received"].inc(result.transfers_in)
+        self.metrics.chunk_transfers["sent"].inc(result.transfers_out)
+        self.metrics.bytes_sent.inc(result.bytes_sent)
+        self.metrics.group_size.set(len(plan.members))
+        self.metrics.rounds[outcome].inc()
+        self._after_step()
+        return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late}
+
+    def _check_alone(self, step: int, held: frozenset[int]) -> None:
+        """A server that sees no other may step alone only on moments it holds whole, or once it has been alone
+        for ALONE_GRACE_ROUNDS matchmaking timeouts: until then the others may only be unseen for a moment,
+        and stepping would restart the moments of the chunks they own."""
+        if step == 0 or len(held) == self._layout.num_chunks:
+            return
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        waited = now - self._alone_since
+        if waited < ALONE_GRACE_ROUNDS * self.config.matchmaking_timeout:
+            raise PlanError(f"no other server of the stage is seen and this one holds {len(held)} of "
+                            f"{self._layout.num_chunks} chunks of the moments (alone for {waited:.0f}s)")
+
+    def _retry_later(self, grads: list[torch.Tensor | None], samples: int) -> None:
+        """A sharded round failed (compute thread): its samples go back to the accumulation for the next try
+        (a replica cannot step on its own where others hold the moments)."""
+        with self._state_lock:
+            if samples > 0:
+                self.optimizer.accumulate(grads, samples)
+            self._late += self._late_in_round
+            self._averaging = False
+        self._next_round = time.monotonic() + self._round_pause
+        self._round_pause = min(2 * self._round_pause, ROUND_RETRY_PAUSE_MAX)
+        self.metrics.rounds[FAILED].inc()
+        self._tracker.nudge()
+
+    def _sharded_round(self, view: StageView, grads: list[torch.Tensor | None],
+                       samples: int) -> tuple[Plan, int, RoundResult]:
+        """Meet the group (or find this server alone), plan the round, and run it: (plan, late samples, result)."""
+        shards = self.optimizer.shards
+        held = shards.held_at(view.step)
+        info = MemberInfo(view.step, samples, self._layout.hash, held)
+        if view.group_size > 1:
+            gathered, _ = self._meet(view, samples, {"zero": info.to_wire()})
+            _, late = total_samples(gathered, view.step)
+            infos = {peer.to_base58(): MemberInfo.from_wire(data.get("zero"), self._layout.num_chunks)
+                     for peer, data in gathered.items()}
+            group_ids = {data.get("group_id") for data in gathered.values()}
+            round_key = f"{view.step}:{group_ids.pop() if len(group_ids) == 1 else ''}"
+        else:
+            self._check_alone(view.step, held)
+            infos, late, round_key = {self.peer_id: info}, self._late_in_round, f"{view.step}:alone"
+        plan = make_plan(self._layout, infos, self._zero.replicas)
+        if self.peer_id not in plan.members:
+            raise PlanError("this server is not among the round's members")
+        if len(plan.members) > 1:
+            self._alone_since = None
+        result = run_round(self._mailbox, round_key, plan, self.peer_id, self._layout.flatten(grads),
+                           shards.chunks if held else {}, self._hyper,
+                           time.monotonic() + self.config.allreduce_timeout)
+        return plan, late, result

@@ -179,6 +179,11 @@ class DataConfig:
         _non_negative(self, "max_bytes", "data")
 
 
+# DHT nodes refuse a record of the run that expires further ahead than this (swarm.dht.keys.RunRecordGuard),
+# so a stranger's record cannot outlive its author by more than an hour.
+MAX_RECORD_TTL = 3600.0
+
+
 @dataclass
 class NetworkConfig:
     """Timeouts and periods of everything that crosses the network (seconds)."""
@@ -205,6 +210,9 @@ class NetworkConfig:
                 f"network.record_ttl ({self.record_ttl}) must exceed network.announce_period "
                 f"({self.announce_period}), or records expire between renewals"
             )
+        if self.record_ttl > MAX_RECORD_TTL:
+            raise ConfigError(f"network.record_ttl ({self.record_ttl}) must be at most {MAX_RECORD_TTL:g}: "
+                              "DHT nodes refuse records that expire further ahead")
 
 
 @dataclass

@@ -1,31 +1,40 @@
-"""Who a peer is: its libp2p identity (peer id) and the RSA key that signs its DHT records.
+"""Who a peer is: one RSA key, which is both its libp2p identity (peer id) and the key signing its DHT records.
 
-A persistent identity is two files: the libp2p private key at ``path`` (hivemind's P2P writes it on
-first use) and the record-signing key at ``path + ".rsa"`` (DER, mode 0600). Keeping both lets a
-restarted peer keep its peer id and keep owning the DHT records it wrote before.
+Using one key for both binds every record to the peer that wrote it: a record's owner marker holds
+the public key, the peer id is a hash of that same key, so a reader (and every DHT node storing the
+record) checks that a record claiming ``peer_id: X`` was signed by X itself (keys.RunRecordGuard).
+
+A persistent identity is one file at ``path``: a libp2p private key (protobuf, as hivemind's P2P
+writes it), created on first use with mode 0600. Identities of older versions also kept a separate
+record-signing key at ``path + ".rsa"``; it is no longer used. Without a path, the identity is
+throwaway: a fresh key (and peer id) each start, handed to the libp2p daemon through a temporary file
+that is removed as soon as the daemon has read it (see node.start_dht).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.dht.errors import SwarmDHTError
-from swarm.dht.keys import owner_key
+from swarm.dht.keys import owner_key, peer_id_of_public_key
 from swarm.hivemind_internals import private_key_from
 
-SIGNING_KEY_SUFFIX = ".rsa"
+log = logging.getLogger(__name__)
+
+LEGACY_SIGNING_KEY_SUFFIX = ".rsa"  # where versions before 0.12 kept a second key, for records only
 
 
 @dataclass(frozen=True)
 class Identity:
-    """A peer's keys. ``libp2p_path`` is None for a throwaway identity (a fresh peer id each start)."""
+    """A peer's key. ``libp2p_path`` is None for a throwaway identity (a fresh peer id each start)."""
 
     signing_key: RSAPrivateKey = field(repr=False)
     libp2p_path: str | None = None
@@ -35,6 +44,16 @@ class Identity:
         """Owner marker (``[owner:ssh-rsa ...]``) under which this peer writes its DHT records."""
         return owner_key(self.signing_key)
 
+    @property
+    def peer_id(self) -> str:
+        """The libp2p peer id (base58) of this key: what other peers see as this peer."""
+        return peer_id_of_public_key(self.signing_key.get_public_key())
+
+    def libp2p_key_bytes(self) -> bytes:
+        """The key as a libp2p identity file holds it (what the daemon's ``-id`` flag reads)."""
+        message = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=self.signing_key.to_bytes())
+        return message.SerializeToString()
+
 
 def load_identity(path: str | os.PathLike | None) -> Identity:
     """Load (or create on first use) the identity stored at `path`; without a path, a fresh one."""
@@ -43,50 +62,48 @@ def load_identity(path: str | os.PathLike | None) -> Identity:
     path = str(path)
     if not Path(path).parent.is_dir():
         raise SwarmDHTError(f"cannot keep an identity at {path}: directory {Path(path).parent} does not exist")
-    if os.path.isfile(path):
-        _check_libp2p_identity(path)  # else p2pd fails later with an error that does not name the file
-    return Identity(_load_or_create_signing_key(path + SIGNING_KEY_SUFFIX), libp2p_path=path)
+    if os.path.isfile(path + LEGACY_SIGNING_KEY_SUFFIX):
+        log.info("%s%s is no longer used: records are now signed with the libp2p key in %s, which binds them "
+                 "to this peer's id", path, LEGACY_SIGNING_KEY_SUFFIX, path)
+    return Identity(_load_or_create(path), libp2p_path=path)
 
 
-def _check_libp2p_identity(path: str) -> None:
+def _load_or_create(path: str) -> RSAPrivateKey:
     try:
         with open(path, "rb") as file:
-            PeerID.from_identity(file.read())
-    except OSError as e:
-        raise SwarmDHTError(f"cannot read libp2p identity {path}: {e.strerror}") from None
-    except Exception:  # protobuf and key parsing raise various types
-        raise SwarmDHTError(
-            f"libp2p identity {path} is corrupt; restore it from a backup or delete it to start as a new peer"
-        ) from None
-
-
-def _load_or_create_signing_key(key_path: str) -> RSAPrivateKey:
-    try:
-        with open(key_path, "rb") as file:
-            return _signing_key_from_der(file.read(), key_path)
+            return _key_from_libp2p_identity(file.read(), path)
     except FileNotFoundError:
         pass
-    key = RSAPrivateKey()
+    except OSError as e:
+        raise SwarmDHTError(f"cannot read libp2p identity {path}: {e.strerror}") from None
+    identity = Identity(RSAPrivateKey())
     try:
         # O_EXCL: two peers started at once with the same path must not overwrite each other's key
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return _load_or_create_signing_key(key_path)
+        return _load_or_create(path)
     except OSError as e:
-        raise SwarmDHTError(f"cannot create signing key {key_path}: {e.strerror}") from None
+        raise SwarmDHTError(f"cannot create libp2p identity {path}: {e.strerror}") from None
     with os.fdopen(fd, "wb") as file:
-        file.write(key.to_bytes())
-    return key
+        file.write(identity.libp2p_key_bytes())
+    return identity.signing_key
 
 
-def _signing_key_from_der(der: bytes, key_path: str) -> RSAPrivateKey:
+def _key_from_libp2p_identity(data: bytes, path: str) -> RSAPrivateKey:
+    corrupt = SwarmDHTError(
+        f"libp2p identity {path} is corrupt; restore it from a backup or delete it to start as a new peer")
     try:
-        loaded = serialization.load_der_private_key(der, password=None)
-    except (ValueError, TypeError):
+        message = crypto_pb2.PrivateKey.FromString(data)
+    except Exception:  # protobuf raises DecodeError, and worse on some garbage
+        raise corrupt from None
+    if message.key_type != crypto_pb2.KeyType.RSA:
         raise SwarmDHTError(
-            f"signing key {key_path} is not a valid DER RSA private key; "
-            "restore it from a backup or delete it to start as a new peer"
-        ) from None
+            f"libp2p identity {path} holds a {crypto_pb2.KeyType.Name(message.key_type)} key; swarm signs its "
+            "records with the identity's key and needs RSA: delete the file to start as a new peer")
+    try:
+        loaded = serialization.load_der_private_key(message.data, password=None)
+    except (ValueError, TypeError):
+        raise corrupt from None
     if not isinstance(loaded, rsa.RSAPrivateKey):
-        raise SwarmDHTError(f"signing key {key_path} holds a {type(loaded).__name__}, not an RSA key")
+        raise corrupt
     return private_key_from(loaded)

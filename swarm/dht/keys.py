@@ -7,19 +7,37 @@ RSASignatureValidator then accepts a subkey's value only if it is signed by that
 write its own server record, metrics or checkpoint list, never another peer's (readers that trust only
 the coordinator for the config or the run checkpoint pick its owner marker).
 
+Every DHT node of a run, and every reader, also applies RunRecordGuard to the run's keys. Stock
+hivemind would let a stranger wipe a key with one plain value (no subkey) of a later expiry, fill it
+with any number of subkeys that merely contain its marker, or sign a record naming another peer's id.
+The guard accepts only subkeys that are exactly an owner marker (one record per signer per key), an
+expiry at most MAX_RECORD_LIFETIME ahead, values of at most MAX_RECORD_BYTES, and a claimed peer id
+that is the signer's own: a peer signs with its libp2p key (identity.py), so its peer id is a hash of
+the public key in the marker.
+
 hivemind validators see only hashed keys, so the schema enumerates every field name up front.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import re
 from typing import Any
 
+import multihash
 import pydantic.v1 as pydantic
+from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from swarm.config import MAX_RECORD_TTL
 from swarm.dht.schemas import (
     MAX_STAGES,  # stage keys enumerated in the schema; a run may use any number of stages up to this
     CheckpointRecord,
@@ -58,6 +76,29 @@ def dht_key(run_id: str, field: str) -> str:
 def owner_key(private_key: RSAPrivateKey) -> bytes:
     """The owner marker of a signing key: the subkey under which its holder may write."""
     return RSASignatureValidator(private_key).local_public_key
+
+
+def peer_id_of_public_key(public_key: RSAPublicKey) -> str:
+    """The libp2p peer id (base58) of an RSA public key: the sha2-256 multihash of its protobuf encoding."""
+    der = public_key._public_key.public_bytes(encoding=serialization.Encoding.DER,
+                                              format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))).to_base58()
+
+
+_OWNER_MARKER = re.compile(rb"\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]\Z")
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_id_of_owner(marker: bytes) -> str | None:
+    """The peer id whose key wrote under `marker`; None if `marker` is not exactly one owner marker."""
+    match = _OWNER_MARKER.match(marker)
+    if match is None:
+        return None
+    try:
+        return peer_id_of_public_key(RSAPublicKey.from_bytes(match.group(1)))
+    except Exception:  # not a parseable RSA key: cryptography raises several types
+        return None
 
 
 # Validation twins: same fields, but compared as sent (see SentFieldsOnly). Module-level classes, so
@@ -122,14 +163,74 @@ class RunSchemaValidator(SchemaValidator):
         return RunSchemaValidator, (self.run_id,)
 
 
+MAX_RECORD_BYTES = 64 * 1024  # one record's value: a run config of 256 stages is well under this
+# How far ahead a record may expire, with a minute for clocks that disagree (record_ttl is at most MAX_RECORD_TTL)
+MAX_RECORD_LIFETIME = MAX_RECORD_TTL + 60.0
+PEER_ID_FIELDS = ("peer_id", "coordinator_peer_id")  # record fields that name the peer that wrote them
+
+
+def run_fields() -> list[str]:
+    """Every schema field of a run, i.e. the suffix of every key a run's records live under."""
+    return list(RunRecordsSchema.__fields__)
+
+
+class RunRecordGuard(RecordValidatorBase):
+    """Accepts a record at a run key only as one signer's own record: see the module docstring.
+
+    Runs after the signature check has verified and stripped the signature (priority 10), before the
+    schema (0). Keys of other subsystems pass through. Pickled as just the run id, like RunSchemaValidator.
+    """
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._keys = frozenset(DHTID.generate(source=dht_key(run_id, field)).to_bytes() for field in run_fields())
+
+    @property
+    def key_ids(self) -> list[DHTID]:
+        """The DHT ids of every key of the run."""
+        return [DHTID.from_bytes(key) for key in self._keys]
+
+    @property
+    def priority(self) -> int:
+        return 5
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._keys:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # msgpack raises several types on garbage
+            return False
+        signer = peer_id_of_owner(subkey) if isinstance(subkey, bytes) else None
+        if signer is None:  # a plain value, or a subkey that merely contains a marker
+            return False
+        if record.expiration_time > get_dht_time() + MAX_RECORD_LIFETIME or len(record.value) > MAX_RECORD_BYTES:
+            return False
+        try:
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:
+            return False
+        if not isinstance(value, dict):
+            return False
+        return all(value.get(field, signer) == signer for field in PEER_ID_FIELDS)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return RunRecordGuard, (self.run_id,)
+
+
 def schema_validator(run_id: str) -> SchemaValidator:
     """Type-checks every record under `run_id`; keys of other subsystems (averaging) pass through."""
     return RunSchemaValidator(run_id)
 
 
+def run_validators(run_id: str) -> list[RecordValidatorBase]:
+    """What guards one run's keys: the owner rules (RunRecordGuard) and the record schemas."""
+    return [RunRecordGuard(run_id), schema_validator(run_id)]
+
+
 def make_validators(run_id: str | None, private_key: RSAPrivateKey) -> list[RecordValidatorBase]:
-    """Signature checks (and signing of our own records), plus the schema once the run id is known."""
+    """Signature checks (and signing of our own records), plus the run's rules once the run id is known."""
     validators: list[RecordValidatorBase] = [RSASignatureValidator(private_key)]
     if run_id is not None:
-        validators.append(schema_validator(run_id))
+        validators += run_validators(run_id)
     return validators

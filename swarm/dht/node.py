@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
-from collections.abc import Awaitable, Callable, Sequence
+import os
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import hivemind
@@ -13,7 +16,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.errors import BootstrapError, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
 from swarm.dht.identity import Identity
-from swarm.dht.keys import make_validators, schema_validator
+from swarm.dht.keys import make_validators, run_validators
 
 DEFAULT_STARTUP_TIMEOUT = 30.0  # p2pd start + first contact with the initial peers
 DEFAULT_RPC_TIMEOUT = 3.0  # one DHT RPC to one peer (hivemind's wait_timeout)
@@ -65,28 +68,48 @@ def start_dht(
     hosts = parse_maddrs(host_maddrs, "host multiaddr")
     announce = parse_maddrs(announce_maddrs, "announce multiaddr")
     collect_before_fork()
-    dht = hivemind.DHT(
-        initial_peers=[str(maddr) for maddr in initial],
-        start=True,
-        await_ready=False,  # we wait ourselves, bounded (hivemind would wait forever)
-        record_validators=make_validators(run_id, identity.signing_key),
-        client_mode=client_mode,
-        host_maddrs=[str(maddr) for maddr in hosts],
-        announce_maddrs=[str(maddr) for maddr in announce] or None,
-        identity_path=identity.libp2p_path,
-        startup_timeout=startup_timeout,  # p2pd launch
-        wait_timeout=rpc_timeout,
-        bootstrap_timeout=rpc_timeout,  # how long to wait for more initial peers after the first answers
-    )
-    try:
-        dht.wait_until_ready(timeout=startup_timeout)
-    except Exception as e:
-        dht.shutdown()
-        raise _startup_error(e, initial, hosts, startup_timeout) from e
-    except BaseException:  # KeyboardInterrupt: leave no DHT process behind
-        dht.shutdown()
-        raise
+    with _identity_file(identity) as identity_path:
+        dht = hivemind.DHT(
+            initial_peers=[str(maddr) for maddr in initial],
+            start=True,
+            await_ready=False,  # we wait ourselves, bounded (hivemind would wait forever)
+            record_validators=make_validators(run_id, identity.signing_key),
+            client_mode=client_mode,
+            host_maddrs=[str(maddr) for maddr in hosts],
+            announce_maddrs=[str(maddr) for maddr in announce] or None,
+            identity_path=identity_path,
+            # a fresh key is nobody's: asking the swarm whether it is taken would only cost a second daemon
+            check_if_identity_free=identity.libp2p_path is not None,
+            startup_timeout=startup_timeout,  # p2pd launch
+            wait_timeout=rpc_timeout,
+            bootstrap_timeout=rpc_timeout,  # how long to wait for more initial peers after the first answers
+        )
+        try:
+            dht.wait_until_ready(timeout=startup_timeout)
+        except Exception as e:
+            dht.shutdown()
+            raise _startup_error(e, initial, hosts, startup_timeout) from e
+        except BaseException:  # KeyboardInterrupt: leave no DHT process behind
+            dht.shutdown()
+            raise
     return dht
+
+
+@contextlib.contextmanager
+def _identity_file(identity: Identity) -> Iterator[str]:
+    """The path of the identity's libp2p key file; a throwaway key lives in a private temporary one.
+
+    The daemon reads the file when it starts, so the temporary copy is gone once the DHT is ready.
+    """
+    if identity.libp2p_path is not None:
+        yield identity.libp2p_path
+        return
+    with tempfile.TemporaryDirectory(prefix="swarm-identity-") as directory:  # mode 0700
+        path = os.path.join(directory, "peer.id")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            file.write(identity.libp2p_key_bytes())
+        yield path
 
 
 def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multiaddr], timeout: float) -> Exception:
@@ -114,17 +137,26 @@ def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multi
 
 
 def add_run_validators(dht: hivemind.DHT, run_id: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
-    """Start checking the run's record schemas on a DHT started with run_id=None."""
-    call_in_dht(dht, _AddValidators(schema_validator(run_id)), timeout)
+    """Start checking the run's records (owner rules and schemas) on a DHT started with run_id=None."""
+    call_in_dht(dht, _AddValidators(run_validators(run_id)), timeout)
 
 
 class _AddValidators:
     # A picklable callable (hivemind.DHT.add_validators would wait on its DHT process without a timeout)
-    def __init__(self, validator: Any):
-        self.validator = validator
+    def __init__(self, validators: list[Any]):
+        self.validators = validators
 
     async def __call__(self, _dht: hivemind.DHT, node: Any) -> None:
-        node.protocol.record_validator.extend([self.validator])
+        protocol = node.protocol
+        protocol.record_validator.extend(self.validators)
+        # A node that joined before it knew the run stored and cached the run's records unchecked (hivemind
+        # caches what others find on the nodes nearest to it): a stranger's plain value could sit there and
+        # win over every signed record. Drop them all: their owners renew them, other nodes hold them.
+        for guard in self.validators:
+            for key_id in getattr(guard, "key_ids", ()):
+                for held in (protocol.storage, protocol.cache):
+                    if key_id in held:
+                        del held[key_id]
 
 
 def call_in_dht(dht: hivemind.DHT, coro: Callable[[hivemind.DHT, Any], Awaitable[Any]], timeout: float) -> Any:

@@ -137,11 +137,9 @@ class SwarmRecords:
     def lookup_checkpoints(self, stage: int, timeout: float | None = None) -> list[CheckpointRecord]:
         """Every peer's valid, unexpired list of the `stage` checkpoints it holds.
 
-        A record claiming another stage than its key's is dropped. Its `peer_id` is *not* bound to its
-        signer: a peer may name another peer as the holder. That costs a fetcher one wasted attempt per
-        forged entry (at most a manifest's 64 KiB): the named peer serves only what it really holds, every
-        byte is verified against the announced manifest id (sha256), and a holder is banned only for
-        bytes that do not hash to what was asked for, which a forged record cannot make an honest peer send.
+        A record claiming another stage than its key's is dropped. Its `peer_id` is the signer's own (every
+        node checks it, keys.RunRecordGuard), so a peer can only announce what it holds itself; what it holds
+        is still verified byte by byte against the announced manifest id (sha256) when fetched.
         """
         parsed = _parse_all(CheckpointRecord, self._get_owned([checkpoints_field(stage)], timeout)[0].values())
         return [record for record in parsed if record.stage == stage]

@@ -17,7 +17,8 @@ from pydantic.v1 import StrictStr, confloat, conint, conlist, constr
 from swarm import __version__
 
 NonNegativeInt = conint(strict=True, ge=0)
-NonNegativeFloat = confloat(strict=True, ge=0.0)
+NonNegativeFloat = confloat(strict=True, ge=0.0, allow_inf_nan=False)  # `throughput: inf` would draw all work
+FiniteFloat = confloat(strict=True, allow_inf_nan=False)
 # `\Z`, not `$`: pydantic matches with re.match, and `$` would let a trailing newline through
 Sha256Hex = constr(strict=True, regex=r"^[0-9a-f]{64}\Z")
 StateHash = constr(strict=True, max_length=128)  # RunConfig.state_hash(); bounded, compared verbatim
@@ -86,7 +87,7 @@ class PeerMetricsRecord(WireRecord):
     step: NonNegativeInt
     samples_per_second: NonNegativeFloat
     samples: NonNegativeInt
-    time: confloat(strict=True)  # unix time of the measurement
+    time: FiniteFloat  # unix time of the measurement
     stage: NonNegativeInt | None = None  # None for trainers, which touch every stage
     loss: confloat(strict=True) | None = None
 

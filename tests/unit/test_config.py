@@ -69,6 +69,7 @@ def test_small_config_has_tens_of_millions_of_parameters():
         ({"averaging": {"zero": {"enabled": True}, "compression": "float16"}}, "averaging.compression"),
         ({"data": {"val_percent": 0}}, "data.val_percent"),
         ({"network": {"record_ttl": 1.0, "announce_period": 5.0}}, "network.record_ttl"),
+        ({"network": {"record_ttl": 7200.0}}, "at most 3600"),
         ({"model": [1, 2]}, "model"),
         ({"run_id": "a b"}, "run_id"),
     ],

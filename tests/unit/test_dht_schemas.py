@@ -11,6 +11,8 @@ import pydantic.v1 as pydantic
 import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht import (
@@ -26,7 +28,7 @@ from swarm.dht import (
     load_identity,
     parse_maddrs,
 )
-from swarm.dht.keys import dht_key, schema_validator, stage_field
+from swarm.dht.keys import dht_key, peer_id_of_owner, schema_validator, stage_field
 
 RUN_ID = "unit-run"
 GOOD_SERVER = dict(peer_id="QmPeer", stage=1, state="ONLINE", throughput=12.5, step=3, role="server", version="0.1.0")
@@ -131,20 +133,30 @@ def test_parse_maddrs_errors_are_clear():
 def test_persistent_identity(tmp_path):
     path = tmp_path / "peer.id"
     first = load_identity(path)
-    key_file = str(path) + ".rsa"
-    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
-    assert load_identity(path).owner_key == first.owner_key
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again = load_identity(path)
+    assert again.owner_key == first.owner_key and again.peer_id == first.peer_id
     assert first.owner_key.startswith(b"[owner:ssh-rsa ")
+    # the one key is the libp2p identity: the daemon derives the peer id the records are bound to
+    assert PeerID.from_identity(path.read_bytes()).to_base58() == first.peer_id
+    assert peer_id_of_owner(first.owner_key) == first.peer_id
     assert load_identity(None).owner_key != load_identity(None).owner_key
 
 
+def test_identity_written_by_hivemind_is_read(tmp_path):
+    path = tmp_path / "hivemind.id"
+    P2P.generate_identity(str(path))  # how identities of earlier versions were made
+    assert load_identity(path).peer_id == PeerID.from_identity(path.read_bytes()).to_base58()
+
+
 def test_broken_identity_files_are_named(tmp_path):
-    (tmp_path / "broken.rsa").write_bytes(b"garbage")
-    with pytest.raises(SwarmDHTError, match="broken.rsa"):
-        load_identity(tmp_path / "broken")
     (tmp_path / "corrupt").write_bytes(b"garbage")
     with pytest.raises(SwarmDHTError, match="corrupt"):
         load_identity(tmp_path / "corrupt")
+    ed25519 = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=b"k" * 64).SerializeToString()
+    (tmp_path / "ed").write_bytes(ed25519)
+    with pytest.raises(SwarmDHTError, match="Ed25519 key.*needs RSA"):
+        load_identity(tmp_path / "ed")
     with pytest.raises(SwarmDHTError, match="does not exist"):
         load_identity(tmp_path / "missing-dir" / "peer.id")
 

@@ -41,6 +41,7 @@ from hivemind.compression import serialization as hivemind_serialization
 from hivemind.proto import runtime_pb2
 
 BLOCK_SIZE = 4096  # values that share one float32 scale in Blockwise8BitCodec
+MAX_BLOCK_SIZE = 2**20  # the largest block size a Blockwise8BitCodec message may declare
 _FLOAT_DTYPES = {
     str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 }
@@ -126,15 +127,17 @@ class Blockwise8BitCodec(_SwarmCodec):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         dtype, shape, numel = _declared(serialized_tensor, self)
         (block_size,) = _read_header(serialized_tensor, self.HEADER, self.MAGIC, numel, self)
-        if block_size <= 0:
-            raise ValueError(f"{self!r}: header declares block size {block_size}")
-        num_blocks = math.ceil(numel / block_size)
+        if not 0 < block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"{self!r}: header declares block size {block_size}, outside 1..{MAX_BLOCK_SIZE}")
+        num_blocks = -(-numel // block_size)  # integer ceil: no float rounding of huge counts
         _check_length(serialized_tensor, self.HEADER.size + 4 * num_blocks + numel, self)
         absmax = _from_bytes(serialized_tensor.buffer, self.HEADER.size, num_blocks, torch.float32)
         if not (absmax.isfinite().all() and (absmax >= 0).all()):
             raise ValueError(f"{self!r}: block scales must be finite and non-negative")
         codes = _from_bytes(serialized_tensor.buffer, self.HEADER.size + 4 * num_blocks, numel, torch.int8)
-        values = codes.to(torch.float32).div_(127).mul_(absmax.repeat_interleave(block_size)[:numel])
+        # one scale per value, never more: a block wider than the message repeats its scale numel times
+        scales = absmax.repeat_interleave(min(block_size, numel))[:numel]
+        values = codes.to(torch.float32).div_(127).mul_(scales)
         values.masked_fill_(codes == _NONFINITE_CODE, math.nan)
         return _finish(values, dtype, shape, serialized_tensor)
 
@@ -226,11 +229,19 @@ def _message(codec: CompressionBase, source: torch.Tensor, dtype_name: str, buff
 
 
 def _declared(message: runtime_pb2.Tensor, codec: CompressionBase) -> tuple[torch.dtype, tuple[int, ...], int]:
-    """The original dtype, shape and element count a message declares."""
+    """The original dtype, shape and element count a message declares, checked before anything is allocated.
+
+    Every codec here spends at least one byte a value, so a shape of more values than the buffer has
+    bytes is a lie (a peer's header must never decide how much we allocate; the bytes received do).
+    """
     if message.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{codec!r} cannot decode to dtype {message.dtype!r}; expected one of {sorted(_FLOAT_DTYPES)}")
     shape = tuple(message.size)
-    return _FLOAT_DTYPES[message.dtype], shape, math.prod(shape)
+    numel = math.prod(shape)  # Python ints: no overflow however absurd the declared shape
+    if numel > len(message.buffer):
+        raise ValueError(f"{codec!r}: shape {list(shape)} declares {numel} values, more than the "
+                         f"{len(message.buffer)} bytes received can hold")
+    return _FLOAT_DTYPES[message.dtype], shape, numel
 
 
 def _read_header(

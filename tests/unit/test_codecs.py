@@ -27,6 +27,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.averaging.codecs import (
     BLOCK_SIZE,
+    MAX_BLOCK_SIZE,
     BFloat16Codec,
     Blockwise8BitCodec,
     Float16Codec,
@@ -285,6 +286,44 @@ def test_blockwise8bit_rejects_bad_scales():
     message.buffer = message.buffer[:header] + struct.pack("<f", math.nan) + message.buffer[header + 4 :]
     with pytest.raises(ValueError, match="scales"):
         Blockwise8BitCodec().extract(message)
+
+
+def with_block_size(message: runtime_pb2.Tensor, block_size: int) -> runtime_pb2.Tensor:
+    """A copy of a Blockwise8BitCodec message whose header declares `block_size`."""
+    header = Blockwise8BitCodec.HEADER
+    magic, numel, _ = header.unpack_from(message.buffer)
+    forged = runtime_pb2.Tensor()
+    forged.CopyFrom(message)
+    forged.buffer = header.pack(magic, numel, block_size) + message.buffer[header.size:]
+    return forged
+
+
+@pytest.mark.parametrize("block_size", [0, MAX_BLOCK_SIZE + 1, 2**28, 2**40, 2**64 - 1])
+def test_blockwise8bit_refuses_a_huge_block_size_before_allocating(block_size):
+    # 10 values in one block: every block size above passes the length check, and 2**28 once made
+    # the decoder spread the block's scale over 2**28 floats (1 GiB) for a 10-value message
+    message = with_block_size(message_for(Blockwise8BitCodec(), shape=(10,)), block_size)
+    with pytest.raises(ValueError, match=f"block size {block_size}, outside 1..{MAX_BLOCK_SIZE}"):
+        Blockwise8BitCodec().extract(message)
+
+
+def test_blockwise8bit_block_wider_than_the_message_decodes_within_its_values():
+    message = message_for(Blockwise8BitCodec(), shape=(10,))
+    widest = with_block_size(message, MAX_BLOCK_SIZE)
+    assert torch.equal(Blockwise8BitCodec().extract(widest), Blockwise8BitCodec().extract(message))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=repr)
+def test_a_shape_larger_than_the_buffer_is_refused_from_the_header(codec):
+    """The declared shape never decides an allocation: it is checked against the bytes received first."""
+    message = message_for(codec, shape=(10,))
+    del message.size[:]
+    message.size.extend([2**31, 2**31])  # 2**62 values in a buffer of a few dozen bytes
+    if isinstance(codec, (BFloat16Codec, Blockwise8BitCodec)):  # keep the header consistent with the shape
+        magic, _, *rest = codec.HEADER.unpack_from(message.buffer)
+        message.buffer = codec.HEADER.pack(magic, 2**62, *rest) + message.buffer[codec.HEADER.size:]
+    with pytest.raises(ValueError, match=r"declares 4611686018427387904 values, more than the \d+ bytes"):
+        codec.extract(message)
 
 
 # --- hivemind interplay -----------------------------------------------------------------------

@@ -116,7 +116,10 @@ class SavedBytes:
         pointer = storage.data_ptr()
         if pointer not in self._skip:
             self._seen[pointer] = storage.nbytes()
-        return tensor, tensor._version
+        # detached: a saved output kept as itself refers to its own autograd node, a cycle the garbage collector
+        # does not free, so every graph evicted or never used for a backward would leak its activations.
+        # A detached tensor shares the storage and the version counter that _unpack checks.
+        return tensor.detach(), tensor._version
 
     def __enter__(self) -> SavedBytes:
         self._hooks.__enter__()

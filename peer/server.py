@@ -27,6 +27,7 @@ from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from swarm.protocol import (
     BAD_REQUEST,
+    DEFAULT_RECEIVE_TIMEOUT,
     INTERNAL,
     NOT_READY,
     WRONG_STAGE,
@@ -34,8 +35,10 @@ from swarm.protocol import (
     StageHandler,
     StageReply,
     StageRequest,
+    StageService,
     register,
     stage_namespace,
+    stage_wire_limits,
 )
 from swarm.state import StageState
 
@@ -46,6 +49,7 @@ log = logging.getLogger("swarm.server")
 LOOP_CALL_TIMEOUT = 30.0  # registering handlers, replicating the DHT's P2P
 STEP_LOG_EVERY = 10  # optimizer steps between progress lines in the log
 BACKWARD_CACHE_SIZE = 512  # recent backward results kept so a retried request is not counted twice
+BACKWARD_CACHE_BYTES = 256 * 2**20  # ... and the most bytes of their result tensors kept
 
 
 @dataclass
@@ -59,6 +63,16 @@ class ServerOptions:
     fresh: bool = False  # start the stage from fresh weights even though the run has progress elsewhere
     activation_cache_bytes: int | None = None  # forward graphs kept for their backward; None: a share of free memory
     activation_cache_ttl: float = DEFAULT_TTL  # seconds a kept graph waits for its backward
+    max_batch: int | None = None  # samples a request may carry; None: the run's optimizer.micro_batch_size
+    max_concurrent_requests: int | None = None  # requests taken in at once (more get BUSY); None: 2 x max_queue
+    receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT  # seconds a caller has to send its whole request
+    backward_cache_bytes: int = BACKWARD_CACHE_BYTES  # result bytes kept to answer retried backwards
+
+    def batch_cap(self, config: RunConfig) -> int:
+        return self.max_batch if self.max_batch is not None else config.optimizer.micro_batch_size
+
+    def concurrency_cap(self) -> int:
+        return self.max_concurrent_requests if self.max_concurrent_requests is not None else 2 * self.max_queue
 
 
 class StageStateMissing(RuntimeError):
@@ -181,7 +195,7 @@ class StageServer:
         self.metrics.throughput.set(self.throughput)
         handler = StageRequestHandler(self)
         namespace = stage_namespace(self.config.run_id, stage)
-        self._service = self.loop.run(register(self._p2p, handler, namespace), LOOP_CALL_TIMEOUT)
+        self._service = self.loop.run(handler.serve(self._p2p, namespace), LOOP_CALL_TIMEOUT)
         channel = ProgressChannel(self._p2p, self.loop, averaging_prefix(self.config.run_id, stage))
         self.averager.start(self.backend.request_step, channel)
         if self.keeper is not None:
@@ -282,12 +296,85 @@ class StageServer:
                          cache.evictions)
 
 
+class RecentBackwards:
+    """Backward tasks of recent requests, so a retried one is answered from the first run and its
+    gradient is not accumulated twice; bounded in entries and in the bytes of the results held.
+
+    Keyed by (caller peer id, request id). A result's bytes count once its task is done (a running
+    task holds none yet; the backend's queue bounds how many run). The oldest entries go first;
+    the newest is kept even if its result alone is over `max_bytes`. A failed task is forgotten at
+    once: nothing was accumulated, so a retry must run again.
+    """
+
+    def __init__(self, max_entries: int = BACKWARD_CACHE_SIZE, max_bytes: int = BACKWARD_CACHE_BYTES):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._tasks: OrderedDict[tuple, asyncio.Future[BackwardResult]] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}
+        self.bytes_held = 0
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def get(self, key: tuple) -> asyncio.Future[BackwardResult] | None:
+        return self._tasks.get(key)
+
+    def add(self, key: tuple, task: asyncio.Future[BackwardResult]) -> None:
+        self._tasks[key] = task
+        task.add_done_callback(lambda done: self._settle(key, done))
+        self._trim()
+
+    def _settle(self, key: tuple, task: asyncio.Future[BackwardResult]) -> None:
+        if self._tasks.get(key) is not task:  # already evicted
+            return
+        if task.cancelled() or task.exception() is not None:
+            del self._tasks[key]
+            return
+        size = result_bytes(task.result())
+        self._sizes[key] = size
+        self.bytes_held += size
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._tasks) > self.max_entries or (self.bytes_held > self.max_bytes and len(self._tasks) > 1):
+            key, _ = self._tasks.popitem(last=False)
+            self.bytes_held -= self._sizes.pop(key, 0)
+
+
+def result_bytes(result: BackwardResult) -> int:
+    """Bytes a kept backward result holds: its gradient of the input (the rest is a few numbers)."""
+    return 0 if result.grad_input is None else result.grad_input.untyped_storage().nbytes()
+
+
 class StageRequestHandler(StageHandler):
-    """Checks each request against the server's state, then runs it on the stage backend."""
+    """Checks each request against the server's state, then runs it on the stage backend.
+
+    What a caller can make it hold is bounded: requests over the size of the run's micro-batch are
+    refused before buffering (`stage_wire_limits`) or before compute (`_admit`); a request that
+    arrives while the backend's queue is full is refused from its metadata (`admit`); recent
+    backward results are bounded in bytes (`RecentBackwards`).
+    """
 
     def __init__(self, server: StageServer):
         self.server = server
-        self._recent: OrderedDict[tuple, asyncio.Future[BackwardResult]] = OrderedDict()
+        self._recent = RecentBackwards(BACKWARD_CACHE_SIZE, server.options.backward_cache_bytes)
+
+    async def serve(self, p2p: hivemind.p2p.P2P, namespace: str) -> StageService:
+        """Register this handler on `p2p` under the limits the server's run and options set."""
+        config, options = self.server.config, self.server.options
+        return await register(p2p, self, namespace, limits=stage_wire_limits(config.model, options.batch_cap(config)),
+                              receive_timeout=options.receive_timeout, admit=self.admit,
+                              max_concurrent=options.concurrency_cap())
+
+    def admit(self, kind: str, meta: dict) -> None:
+        """Refuse from the metadata alone, before the request's tensors are read and buffered."""
+        stage = meta.get("stage")
+        known = isinstance(stage, int) and not isinstance(stage, bool) and stage >= 0  # else parsing refuses it
+        self._check_serving(kind, stage if known else None)
+        backend = self.server.backend
+        if backend.queue_depth >= backend.max_queue:  # the backend would refuse it (Overloaded) once read
+            self._count(kind, NOT_READY)
+            raise RequestRejected(NOT_READY, f"stage {self.server.stage} has {backend.queue_depth} tasks queued, "
+                                             f"its limit (max_queue {backend.max_queue}); try again later")
 
     async def forward(self, request: StageRequest) -> StageReply:
         with self.server.metrics.in_flight.labels(kind=request.kind).track_inprogress():
@@ -317,10 +404,7 @@ class StageRequestHandler(StageHandler):
         if first:
             task = asyncio.ensure_future(self._run(request, backend.backward, request.inputs, request.grad_outputs,
                                                    request.targets, request.forward_step, key))
-            self._recent[key] = task
-            while len(self._recent) > BACKWARD_CACHE_SIZE:
-                self._recent.popitem(last=False)
-            task.add_done_callback(lambda t, k=key: self._forget_failed(k, t))
+            self._recent.add(key, task)
         result = await asyncio.shield(task)
         if first:
             self.server.metrics.samples.inc(request.inputs.shape[0])
@@ -333,40 +417,46 @@ class StageRequestHandler(StageHandler):
         info = {} if result.loss is None else {"loss": result.loss}
         return StageReply(tensors, server_step=result.step, info=info)
 
-    def _forget_failed(self, key: tuple, task: asyncio.Future) -> None:
-        if task.cancelled() or task.exception() is not None:
-            self._recent.pop(key, None)  # nothing was accumulated: a retry must run again
-
     async def _admit(self, request: StageRequest) -> StageBackend:
         server, options = self.server, self.server.options
-        if server.state != ServerState.ONLINE or server.backend is None:
-            self._count(request, NOT_READY)
-            raise RequestRejected(NOT_READY, f"server is {server.state.value}, not ONLINE")
-        if request.stage != server.stage:
-            self._count(request, WRONG_STAGE)
-            raise RequestRejected(WRONG_STAGE, f"this server hosts stage {server.stage}, not {request.stage}")
+        self._check_serving(request.kind, request.stage)
+        cap = options.batch_cap(server.config)
+        if request.inputs.dim() > 0 and request.inputs.shape[0] > cap:
+            self._count(request.kind, BAD_REQUEST)
+            raise RequestRejected(BAD_REQUEST, f"a request carries at most {cap} samples (the run's micro-batch "
+                                               f"size), got a batch of {request.inputs.shape[0]}")
         if options.inject_delay > 0:
             await asyncio.sleep(options.inject_delay)
         if options.inject_failure_rate > 0 and random.random() < options.inject_failure_rate:
-            self._count(request, "injected")
+            self._count(request.kind, "injected")
             raise RequestRejected(INTERNAL, "injected failure (--inject-failure-rate)")
         return server.backend
+
+    def _check_serving(self, kind: str, stage: int | None) -> None:
+        """Refuse unless the server is ONLINE and hosts `stage` (None: not known yet)."""
+        server = self.server
+        if server.state != ServerState.ONLINE or server.backend is None:
+            self._count(kind, NOT_READY)
+            raise RequestRejected(NOT_READY, f"server is {server.state.value}, not ONLINE")
+        if stage is not None and stage != server.stage:
+            self._count(kind, WRONG_STAGE)
+            raise RequestRejected(WRONG_STAGE, f"this server hosts stage {server.stage}, not {stage}")
 
     async def _run(self, request: StageRequest, fn, *args):
         try:
             return await asyncio.wrap_future(self.server.backend.submit(fn, *args))
         except Overloaded as e:
-            self._count(request, NOT_READY)
+            self._count(request.kind, NOT_READY)
             raise RequestRejected(NOT_READY, str(e)) from None
         except ValueError as e:  # the module's and backend's input checks
-            self._count(request, BAD_REQUEST)
+            self._count(request.kind, BAD_REQUEST)
             raise RequestRejected(BAD_REQUEST, str(e)) from None
 
-    def _count(self, request: StageRequest, status: str) -> None:
-        self.server.metrics.requests.labels(kind=request.kind, status=status).inc()
+    def _count(self, kind: str, status: str) -> None:
+        self.server.metrics.requests.labels(kind=kind, status=status).inc()
 
     def _done(self, request: StageRequest, started: float) -> None:
-        self._count(request, "ok")
+        self._count(request.kind, "ok")
         self.server.metrics.latency.labels(kind=request.kind).observe(time.perf_counter() - started)
 
 

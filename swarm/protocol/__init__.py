@@ -7,6 +7,7 @@ Layers, bottom up:
 - ``framing``   one message = msgpack metadata + tensors, streamed as ExpertRequest/ExpertResponse
                 frames in parts under ``WireLimits``
 - ``messages``  StageRequest / StageReply: what forward and backward carry, built and parsed with checks
+- ``limits``    ``stage_wire_limits``: the WireLimits of a stage server, from its run's model and batch cap
 - ``service``   server side: ``StageService`` (a hivemind ServicerBase) delegating to a ``StageHandler``;
                 ``register(p2p, handler, namespace)``
 - ``client``    trainer side: ``StageClient.forward`` / ``.backward`` with a timeout on every call
@@ -19,6 +20,7 @@ from swarm.protocol.client import DEFAULT_CALL_TIMEOUT, StageClient
 from swarm.protocol.codec import MAX_TENSOR_ELEMENTS, MAX_TENSOR_RANK, decode_tensor, encode_tensor
 from swarm.protocol.errors import (
     BAD_REQUEST,
+    BUSY,
     INTERNAL,
     NOT_READY,
     WRONG_STAGE,
@@ -29,6 +31,7 @@ from swarm.protocol.errors import (
     StageUnavailable,
 )
 from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
+from swarm.protocol.limits import stage_wire_limits
 from swarm.protocol.messages import (
     BACKWARD,
     FORWARD,
@@ -44,7 +47,9 @@ from swarm.protocol.messages import (
 )
 from swarm.protocol.service import (
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_MAX_CONCURRENT,
     DEFAULT_RECEIVE_TIMEOUT,
+    Admission,
     StageHandler,
     StageService,
     register,
@@ -53,9 +58,11 @@ from swarm.protocol.service import (
 __all__ = [
     "BACKWARD",
     "BAD_REQUEST",
+    "BUSY",
     "DEFAULT_CALL_TIMEOUT",
     "DEFAULT_DRAIN_TIMEOUT",
     "DEFAULT_LIMITS",
+    "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_RECEIVE_TIMEOUT",
     "FORWARD",
     "INTERNAL",
@@ -63,6 +70,7 @@ __all__ = [
     "MAX_TENSOR_RANK",
     "NOT_READY",
     "WRONG_STAGE",
+    "Admission",
     "ProtocolError",
     "RemoteStageError",
     "RequestRejected",
@@ -84,4 +92,5 @@ __all__ = [
     "reply_frames",
     "request_frames",
     "stage_namespace",
+    "stage_wire_limits",
 ]

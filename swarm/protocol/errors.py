@@ -7,6 +7,7 @@ BAD_REQUEST = "bad_request"  # the request was malformed, over a limit, or sent 
 NOT_READY = "not_ready"  # the server cannot serve yet (still joining, loading state, ...): try elsewhere
 WRONG_STAGE = "wrong_stage"  # the server does not host the stage the request names
 INTERNAL = "internal"  # the handler failed in a way the caller could not have caused on purpose
+BUSY = "busy"  # the server is taking in as many requests at once as it allows: try elsewhere or later
 
 
 class StageRPCError(Exception):

@@ -19,7 +19,7 @@ Fields a reader does not know are ignored, so newer peers can add some.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,9 +148,17 @@ def parse_request(meta: dict, tensors: list[torch.Tensor]) -> StageRequest:
     )
 
 
-async def receive_request(stream: AsyncIterator, limits: WireLimits = DEFAULT_LIMITS) -> StageRequest:
-    """Read and validate one request from a stream of `ExpertRequest` frames."""
-    return parse_request(*await gather_frames(stream, limits))
+async def receive_request(
+    stream: AsyncIterator,
+    limits: WireLimits = DEFAULT_LIMITS,
+    on_metadata: Callable[[dict], None] | None = None,
+) -> StageRequest:
+    """Read and validate one request from a stream of `ExpertRequest` frames.
+
+    `on_metadata` sees the metadata before any tensor is read, and may raise to refuse the request
+    without buffering it (a server whose queue is full does).
+    """
+    return parse_request(*await gather_frames(stream, limits, on_metadata))
 
 
 def reply_frames(reply: StageReply, wire_dtype: str, limits: WireLimits = DEFAULT_LIMITS) -> Iterator:

@@ -3,15 +3,20 @@
 Every failure, whether in the bytes that arrive or in the handler, becomes an error reply
 (`ok: false` with a code and a message) on the same stream: a caller never sees a silently dropped
 connection, and the server keeps serving.
+
+Memory a caller can make the service hold is bounded: at most `max_concurrent` requests are taken
+in at once (more are refused as BUSY before anything is read), each under `limits`; an `admit`
+callback can refuse a request from its metadata, before its tensors are read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # hivemind's ServicerBase recognises streaming RPCs only by typing.AsyncIterator annotations
 from typing import AsyncIterator  # noqa: UP035
@@ -19,7 +24,7 @@ from typing import AsyncIterator  # noqa: UP035
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm.protocol.errors import BAD_REQUEST, INTERNAL, ProtocolError, RequestRejected
+from swarm.protocol.errors import BAD_REQUEST, BUSY, INTERNAL, ProtocolError, RequestRejected
 from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
 from swarm.protocol.messages import (
     BACKWARD,
@@ -37,6 +42,12 @@ DEFAULT_RECEIVE_TIMEOUT = 60.0  # a caller must finish sending its request withi
 # After refusing a half-read request we keep reading (and discarding) the rest for at most this long:
 # hivemind's stream handler blocks on its full prefetch queue if nobody reads, and never closes.
 DEFAULT_DRAIN_TIMEOUT = 10.0
+# Requests taken in at once (being received, run or answered): twice a stage server's default queue,
+# so a full queue is reached before this cap, which only stops a flood of requests still arriving.
+DEFAULT_MAX_CONCURRENT = 128
+
+Admission = Callable[[str, dict], None]
+"""Called with (endpoint kind, request metadata) before any tensor is read; raises RequestRejected to refuse."""
 
 
 class StageHandler(ABC):
@@ -65,9 +76,15 @@ class StageService(ServicerBase):
         limits: WireLimits = DEFAULT_LIMITS,
         receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        admit: Admission | None = None,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     ):
-        self.handler, self.limits = handler, limits
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
+        self.handler, self.limits, self.admit = handler, limits, admit
         self.receive_timeout, self.drain_timeout = receive_timeout, drain_timeout
+        self.max_concurrent = max_concurrent
+        self.active = 0  # requests taken in and not answered yet (all on the P2P's event loop)
         self.namespace: str | None = None
 
     async def rpc_forward(
@@ -87,16 +104,34 @@ class StageService(ServicerBase):
         await self.remove_p2p_handlers(p2p, namespace=self.namespace)
 
     async def _serve(self, kind: str, requests: AsyncIterator, context: P2PContext) -> AsyncIterator:
-        frames, fully_read = await self._respond(kind, requests, context)
-        for frame in frames:
-            yield frame
+        if self.active >= self.max_concurrent:
+            for frame in self._busy(context, kind):
+                yield frame
+            await self._drain(requests)
+            return
+        self.active += 1
+        try:  # the slot is held until the reply is sent: the request's tensors live until then
+            frames, fully_read = await self._respond(kind, requests, context)
+            for frame in frames:
+                yield frame
+        finally:
+            self.active -= 1
         if not fully_read:
             await self._drain(requests)
 
+    def _busy(self, context: P2PContext, kind: str) -> list:
+        """Refuse at once, before reading anything: a flood must not queue up unboundedly here."""
+        message = (f"the server is already taking in {self.active} requests, its limit "
+                   f"(max_concurrent {self.max_concurrent}); try another server or later")
+        return self._refuse(context, kind, BUSY, message)
+
     async def _respond(self, kind: str, requests: AsyncIterator, context: P2PContext) -> tuple[Iterable, bool]:
         """The reply frames, and whether the request stream was read to its end."""
+        admit = None if self.admit is None else functools.partial(self.admit, kind)
         try:
-            request = await asyncio.wait_for(receive_request(requests, self.limits), self.receive_timeout)
+            request = await asyncio.wait_for(receive_request(requests, self.limits, admit), self.receive_timeout)
+        except RequestRejected as e:  # refused from its metadata: its tensors were never read
+            return self._refuse(context, kind, e.code, e.message), False
         except ProtocolError as e:
             return self._refuse(context, kind, BAD_REQUEST, str(e)), False
         except asyncio.TimeoutError:
@@ -147,9 +182,12 @@ async def register(
     limits: WireLimits = DEFAULT_LIMITS,
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    admit: Admission | None = None,
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
 ) -> StageService:
     """Serve `handler` on `p2p` under `namespace` (see `stage_namespace`); returns the service."""
-    service = StageService(handler, limits=limits, receive_timeout=receive_timeout, drain_timeout=drain_timeout)
+    service = StageService(handler, limits=limits, receive_timeout=receive_timeout, drain_timeout=drain_timeout,
+                           admit=admit, max_concurrent=max_concurrent)
     service.namespace = namespace
     await service.add_p2p_handlers(p2p, namespace=namespace)
     return service

@@ -14,6 +14,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.protocol import (
     BAD_REQUEST,
+    BUSY,
     FORWARD,
     INTERNAL,
     WRONG_STAGE,
@@ -75,6 +76,19 @@ class StallingStage(DoublingStage):
         finally:
             self.cancelled.set()
         raise AssertionError("unreachable")
+
+
+class GatedStage(DoublingStage):
+    """Holds every forward until `release` is set."""
+
+    def __init__(self, stage: int):
+        super().__init__(stage)
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def forward(self, request: StageRequest) -> StageReply:
+        self.entered.set()
+        await self.release.wait()
+        return await super().forward(request)
 
 
 @contextlib.asynccontextmanager
@@ -207,5 +221,24 @@ def test_gone_or_unregistered_server_is_unavailable_within_the_timeout():
             with pytest.raises(StageUnavailable):
                 await stub.forward(0, "gone", torch.ones(1, 1))
             assert time.monotonic() - started < timeout + 2.0
+
+    run(scenario)
+
+
+def test_requests_over_the_concurrency_cap_are_refused_at_once_as_busy():
+    async def scenario():
+        async with two_peers() as (server, client):
+            gated = GatedStage(0)
+            service = await register(server, gated, "capped", max_concurrent=1)
+            stub = StageClient(client, server.peer_id, "capped", timeout=CALL_TIMEOUT)
+            first = asyncio.ensure_future(stub.forward(0, "first", torch.ones(2, 2)))
+            await asyncio.wait_for(gated.entered.wait(), CALL_TIMEOUT)
+            with pytest.raises(RemoteStageError) as error:  # answered while the first is still held
+                await stub.forward(0, "second", torch.ones(2, 2))
+            assert error.value.code == BUSY and "1 requests, its limit (max_concurrent 1)" in error.value.message
+            gated.release.set()
+            assert torch.equal((await first).tensors[0], torch.full((2, 2), 2.0))
+            assert service.active == 0
+            assert torch.equal((await stub.forward(0, "third", torch.ones(2, 2))).tensors[0], torch.full((2, 2), 2.0))
 
     run(scenario)

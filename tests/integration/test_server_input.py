@@ -3,7 +3,9 @@
 Two servers (stage 0 and stage 1, the last, of a 2-stage run) on their own peers, and a client
 peer calling them with StageClient on its DHT's P2P replica, as a trainer does. After every refused
 request the server still answers a good one, its parameters are bit-for-bit unchanged, and no
-sample or gradient was accumulated towards its next optimizer step.
+sample or gradient was accumulated towards its next optimizer step. The servers take in no more
+than their run's micro-batch needs (`stage_wire_limits`), and refuse a request from its metadata
+while their queue is full.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from hivemind.utils.asyncio import iter_as_aiter
 
 import peer.server
 from peer.server import ServerOptions, StageServer
+from swarm.backend import Overloaded
 from swarm.dht import ServerState, visible_maddrs
 from swarm.protocol import (
     BACKWARD,
     BAD_REQUEST,
     FORWARD,
-    MAX_TENSOR_ELEMENTS,
     NOT_READY,
     WRONG_STAGE,
     RemoteStageError,
@@ -39,9 +41,11 @@ from swarm.protocol import (
     StageUnavailable,
     receive_reply,
     register,
+    request_frames,
     stage_namespace,
+    stage_wire_limits,
 )
-from swarm.protocol.framing import encode_metadata
+from swarm.protocol.framing import WireLimits, encode_metadata
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     Peer,
@@ -60,6 +64,8 @@ START_TIMEOUT = 60.0  # a server's start(), stage build and speed test included
 CONFIG = tiny_config("input", 2, batch_size=1000, micro_batch_size=4)
 B, T = 2, 8  # a micro-batch of 2 windows, shorter than seq_len (allowed)
 D, VOCAB = CONFIG.model.d_model, CONFIG.model.vocab_size
+MICRO, SEQ = CONFIG.optimizer.micro_batch_size, CONFIG.model.seq_len
+LIMITS = stage_wire_limits(CONFIG.model, MICRO)  # what the servers take in: 80 KiB a request, not 256 MiB
 
 
 @dataclass
@@ -167,6 +173,24 @@ async def send_raw(stub: StageClient, raw: Raw) -> StageReply:
         await responses.aclose()
 
 
+async def send_and_hold(stub: StageClient, frames: list) -> StageReply:
+    """Send `frames` to the forward endpoint, then keep the stream open, sending nothing, until the server
+    answers: it can only answer from what it has received so far."""
+    answered = asyncio.Event()
+
+    async def held():
+        for frame in frames:
+            yield frame
+        await answered.wait()
+
+    responses = await StageService.get_stub(stub.p2p, stub.peer_id, namespace=stub.namespace).rpc_forward(held())
+    try:
+        return await asyncio.wait_for(receive_reply(responses), CALL_TIMEOUT)
+    finally:
+        answered.set()
+        await responses.aclose()
+
+
 @dataclass
 class Case:
     stage: int  # the server the request is sent to
@@ -175,10 +199,8 @@ class Case:
     message: str  # a fragment the error message must contain
 
 
-OVER_ELEMENTS = [4096, 16, 1025]  # 67,174,400 float32 elements, just over MAX_TENSOR_ELEMENTS
-assert 4096 * 16 * 1025 > MAX_TENSOR_ELEMENTS
-AT_BYTE_LIMIT = [1024, 64, 1024]  # 2**26 elements: allowed as a count, but 256 MiB leaves no room for metadata
-assert 1024 * 64 * 1024 == MAX_TENSOR_ELEMENTS
+OVER_ELEMENTS = [MICRO, SEQ, D + 1]  # one hidden unit more than the largest honest tensor
+assert MICRO * SEQ * (D + 1) > LIMITS.max_tensor_elements
 
 CASES = {
     # shapes
@@ -242,13 +264,24 @@ CASES = {
     "targets-of-another-shape": Case(
         1, lambda: StageRequest(FORWARD, 1, "m", hidden(), targets=torch.randint(0, VOCAB, (B, T - 1))),
         BAD_REQUEST, f"targets must have the input's shape [{B}, {T}], got [{B}, {T - 1}]"),
-    # bytes on the wire
+    # batch
+    "batch-over-micro_batch_size-forward": Case(
+        0, lambda: StageRequest(FORWARD, 0, "b", torch.randint(0, VOCAB, (MICRO + 1, T))),
+        BAD_REQUEST, f"at most {MICRO} samples (the run's micro-batch size), got a batch of {MICRO + 1}"),
+    "batch-over-micro_batch_size-backward": Case(  # valid otherwise: without the cap it would accumulate
+        1, lambda: StageRequest(BACKWARD, 1, "b", torch.randn(MICRO + 1, 2, D),
+                                targets=torch.randint(0, VOCAB, (MICRO + 1, 2))),
+        BAD_REQUEST, f"a request carries at most {MICRO} samples"),
+    # bytes on the wire: the run's limits, refused from the tensor header or as bytes arrive
     "tensor-over-element-limit": Case(
         1, lambda: Raw(FORWARD, raw_frames(FORWARD, 1, declared_tensor(OVER_ELEMENTS, 64))),
-        BAD_REQUEST, f"over the limit of {MAX_TENSOR_ELEMENTS}"),
-    "tensor-over-message-byte-limit": Case(
-        1, lambda: Raw(FORWARD, raw_frames(FORWARD, 1, declared_tensor(AT_BYTE_LIMIT, 64))),
-        BAD_REQUEST, "-byte message limit"),
+        BAD_REQUEST, f"has {MICRO * SEQ * (D + 1)} elements, over the limit of {LIMITS.max_tensor_elements}"),
+    "huge-declared-batch": Case(
+        0, lambda: Raw(FORWARD, raw_frames(FORWARD, 0, declared_tensor([2**31 - 1, SEQ], 64))),
+        BAD_REQUEST, f"over the limit of {LIMITS.max_tensor_elements}"),
+    "tensor-part-over-message-byte-limit": Case(  # a small header, then more bytes than a whole request may hold
+        1, lambda: Raw(FORWARD, raw_frames(FORWARD, 1, declared_tensor([B, T, D], LIMITS.max_message_bytes))),
+        BAD_REQUEST, f"message exceeds the limit of {LIMITS.max_message_bytes} bytes"),
     "truncated-tensor-buffer": Case(
         1, lambda: Raw(FORWARD, raw_frames(FORWARD, 1, declared_tensor([B, T, D], 10))),
         BAD_REQUEST, f"needs {B * T * D * 4} bytes, got 10"),
@@ -338,3 +371,24 @@ def test_request_before_online_is_not_ready_then_served(swarm, monkeypatch):
             with contextlib.suppress(Exception):
                 started.result(START_TIMEOUT)
             server.shutdown()
+
+
+def test_a_request_is_refused_from_its_metadata_while_the_queue_is_full(swarm):
+    """Refused before its tensors arrive: the stream is held open after the first part of its tensor."""
+    server, stub = swarm.servers[0], swarm.stubs[0]
+    backend, release = server.backend, threading.Event()
+    try:
+        with pytest.raises(Overloaded):  # fill the queue with tasks that wait for `release`
+            for _ in range(backend.max_queue + 1):
+                backend.submit(release.wait, CALL_TIMEOUT)
+        request = StageRequest(FORWARD, 0, "full", torch.randint(0, VOCAB, (MICRO, SEQ)))
+        frames = list(request_frames(request, WireLimits(part_bytes=64)))
+        assert len(frames) > 3
+        with pytest.raises(RemoteStageError) as error:
+            swarm.call(send_and_hold(stub, frames[:2]))
+        assert error.value.code == NOT_READY
+        assert f"{backend.max_queue} tasks queued, its limit (max_queue {backend.max_queue})" in error.value.message
+    finally:
+        release.set()
+    wait_until(lambda: backend.queue_depth == 0, CALL_TIMEOUT, what="the queue to empty")
+    check_good_reply(0, good_reply(swarm, stub, 0))

@@ -14,6 +14,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 from swarm.protocol import (
     BACKWARD,
     BAD_REQUEST,
+    BUSY,
     DEFAULT_LIMITS,
     FORWARD,
     INTERNAL,
@@ -285,7 +286,11 @@ class _Stage(StageHandler):
     backward = forward
 
 
-def _serve(handler, frames, endpoint="rpc_forward"):
+def _context() -> P2PContext:
+    return P2PContext(handle_name="test", local_id=None, remote_id=None)
+
+
+def _serve(handler, frames, endpoint="rpc_forward", **service_options):
     """Run one request through a StageService endpoint, no network; returns (reply or error, frames left)."""
     remaining = list(frames)
 
@@ -294,10 +299,10 @@ def _serve(handler, frames, endpoint="rpc_forward"):
             yield remaining.pop(0)
 
     async def scenario():
-        service = StageService(handler, limits=WireLimits(max_tensors=2, max_message_bytes=1 << 16))
-        context = P2PContext(handle_name="test", local_id=None, remote_id=None)
+        service = StageService(handler, limits=WireLimits(max_tensors=2, max_message_bytes=1 << 16),
+                               **service_options)
         # like hivemind, run the endpoint to its end before the caller reads the reply
-        responses = [frame async for frame in getattr(service, endpoint)(requests(), context)]
+        responses = [frame async for frame in getattr(service, endpoint)(requests(), _context())]
         try:
             return await receive_reply(iter_as_aiter(responses)), len(remaining)
         except RemoteStageError as e:
@@ -337,3 +342,78 @@ def test_a_stream_cut_after_whole_tensors_is_caught(kept):
     assert asyncio.run(gather_frames(iter_as_aiter(frames)))[0] == {"ok": True}  # whole: the count is not metadata
     with pytest.raises(ProtocolError, match=f"declared 2 tensors, {kept} arrived"):
         asyncio.run(gather_frames(iter_as_aiter(frames[:1 + kept])))
+
+
+def test_admission_refuses_from_the_metadata_before_any_tensor_is_read():
+    seen = []
+
+    def admit(kind, meta):
+        seen.append((kind, meta["request_id"]))
+        raise RequestRejected(NOT_READY, "queue full")
+
+    forward = list(request_frames(StageRequest(FORWARD, 0, "r", torch.ones(64, 1024)), WireLimits(part_bytes=4096)))
+    forward[1] = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=b"junk", dtype="nonsense")])
+    handler = _Stage(StageReply([torch.ones(1)]))
+    error, left = _serve(handler, forward, admit=admit)
+    # NOT_READY, not the BAD_REQUEST the junk tensor and the oversized message would have earned
+    assert error.code == NOT_READY and error.message == "queue full"
+    assert seen == [(FORWARD, "r")] and left == 0  # the rest was drained, not decoded
+
+    ok, _ = _serve(handler, request_frames(StageRequest(FORWARD, 0, "r", torch.ones(2))), admit=lambda k, m: None)
+    assert torch.equal(ok.tensors[0], torch.ones(1))
+
+
+class _Gate(StageHandler):
+    """Holds every request until `release` is set."""
+
+    def __init__(self):
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def forward(self, request):
+        self.entered.set()
+        await self.release.wait()
+        return StageReply([torch.ones(1)])
+
+    backward = forward
+
+
+def test_requests_over_the_concurrency_cap_are_refused_at_once_as_busy():
+    async def scenario():
+        gate = _Gate()
+        service = StageService(gate, max_concurrent=1)
+        request = StageRequest(FORWARD, 0, "r", torch.ones(2))
+
+        async def call(endpoint="rpc_forward"):
+            frames = iter_as_aiter(list(request_frames(request)))
+            responses = [frame async for frame in getattr(service, endpoint)(frames, _context())]
+            try:
+                return await receive_reply(iter_as_aiter(responses))
+            except RemoteStageError as e:
+                return e
+
+        first = asyncio.ensure_future(call())
+        await asyncio.wait_for(gate.entered.wait(), 5)
+        assert service.active == 1
+        busy = await asyncio.wait_for(call("rpc_backward"), 5)  # answered while the first is still held
+        assert isinstance(busy, RemoteStageError) and busy.code == BUSY and "max_concurrent" in busy.message
+        gate.release.set()
+        assert torch.equal((await asyncio.wait_for(first, 5)).tensors[0], torch.ones(1))
+        assert service.active == 0  # the slot came back
+        assert torch.equal((await asyncio.wait_for(call(), 5)).tensors[0], torch.ones(1))
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_cancelled_request_gives_its_slot_back():
+    async def scenario():
+        gate = _Gate()
+        service = StageService(gate, max_concurrent=1)
+        frames = iter_as_aiter(list(request_frames(StageRequest(FORWARD, 0, "r", torch.ones(2)))))
+        task = asyncio.ensure_future(service.rpc_forward(frames, _context()).__anext__())
+        await asyncio.wait_for(gate.entered.wait(), 5)
+        task.cancel()  # what hivemind does when the caller goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert service.active == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))

@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.checkpoint.errors import CheckpointError
 from swarm.config import RunConfig
-from swarm.data import eval_batches, load_tokenizer, load_tokens
+from swarm.data import STDLIB, corpus_files, eval_batches, load_tokenizer, load_tokens
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, join_run, load_identity
+from swarm.protocol import stage_wire_limits
 from swarm.reference import EVAL_BATCHES
 from swarm.routing import PipelineSettings, RemotePipeline
 
@@ -67,6 +68,7 @@ class LocalSwarm:
             self._join(maddr)
             self._wait_for_servers()
             extra = [] if self.in_flight is None else ["--in-flight", str(self.in_flight)]
+            extra += self._data_flags()
             trainers = [self._child(f"trainer-{i}", "peer.cli", maddr, "--role", "trainer", "--trainer-index", str(i),
                                     *extra) for i in range(self.trainers)]
             status = self._train(steps)
@@ -121,6 +123,14 @@ class LocalSwarm:
                 continue
             return {"checkpoint_dir": str(root), "path": str(path), "steps": [e.step for e in manifest.stages]}
         return None
+
+    def _data_flags(self) -> list[str]:
+        """This machine's own config names the corpus: let its trainers read there (relative paths from here)."""
+        corpus = self.config.data.corpus
+        if corpus == STDLIB and self.config.data.tokenizer is None:
+            return []
+        absolute = corpus != STDLIB and Path(corpus).expanduser().is_absolute()
+        return ["--data", str(corpus_files(corpus)[0]) if absolute else os.getcwd()]
 
     def _child(self, name: str, module: str, maddr: str | None, *args: str) -> Child:
         common = ["--host-maddrs", LOCAL, "--log-level", os.environ.get("SWARM_LOG_LEVEL", "INFO")]
@@ -270,7 +280,8 @@ class LocalSwarm:
         p2p = await self.dht.replicate_p2p()
         config = self.config
         pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire,
-                                  PipelineSettings.from_config(config.network))
+                                  PipelineSettings.from_config(config.network), hidden_size=config.model.d_model,
+                                  limits=stage_wire_limits(config.model, config.optimizer.micro_batch_size))
         servers = self.records.lookup_all_servers(config.stages.num_stages)
         pipeline.update_servers({k: [r.peer_id for r in v if r.state == "ONLINE"] for k, v in servers.items()})
         return pipeline

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import hashlib
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
+from swarm.protocol import stage_wire_limits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
 
 log = logging.getLogger("swarm.trainer")
@@ -33,6 +35,19 @@ class TrainerOptions:
     max_samples: int | None = None  # stop after this many samples (None: until stopped)
     refresh_period: float = 2.0  # how often the server list is read from the DHT
     metrics_period: float = 5.0  # how often loss and speed are published
+
+
+REQUEST_ID_TOKEN_BYTES = 8  # random bytes in every micro-batch's request id (16 hex characters)
+
+
+def micro_batch_id(peer: str, worker: int, count: int) -> str:
+    """The request id of a micro-batch: readable in logs, unique, and unpredictable to other peers.
+
+    Servers key kept graphs and backward results by (caller, request id). Without the random token
+    a trainer restarted under the same identity would count from 1 again and be answered with the
+    results of its previous life's micro-batches; with it, no one can guess an id ahead of time.
+    """
+    return f"{peer}:{worker}:{count}:{secrets.token_hex(REQUEST_ID_TOKEN_BYTES)}"
 
 
 MAX_DEFAULT_IN_FLIGHT = 8
@@ -117,8 +132,10 @@ class Trainer:
         """Train until `stop` is set or `max_samples` are done."""
         p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
         settings = PipelineSettings.from_config(self.config.network)
-        self.pipeline = RemotePipeline(p2p, self.config.run_id, self.config.stages.num_stages,
-                                       self.config.stages.wire, settings, self.balancer_factory)
+        config = self.config
+        self.pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire, settings,
+                                       self.balancer_factory, hidden_size=config.model.d_model,
+                                       limits=stage_wire_limits(config.model, config.optimizer.micro_batch_size))
         future = asyncio.run_coroutine_threadsafe(self._main(), self.loop.loop)
         try:
             while not future.done():
@@ -151,7 +168,7 @@ class Trainer:
             self.samples += n  # claimed before the trip, so workers never overshoot the budget
             count += 1
             try:
-                loss = await self.pipeline.train(x, y, request_id=f"{self.peer_id}:{worker}:{count}")
+                loss = await self.pipeline.train(x, y, request_id=micro_batch_id(self.peer_id, worker, count))
             except PipelineError as e:
                 self.samples -= n
                 self.metrics.failed.inc()

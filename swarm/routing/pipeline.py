@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +32,14 @@ from swarm.config import NetworkConfig
 from swarm.protocol import (
     BACKWARD,
     BAD_REQUEST,
+    DEFAULT_LIMITS,
     FORWARD,
     RemoteStageError,
     StageClient,
     StageReply,
     StageRequest,
     StageUnavailable,
+    WireLimits,
     stage_namespace,
 )
 from swarm.routing.balancer import StageBalancer, Ticket
@@ -69,6 +72,7 @@ class PipelineSettings:
 class PipelineStats:
     calls: int = 0
     failures: int = 0  # failed calls, each retried on another server or later
+    bad_replies: int = 0  # of them, replies that did not fit the request (shape, dtype, non-finite, no loss)
     waiting_stages: set[int] = field(default_factory=set)
 
 
@@ -83,11 +87,15 @@ class RemotePipeline:
         wire_dtype: str = "float32",
         settings: PipelineSettings | None = None,
         balancer_factory: Callable[[], StageBalancer] = StageBalancer,
+        hidden_size: int | None = None,
+        limits: WireLimits = DEFAULT_LIMITS,
     ):
         self.p2p = p2p
         self.run_id = run_id
         self.num_stages = num_stages
         self.wire_dtype = wire_dtype
+        self.hidden_size = hidden_size  # a forward's output is [batch, seq, hidden_size] (None: not checked)
+        self.limits = limits  # the largest reply taken in (stage_wire_limits of the run)
         self.settings = settings or PipelineSettings()
         self.balancers = [balancer_factory() for _ in range(num_stages)]
         self.stats = PipelineStats()
@@ -192,20 +200,53 @@ class RemotePipeline:
             self.stats.failures += 1
             log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying", stage, kind, peer[-8:], e, ban)
             return None
-        expected = 0 if (kind == BACKWARD and stage == 0) else 1
-        if len(reply.tensors) != expected:  # a reply cut short, or a server of another version
-            balancer.report_failure(ticket)
+        problem = self._reply_problem(stage, request, reply)
+        if problem is not None:  # a reply cut short, a server of another version, or one lying
+            ban = balancer.report_failure(ticket)
             self.stats.failures += 1
-            log.warning("stage %d %s on %s returned %d tensors instead of %d; retrying",
-                        stage, kind, peer[-8:], len(reply.tensors), expected)
+            self.stats.bad_replies += 1
+            log.warning("stage %d %s on %s replied %s; banned for %.0fs, retrying", stage, kind, peer[-8:], problem,
+                        ban)
             return None
         balancer.report_success(ticket)
         reply.server = peer
         return reply
 
+    def _reply_problem(self, stage: int, request: StageRequest, reply: StageReply) -> str | None:
+        """What is wrong with a server's reply, or None: every number a trainer uses from a server is checked.
+
+        A forward's output has the input's batch and sequence (and the run's hidden size), a backward's
+        input gradient the input's shape; the last stage's loss is present and finite; floats are finite.
+        """
+        last, kind = stage == self.num_stages - 1, request.kind
+        expected = 0 if (kind == BACKWARD and stage == 0) else 1
+        if len(reply.tensors) != expected:
+            return f"{len(reply.tensors)} tensors instead of {expected}"
+        if kind == BACKWARD and last:
+            loss = reply.info.get("loss")
+            if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+                return f"a loss of {loss!r} instead of a finite number"
+        if not reply.tensors:
+            return None
+        out, x = reply.tensors[0], request.inputs
+        if kind == BACKWARD:
+            shape = tuple(x.shape)
+        elif last:  # an evaluation: the loss, as a 0-dim tensor
+            shape = ()
+        else:
+            shape = tuple(x.shape[:2]) + ((self.hidden_size,) if self.hidden_size else tuple(out.shape[2:]))
+        if tuple(out.shape) != shape:
+            return f"a tensor of shape {list(out.shape)} instead of {list(shape)}"
+        if not out.is_floating_point():
+            return f"a {out.dtype} tensor instead of floats"
+        if not torch.isfinite(out).all():
+            return "non-finite values"
+        return None
+
     async def _send(self, stage: int, peer: str, request: StageRequest, timeout: float) -> StageReply:
         """The one RPC of a call (a seam: tests replace it to run the routing without a network)."""
-        client = StageClient(self.p2p, PeerID.from_base58(peer), stage_namespace(self.run_id, stage), timeout=timeout)
+        client = StageClient(self.p2p, PeerID.from_base58(peer), stage_namespace(self.run_id, stage),
+                             limits=self.limits, timeout=timeout)
         return await client.call(request)
 
     async def _pause(self, stage: int, seconds: float, deadline: float) -> None:

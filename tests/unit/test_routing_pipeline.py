@@ -29,9 +29,9 @@ class FakeClock:
 def answer(stage: int, request: StageRequest, num_stages: int) -> StageReply:
     """What a healthy server of `stage` replies."""
     if request.kind == FORWARD:
-        return StageReply([torch.zeros(request.inputs.shape[0], 4)], server_step=3)
+        return StageReply([torch.zeros(*request.inputs.shape[:2], 4)], server_step=3)  # hidden size 4
     info = {"loss": 2.5} if stage == num_stages - 1 else {}
-    return StageReply([] if stage == 0 else [torch.zeros(request.inputs.shape[0], 4)], server_step=3, info=info)
+    return StageReply([] if stage == 0 else [torch.zeros(request.inputs.shape)], server_step=3, info=info)
 
 
 class FakePipeline(RemotePipeline):
@@ -93,6 +93,59 @@ def test_a_reply_with_the_wrong_tensors_counts_as_a_failure():
     pipeline = FakePipeline({0: ["a0", "b0"]}, behaviour)
     assert pipeline.trip() == 2.5
     assert pipeline.stats.failures == 1 and pipeline.open_tickets() == 0
+
+
+def _lie(stage: int, request: StageRequest, lie: str) -> StageReply:
+    """A reply of a server that means harm (or is broken) in one of the ways a trainer checks."""
+    reply = answer(stage, request, 2)
+    if lie == "no loss" and "loss" in reply.info:
+        del reply.info["loss"]
+    elif lie in ("nan loss", "string loss", "bool loss") and "loss" in reply.info:
+        reply.info["loss"] = {"nan loss": float("nan"), "string loss": "2.5", "bool loss": True}[lie]
+    elif lie == "inf output" and reply.tensors:
+        reply.tensors[0].view(-1)[0] = float("inf")
+    elif lie == "wrong shape" and reply.tensors:
+        reply.tensors[0] = torch.zeros(reply.tensors[0].shape[0] + 1, *reply.tensors[0].shape[1:])
+    elif lie == "integers" and reply.tensors:
+        reply.tensors[0] = reply.tensors[0].long()
+    return reply
+
+
+@pytest.mark.parametrize("lie", ["no loss", "nan loss", "string loss", "bool loss", "inf output", "wrong shape",
+                                 "integers"])
+def test_a_bad_reply_bans_its_server_and_the_call_is_retried_on_another(lie):
+    calls: list[tuple[str, bool]] = []  # (peer, whether its reply was a lie)
+
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        honest = answer(stage, request, 2)
+        if not peer.startswith("liar"):
+            return honest
+        reply = _lie(stage, request, lie)
+        same = [a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                for a, b in zip(reply.tensors, honest.tensors)]
+        lied = reply.info != honest.info or not all(same)
+        calls.append((peer, lied))
+        return reply
+
+    pipeline = FakePipeline({0: ["liar0", "b0"], 1: ["liar1", "b1"]}, behaviour)
+    for i in range(5):
+        assert pipeline.trip(f"t:0:{i}") == 2.5
+    assert pipeline.stats.bad_replies == sum(lied for _, lied in calls) >= 1
+    assert pipeline.stats.failures == pipeline.stats.bad_replies and pipeline.open_tickets() == 0
+    for liar in ("liar0", "liar1"):  # banned: no work after its first lie while the ban lasts
+        replies = [lied for peer, lied in calls if peer == liar]
+        assert True not in replies[:-1]
+
+
+def test_a_forward_output_of_the_wrong_hidden_size_is_a_bad_reply():
+    pipeline = FakePipeline({0: ["a0", "b0"], 1: ["a1"]})
+    pipeline.hidden_size = 4
+    assert pipeline.trip() == 2.5 and pipeline.stats.bad_replies == 0
+    pipeline.hidden_size = 5
+    with pytest.raises(asyncio.TimeoutError):  # every server of stage 0 is "wrong": the trip waits on
+        asyncio.run(asyncio.wait_for(pipeline.train(torch.zeros(8, 16, dtype=torch.long),
+                                                    torch.zeros(8, 16, dtype=torch.long), "t:0:2"), 0.5))
+    assert pipeline.stats.bad_replies >= 2
 
 
 def test_a_refused_request_fails_the_trip_without_banning_or_leaking():

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from swarm.averaging import AveragingError
 from swarm.config import ConfigError, RunConfig
-from swarm.data import DataError
+from swarm.data import DataError, volunteer_data
 from swarm.dht import BackgroundLoop, SwarmDHTError, SwarmRecords, join_run, load_identity, serve_run_info
 from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    p.add_argument("--data", help="trainer: corpus file, directory or glob (default: the run config's)")
+    p.add_argument("--data", help="trainer: the data this peer may read: a directory the run config's data.corpus "
+                   "is resolved under, or your own corpus (file, glob, or a directory when the run uses the "
+                   "embedded one). Without it only the embedded corpus is read")
     p.add_argument("--trainer-index", type=int, help="trainer: which share of the data (default: from peer id)")
     p.add_argument("--max-samples", type=int, help="trainer: stop after this many samples")
     p.add_argument("--in-flight", type=positive_int,
@@ -195,8 +197,8 @@ def run_server(args, config, dht, records, loop, device, registry, stop) -> None
 def run_trainer(args, config, dht, records, loop, registry, stop) -> None:
     from .trainer import Trainer, TrainerOptions
 
-    options = TrainerOptions(trainer_index=args.trainer_index, data=args.data, in_flight=args.in_flight,
-                             max_samples=args.max_samples)
+    config.data = volunteer_data(config.data, args.data)  # the run config's paths stay under --data
+    options = TrainerOptions(trainer_index=args.trainer_index, in_flight=args.in_flight, max_samples=args.max_samples)
     trainer = Trainer(config, dht, records, loop, options, registry)
     log.info("training on stages 0..%d with %d micro-batches in flight", config.stages.num_stages - 1,
              trainer.in_flight)

@@ -76,6 +76,41 @@ class HFTokenizer:
         return self._tokenizer.decode(list(ids))
 
 
+def volunteer_data(data_cfg: DataConfig, data_dir: str | None) -> DataConfig:
+    """The data settings a volunteer's trainer uses: the run config's, confined to what the volunteer allows.
+
+    A run config comes from the network, so its paths are not to be trusted: ``data.corpus`` may name
+    the embedded corpus ("stdlib") or a relative path (or glob) under the volunteer's `data_dir`,
+    and ``data.tokenizer`` a file under `data_dir`; anything else, absolute paths and ``..`` included,
+    raises DataError. A `data_dir` given with an embedded corpus is the volunteer's own corpus, as
+    is a `data_dir` that is a file or a glob.
+    """
+    root = data_dir if data_dir is not None and Path(data_dir).expanduser().is_dir() else None
+    corpus = data_cfg.corpus
+    if data_dir is not None and (corpus == STDLIB or root is None):
+        corpus = data_dir  # the volunteer's own corpus
+    elif corpus != STDLIB:
+        corpus = _confined(corpus, root, "data.corpus")
+    tokenizer = _confined(data_cfg.tokenizer, root, "data.tokenizer")
+    return DataConfig(**{**vars(data_cfg), "corpus": corpus, "tokenizer": tokenizer})
+
+
+def _confined(spec: str | None, data_dir: str | None, what: str) -> str | None:
+    """`spec` (relative to `data_dir`, or absolute) if it stays inside `data_dir`; DataError otherwise."""
+    if spec is None:
+        return None
+    if data_dir is None:
+        raise DataError(f"the run config's {what} is {spec!r}: this peer reads only the embedded corpus unless "
+                        "you pass --data DIR, a directory of yours to resolve it under")
+    root = Path(data_dir).expanduser().resolve()
+    path = root / Path(spec).expanduser()  # an absolute spec replaces the root
+    # the part before any wildcard must stay inside the root once symlinks and `..` are resolved
+    fixed = Path(str(path).split("*")[0].split("?")[0].split("[")[0])
+    if ".." in Path(spec).parts or not fixed.resolve().is_relative_to(root):
+        raise DataError(f"the run config's {what} {spec!r} is outside this peer's --data directory ({data_dir})")
+    return str(path)
+
+
 def load_tokenizer(data_cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
     """The tokenizer named by ``data.tokenizer``; None means bytes."""
     return ByteTokenizer() if data_cfg.tokenizer is None else HFTokenizer(data_cfg.tokenizer)

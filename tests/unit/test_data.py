@@ -19,6 +19,7 @@ from swarm.data import (
     load_tokens,
     sampler_seed,
     split_files,
+    volunteer_data,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -172,3 +173,33 @@ def test_bad_tokenizer_files_give_data_error(tmp_path):
     with pytest.raises(DataError, match="not a valid"):
         HFTokenizer(tmp_path / "bad.json")
     assert isinstance(load_tokenizer(DataConfig()), ByteTokenizer)
+
+
+def test_a_run_config_reads_only_the_embedded_corpus_or_under_the_volunteers_data_dir(tmp_path):
+    data = make_corpus(tmp_path / "data", n_files=4)
+    (tmp_path / "secret.txt").write_text("private")
+    (data / "escape").symlink_to(tmp_path)
+    stdlib = DataConfig()
+    assert volunteer_data(stdlib, None) == stdlib
+    assert volunteer_data(stdlib, str(data)).corpus == str(data)  # the volunteer's own corpus
+    assert volunteer_data(DataConfig(corpus="pkg0/*.py"), str(data)).corpus == str(data.resolve() / "pkg0/*.py")
+    inside = str(data.resolve() / "pkg1")
+    assert volunteer_data(DataConfig(corpus=inside), str(data)).corpus == inside  # absolute, but inside
+    own = data / "pkg0" / "mod0.py"
+    assert volunteer_data(DataConfig(corpus="/anything"), str(own)).corpus == str(own)  # a file: it is the corpus
+    for corpus, data_dir, error in [
+        ("pkg0", None, "only the embedded corpus"),
+        (str(tmp_path / "secret.txt"), str(data), "outside"),
+        ("~/.ssh", str(data), "outside"),
+        ("../secret.txt", str(data), "outside"),
+        ("pkg0/../../secret.txt", str(data), "outside"),
+        ("pkg0/../pkg1", str(data), "outside"),  # inside after all, but `..` is refused outright
+        ("escape/secret.txt", str(data), "outside"),  # a symlink out of the directory
+        ("escape/*", str(data), "outside"),
+    ]:
+        with pytest.raises(DataError, match=error):
+            volunteer_data(DataConfig(corpus=corpus), data_dir)
+    with pytest.raises(DataError, match="data.tokenizer"):
+        volunteer_data(DataConfig(tokenizer="/etc/passwd"), str(data))
+    with pytest.raises(DataError, match="data.tokenizer"):
+        volunteer_data(DataConfig(tokenizer="tok.json"), None)

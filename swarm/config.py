@@ -21,6 +21,7 @@ import yaml
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 COMPRESSIONS = ("none", "float16", "bfloat16", "blockwise8bit")
+AGGREGATIONS = ("centered_clip", "mean")  # how a stage's reducers combine its members' gradients
 
 
 class ConfigError(ValueError):
@@ -141,10 +142,15 @@ class AveragingConfig:
     next_chunk_timeout: float = 10.0  # a peer silent this long in an all-reduce or download is dropped
     shutdown_timeout: float = 5.0  # the averaging process gets this long to leave cleanly
     progress_period: float = 1.0  # how often a server publishes its samples and reads its stage's
+    aggregation: str = "centered_clip"  # how a reducer combines members' gradients (or "mean"; see README)
+    clip_factor: float = 4.0  # CenteredClip's radius: this many times the members' median distance from the median
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
+        _choice(self, "aggregation", AGGREGATIONS, "averaging")
+        if not self.clip_factor >= 1.0 or self.clip_factor == float("inf"):
+            raise ConfigError(f"averaging.clip_factor must be a finite number of at least 1, got {self.clip_factor}")
         self.zero.validate()
         if self.zero.enabled and self.compression != "none":
             raise ConfigError("averaging.zero sends gradients and updates as float32: set averaging.compression "

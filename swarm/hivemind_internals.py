@@ -8,12 +8,16 @@ upgrade breaks a named test instead of a running swarm.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import hivemind.averaging.averager as hivemind_averager
 import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
@@ -25,6 +29,14 @@ class AveragerInternals(DecentralizedAverager):
     private hooks call public ones a subclass overrides."""
 
     # --- hooks hivemind calls in the averaging process, routed to ours ----------------------------
+
+    def run(self) -> None:
+        # The averaging process's entry point: from here on, every all-reduce it runs reduces its
+        # part with the policy `reducer_policy` names (hivemind builds its runner by this module name).
+        policy = self.reducer_policy()
+        if policy is not None:
+            hivemind_averager.AllReduceRunner = functools.partial(PolicyAllReduceRunner, policy=policy)
+        super().run()
 
     async def _declare_for_download_periodically(self) -> None:
         await self.declare_for_download()
@@ -57,6 +69,10 @@ class AveragerInternals(DecentralizedAverager):
         if registered is not None and not registered.done():
             registered.set_result(None)  # (hivemind warns about a registered group that never ran)
         return gathered
+
+    def reducer_policy(self) -> ReducerPolicy | None:
+        """In the child: how this member reduces its part of each all-reduce (None: hivemind's weighted mean)."""
+        return None
 
     def runs_all_reduce(self) -> bool:
         """In the child: whether a formed group runs hivemind's all-reduce (else the round only forms the group)."""
@@ -96,6 +112,59 @@ class AveragerInternals(DecentralizedAverager):
     def child_p2p(self) -> P2P:
         """The averaging process's own P2P replica (in the child)."""
         return self._p2p
+
+
+class ReducerPolicy:
+    """How a reducer turns the contributions to its part into the averaged part: `aggregate(parts, weights)`
+    returns the result, `sanitize(part, weight)` the contribution as counted (both pure, see averaging/robust)."""
+
+    def sanitize(self, part: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
+        raise NotImplementedError
+
+    def aggregate(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Contributions:
+    """Stands in for a TensorPartReducer's accumulator (hivemind calls add_ per contribution, then div_
+    once all have come): keeps the contributions, and aggregates them by the policy instead of summing."""
+
+    def __init__(self, policy: ReducerPolicy):
+        self.policy = policy
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, part: torch.Tensor, *, alpha: float = 1.0) -> _Contributions:
+        part, weight = self.policy.sanitize(part, alpha)
+        self.parts.append(part)
+        self.weights.append(weight)
+        return self
+
+    def div_(self, _denominator: float) -> torch.Tensor:  # hivemind's sum of the claimed weights: not used
+        return self.policy.aggregate(self.parts, self.weights)
+
+
+class PolicyPartReducer(TensorPartReducer):
+    """hivemind's reducer (its ordering, waiting and failure handling), aggregating each part by a policy."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, policy: ReducerPolicy):
+        self.policy = policy
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():  # the last part done: hivemind finalized and dropped its accumulator
+            self.accumulator = _Contributions(self.policy)
+
+
+class PolicyAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce runner whose reducer aggregates by `policy`."""
+
+    def __init__(self, *args: Any, policy: ReducerPolicy, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        plain = self.tensor_part_reducer
+        plain.finished.set()  # replaced before any part arrived: it must not report what it never received
+        self.tensor_part_reducer = PolicyPartReducer(plain.part_shapes, plain.num_senders, policy)
 
 
 def forget_inherited_p2p_socket(dht: Any) -> None:

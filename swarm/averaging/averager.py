@@ -60,6 +60,8 @@ from swarm.config import RunConfig
 from swarm.state import StageState, StateRejected, flatten
 from swarm.zero import Layout, ShardedMoments
 
+MAX_MEMBER_BATCHES = 4  # a member's claimed samples count for at most this many of its stage's batches
+
 log = logging.getLogger(__name__)
 
 PROCESS_START_TIMEOUT = 30.0  # forking the averaging process until it serves
@@ -89,6 +91,11 @@ class StageAverager(ShardedRounds):
         stage, optimizer = self.stage, self.optimizer
         self.config = config.averaging
         self.batch_size = config.optimizer.batch_size
+        # What a member's claim of samples counts for at most, in the weights of the all-reduce and in the
+        # step's sample count (robust.py). A stage steps once its members hold a batch between them; an
+        # honest member holds more only with samples that came in while the round before ran (seen: 1.5
+        # batches on loaded cores), so 4 batches leave honest members their weight and bound a liar's.
+        self.max_member_samples = MAX_MEMBER_BATCHES * self.batch_size
         self.metrics = AveragingMetrics(registry or CollectorRegistry(), stage)
         self.solo = False  # True once the averaging process died: this server then trains alone
         self._state_lock = threading.Lock()  # held while parameters, moments or the step change
@@ -130,7 +137,8 @@ class StageAverager(ShardedRounds):
             buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in optimizer.params]
         self._process = AveragingProcess(buffers, dht, prefix=prefix, config=self.config,
                                          compression=self._compression, state_source=self._state_for_peer,
-                                         declare_period=ttl, all_reduce=self._zero is None)
+                                         declare_period=ttl, all_reduce=self._zero is None,
+                                         max_weight=self.max_member_samples)
         self._bytes_per_round = sum(
             b.numel() * b.element_size() * self._compression.estimate_compression_ratio(CompressionInfo.from_tensor(b))
             for b in buffers
@@ -325,7 +333,7 @@ class StageAverager(ShardedRounds):
             try:
                 self._load_buffers(grads, samples)
                 gathered, start_latency = self._meet(view, samples, {})
-                total, late = total_samples(gathered, view.step)
+                total, late = total_samples(gathered, view.step, self.max_member_samples)
                 mean = self._read_buffers()
             except AveragingError as e:
                 failure = e

@@ -38,6 +38,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.averaging.errors import AveragingError
+from swarm.averaging.robust import RobustPolicy
 from swarm.config import AveragingConfig
 from swarm.dht.node import collect_before_fork
 from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket
@@ -63,15 +64,19 @@ class PartialRound(RuntimeError):
     """
 
 
-def total_samples(gathered: dict[Any, Any], step: int) -> tuple[int, int]:
-    """Samples behind a round's mean gradient, and how many of them came late, from what each member sent."""
+def total_samples(gathered: dict[Any, Any], step: int, max_samples: int | None = None) -> tuple[int, int]:
+    """Samples behind a round's mean gradient, and how many of them came late, from what each member sent.
+
+    A member's claim counts for at most `max_samples` (what its reducers weigh it by at most, too).
+    """
     total = late = 0
     for info in gathered.values():
         if not isinstance(info, dict) or info.get("step") != step or not isinstance(info.get("samples"), int) \
-                or not isinstance(info.get("late", 0), int):
+                or not isinstance(info.get("late", 0), int) or info["samples"] < 0 or info.get("late", 0) < 0:
             raise RoundFailed(f"a member of the group sent {info!r}, expected step {step} and its samples")
-        total += info["samples"]
-        late += info.get("late", 0)
+        samples = info["samples"] if max_samples is None else min(info["samples"], max_samples)
+        total += samples
+        late += min(info.get("late", 0), samples)
     if total <= 0:
         raise RoundFailed("nobody in the group had samples")
     return total, late
@@ -82,9 +87,10 @@ class AveragingProcess(AveragerInternals):
 
     def __init__(self, buffers: Sequence[torch.Tensor], dht: Any, *, prefix: str, config: AveragingConfig,
                  compression: CompressionBase, state_source: StateSource, declare_period: float,
-                 all_reduce: bool = True):
+                 all_reduce: bool = True, max_weight: float = float("inf")):
         self._state_source = state_source
         self.config = config
+        self._policy = RobustPolicy(max_weight, config.aggregation, config.clip_factor)
         self._all_reduce = all_reduce  # False: sharded rounds, where a round only forms the group
         super().__init__(
             buffers,
@@ -106,6 +112,9 @@ class AveragingProcess(AveragerInternals):
             client_mode=False,
             shutdown_timeout=config.shutdown_timeout,
         )
+
+    def reducer_policy(self) -> RobustPolicy:
+        return self._policy
 
     def start_process(self, timeout: float) -> None:
         """Fork the averaging process and wait until it serves.

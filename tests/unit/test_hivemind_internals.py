@@ -169,3 +169,25 @@ def test_schema_count_counts_merged_schemas():
     assert schema_count(validator) == 1
     assert validator.merge_with(SchemaValidator(Two, prefix="x"))
     assert schema_count(validator) == 2
+
+
+def test_the_averager_still_builds_its_runner_by_module_name_and_the_runner_its_reducer():
+    # AveragerInternals.run swaps hivemind.averaging.averager.AllReduceRunner for PolicyAllReduceRunner, in
+    # the averaging process only: here, in the process that forks them, it is still hivemind's
+    import hivemind.averaging.averager as averager_module
+
+    assert averager_module.AllReduceRunner is AllReduceRunner
+    assert "runner = AllReduceRunner(" in AVERAGER
+    assert assigns(AllReduceRunner, "tensor_part_reducer")
+    assert "tensor_part_reducer.accumulate_part(" in class_source(AllReduceRunner)
+
+
+def test_the_reducer_still_sums_into_an_accumulator_and_divides_once():
+    # PolicyPartReducer stands a recorder in for `accumulator`: hivemind must call add_(part, alpha=weight)
+    # per contribution and take div_(...)'s result as the averaged part
+    from hivemind.averaging.partition import TensorPartReducer
+
+    source = class_source(TensorPartReducer)
+    assert "self.accumulator.add_(tensor_part, alpha=weight)" in source
+    assert "set_result(self.accumulator.div_(self.denominator))" in source
+    assert assigns(TensorPartReducer, "finished") and assigns(TensorPartReducer, "part_shapes")

@@ -57,6 +57,7 @@ from swarm.averaging.progress import (
 from swarm.averaging.sharded import ROUND_RETRY_PAUSE, ShardedRounds
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import RunConfig
+from swarm.dht.keys import averaging_prefix
 from swarm.state import StageState, StateRejected, flatten
 from swarm.zero import Layout, ShardedMoments
 
@@ -70,11 +71,6 @@ DOWNLOAD_RETRY_PAUSE_MAX = 30.0
 CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
 
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
-
-
-def averaging_prefix(run_id: str, stage: int) -> str:
-    """The DHT key prefix and P2P namespace of a stage's averaging."""
-    return f"{run_id}_stage{stage}_averaging"
 
 
 class StageAverager(ShardedRounds):

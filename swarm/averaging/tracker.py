@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.progress import ProgressRecord
 from swarm.dht.errors import SwarmDHTError
+from swarm.dht.keys import PROGRESS_SUFFIX
 from swarm.dht.node import wait_future
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ MIN_PAUSE_PERIODS = 0.2  # at most this often (in periods) even when nudged: bou
 
 
 def progress_key(prefix: str) -> str:
-    return f"{prefix}.progress"
+    return prefix + PROGRESS_SUFFIX  # (keys.RunRecordGuard guards these keys)
 
 
 class StageProgressTracker:

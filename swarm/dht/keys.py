@@ -7,7 +7,8 @@ RSASignatureValidator then accepts a subkey's value only if it is signed by that
 write its own server record, metrics or checkpoint list, never another peer's (readers that trust only
 the coordinator for the config or the run checkpoint pick its owner marker).
 
-Every DHT node of a run, and every reader, also applies RunRecordGuard to the run's keys. Stock
+Every DHT node of a run, and every reader, also applies RunRecordGuard to the run's keys and to each
+stage's averaging progress key (``{run_id}_stage{k}_averaging.progress``, read by averaging/tracker.py). Stock
 hivemind would let a stranger wipe a key with one plain value (no subkey) of a later expiry, fill it
 with any number of subkeys that merely contain its marker, or sign a record naming another peer's id.
 The guard accepts only subkeys that are exactly an owner marker (one record per signer per key), an
@@ -66,6 +67,19 @@ def checkpoints_field(stage: int) -> str:
     if not 0 <= stage < MAX_STAGES:
         raise ValueError(f"stage must be in [0, {MAX_STAGES}), got {stage}")
     return f"checkpoints{stage}"
+
+
+def averaging_prefix(run_id: str, stage: int) -> str:
+    """The DHT key prefix (and P2P namespace) of one stage's averaging."""
+    return f"{run_id}_stage{stage}_averaging"
+
+
+PROGRESS_SUFFIX = ".progress"
+
+
+def progress_key(run_id: str, stage: int) -> str:
+    """The DHT key of a stage's progress records (one per server, under its owner marker)."""
+    return averaging_prefix(run_id, stage) + PROGRESS_SUFFIX
 
 
 def dht_key(run_id: str, field: str) -> str:
@@ -183,7 +197,8 @@ class RunRecordGuard(RecordValidatorBase):
 
     def __init__(self, run_id: str):
         self.run_id = run_id
-        self._keys = frozenset(DHTID.generate(source=dht_key(run_id, field)).to_bytes() for field in run_fields())
+        raw = [dht_key(run_id, field) for field in run_fields()] + [progress_key(run_id, k) for k in range(MAX_STAGES)]
+        self._keys = frozenset(DHTID.generate(source=key).to_bytes() for key in raw)
 
     @property
     def key_ids(self) -> list[DHTID]:
@@ -210,6 +225,8 @@ class RunRecordGuard(RecordValidatorBase):
             value = MSGPackSerializer.loads(record.value)
         except Exception:
             return False
+        if value is None:  # a record withdrawn by its owner (a server leaving its stage's progress)
+            return True
         if not isinstance(value, dict):
             return False
         return all(value.get(field, signer) == signer for field in PEER_ID_FIELDS)

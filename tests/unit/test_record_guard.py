@@ -11,7 +11,14 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht import load_identity
-from swarm.dht.keys import MAX_RECORD_BYTES, MAX_RECORD_LIFETIME, RunRecordGuard, dht_key, make_validators
+from swarm.dht.keys import (
+    MAX_RECORD_BYTES,
+    MAX_RECORD_LIFETIME,
+    RunRecordGuard,
+    dht_key,
+    make_validators,
+    progress_key,
+)
 
 RUN_ID = "guard-run"
 ALICE, MALLORY = load_identity(None), load_identity(None)
@@ -78,3 +85,14 @@ def test_signed_chain_binds_the_peer_id_to_the_signer():
     infinite = server(MALLORY.peer_id, throughput=float("inf"))  # would draw every trainer's work
     assert not alice_chain.validate(signed(mallory_signer, MALLORY.owner_key, infinite))
     assert not alice_chain.validate(record("stage0", server(ALICE.peer_id), subkey=ALICE.owner_key))  # unsigned
+
+
+def test_a_stages_progress_key_is_guarded_too():
+    def progress(value, subkey=ALICE.owner_key) -> DHTRecord:
+        key = DHTID.generate(source=progress_key(RUN_ID, 3)).to_bytes()
+        return DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), get_dht_time() + 10)
+
+    assert GUARD.validate(progress({"peer_id": ALICE.peer_id, "step": 1}))
+    assert GUARD.validate(progress(None))  # a server withdrawing its record as it leaves
+    assert not GUARD.validate(progress(None, subkey=None))  # but no plain value in the key's place
+    assert not GUARD.validate(progress({"peer_id": MALLORY.peer_id, "step": 1}))

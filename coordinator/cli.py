@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from swarm.config import ConfigError, RunConfig
-from swarm.dht import SwarmDHTError
+from swarm.dht import SwarmDHTError, load_swarm_key
 from swarm.envflags import apply_env_defaults
 from swarm.logs import setup_logging
 
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                    help="keep the run's checkpoints here: each stage's newest, pulled from its servers and verified, "
                    "and whole-run checkpoints for swarm-export (default: none kept by the coordinator)")
+    p.add_argument("--swarm-key", metavar="FILE",
+                   help="make the swarm private: only peers started with a copy of this file can join it (created "
+                   "if missing); the run then goes by a network id derived from the key")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     apply_env_defaults(p)
     return p
@@ -48,9 +51,14 @@ def main(argv: list[str] | None = None) -> None:
         config = RunConfig.load(args.config)
         if args.run_id:
             config.run_id = args.run_id
-            config.validate()
-    except ConfigError as e:
+        swarm_key = load_swarm_key(args.swarm_key, create=True) if args.swarm_key else None
+        if swarm_key is not None:
+            config.run_id = swarm_key.network_id(config.run_id)
+        config.validate()
+    except (ConfigError, SwarmDHTError) as e:
         sys.exit(f"swarm-coordinator: error: {e}")
+    if swarm_key is not None:
+        log.info("private swarm: peers need a copy of %s (--swarm-key) to join run %s", args.swarm_key, config.run_id)
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -59,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
         coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port,
-                                  args.checkpoint_dir)
+                                  args.checkpoint_dir, swarm_key)
     except (SwarmDHTError, OSError) as e:
         sys.exit(f"swarm-coordinator: error: {e}")
     try:

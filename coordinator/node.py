@@ -14,6 +14,7 @@ from swarm.config import RunConfig
 from swarm.dht import (
     BackgroundLoop,
     RunInfo,
+    SwarmKey,
     SwarmRecords,
     load_identity,
     peer_id,
@@ -38,7 +39,7 @@ class Coordinator:
 
     def __init__(self, config: RunConfig, host_maddrs: list[str], announce_maddrs: list[str],
                  identity_path: str | None = None, metrics_port: int | None = None,
-                 checkpoint_dir: Path | None = None):
+                 checkpoint_dir: Path | None = None, swarm_key: SwarmKey | None = None):
         self.config = config
         self.identity = load_identity(identity_path)
         self.loop = BackgroundLoop("coordinator-loop").start()
@@ -48,10 +49,11 @@ class Coordinator:
         self._stop_archive = threading.Event()
         try:
             self.dht = start_dht(config.run_id, self.identity, (), host_maddrs, announce_maddrs)
-            self.records = SwarmRecords(self.dht, config.run_id, self.identity)
+            self.records = SwarmRecords(self.dht, config.run_id, self.identity, swarm_key=swarm_key)
             self.peer_id = peer_id(self.dht)
             self.publish_config()
-            serve_run_info(self.dht, self.loop, RunInfo(config.run_id, self.identity.owner_key, self.peer_id))
+            serve_run_info(self.dht, self.loop, RunInfo(config.run_id, self.identity.owner_key, self.peer_id),
+                           swarm_key=swarm_key)
             self.registry = CollectorRegistry()
             self.gauges = SwarmGauges(self.registry)
             self._status = build_status(config.run_id, {}, [])

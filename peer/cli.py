@@ -16,7 +16,15 @@ from prometheus_client import CollectorRegistry
 from swarm.averaging import AveragingError
 from swarm.config import ConfigError, RunConfig
 from swarm.data import DataError, volunteer_data
-from swarm.dht import BackgroundLoop, SwarmDHTError, SwarmRecords, join_run, load_identity, serve_run_info
+from swarm.dht import (
+    BackgroundLoop,
+    SwarmDHTError,
+    SwarmRecords,
+    join_run,
+    load_identity,
+    load_swarm_key,
+    serve_run_info,
+)
 from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer
@@ -66,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage to serve (default auto: the one with the least throughput)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where a server computes")
     p.add_argument("--identity", help="identity file (created if missing) for a stable peer id")
+    p.add_argument("--swarm-key", metavar="FILE", help="join a private swarm: a copy of its coordinator's swarm key")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
@@ -147,15 +156,17 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     loop = BackgroundLoop("peer-loop").start()
     dht = None
     try:
+        swarm_key = load_swarm_key(args.swarm_key) if args.swarm_key else None
         dht, info, config = join_run(args.initial_peers, identity, loop, host_maddrs=args.host_maddrs,
-                                     announce_maddrs=args.announce_maddrs, timeout=args.join_timeout)
+                                     announce_maddrs=args.announce_maddrs, timeout=args.join_timeout,
+                                     swarm_key=swarm_key)
         log.info("joined %s (coordinator %s)", describe(config), info.coordinator_peer_id)
         if args.check:
             print(describe(config), flush=True)
             print(config.to_yaml(), end="", flush=True)
             return
-        serve_run_info(dht, loop, info)  # so newcomers can use this peer as an initial peer too
-        records = SwarmRecords(dht, config.run_id, identity)
+        serve_run_info(dht, loop, info, swarm_key=swarm_key)  # so newcomers can use this peer as an initial peer too
+        records = SwarmRecords(dht, config.run_id, identity, swarm_key=swarm_key)
         registry = CollectorRegistry()
         metrics = MetricsServer(registry, args.metrics_port) if args.metrics_port is not None else None
         try:

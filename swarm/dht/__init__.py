@@ -10,9 +10,10 @@ Map of the subsystem, from people-facing entry points down to pure logic::
     node.py       start_dht(...): a hivemind.DHT process with our validators, bounded startup,
                   hivemind's failures turned into our errors; multiaddr parsing
     loop.py       BackgroundLoop: our asyncio thread for P2P handlers and calls
-    identity.py   Identity / load_identity: libp2p identity file + RSA key that signs our records
+    identity.py   Identity / load_identity: one RSA key, the libp2p identity and the signer of our records
     keys.py       key layout ({run_id}_config, _metrics, _run_checkpoint, _stage{k}, _checkpoints{k}),
-                  owner-marked subkeys, validators
+                  owner-marked subkeys, validators (RunRecordGuard: what a node accepts at a run's keys)
+    private.py    SwarmKey: a private swarm's secret (its run's network id, run_info's name, the sealed config)
     schemas.py    ServerRecord, RunConfigRecord, PeerMetricsRecord, CheckpointRecord, RunCheckpointRecord:
                   strict, tolerant of unknown fields
     errors.py     SwarmDHTError and its subclasses
@@ -33,6 +34,7 @@ from swarm.dht.identity import Identity, load_identity
 from swarm.dht.keys import MAX_STAGES, make_validators
 from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import add_run_validators, parse_maddrs, peer_id, start_dht, visible_maddrs
+from swarm.dht.private import SwarmKey, load_swarm_key
 from swarm.dht.records import SwarmRecords
 from swarm.dht.schemas import (
     CheckpointRecord,
@@ -65,10 +67,12 @@ __all__ = [
     "ServerRecord",
     "ServerState",
     "SwarmDHTError",
+    "SwarmKey",
     "SwarmRecords",
     "add_run_validators",
     "join_run",
     "load_identity",
+    "load_swarm_key",
     "make_validators",
     "parse_maddrs",
     "peer_id",

@@ -31,6 +31,7 @@ from swarm.dht.node import (
     peer_id_of,
     start_dht,
 )
+from swarm.dht.private import SwarmKey
 from swarm.dht.records import SwarmRecords
 
 logger = logging.getLogger(__name__)
@@ -75,15 +76,21 @@ class RunInfoServicer(ServicerBase):
         return runtime_pb2.ExpertInfo(serialized_info=self.info.to_bytes())
 
 
+def run_info_namespace(swarm_key: SwarmKey | None) -> str:
+    """Where run_info is answered: a private swarm's name for it is derived from its key (see private.py)."""
+    return RPC_NAMESPACE if swarm_key is None else swarm_key.run_info_namespace()
+
+
 def serve_run_info(
-    dht: hivemind.DHT, loop: BackgroundLoop, info: RunInfo, timeout: float = DEFAULT_RUN_INFO_TIMEOUT
+    dht: hivemind.DHT, loop: BackgroundLoop, info: RunInfo, timeout: float = DEFAULT_RUN_INFO_TIMEOUT,
+    swarm_key: SwarmKey | None = None,
 ) -> RunInfoServicer:
     """Answer run_info requests from now on, on `dht`'s libp2p daemon (handlers live in `loop`)."""
     servicer = RunInfoServicer(info)
 
     async def register() -> None:
         p2p = await dht.replicate_p2p()
-        await servicer.add_p2p_handlers(p2p, namespace=RPC_NAMESPACE)
+        await servicer.add_p2p_handlers(p2p, namespace=run_info_namespace(swarm_key))
 
     loop.run(register(), timeout)
     return servicer
@@ -95,8 +102,10 @@ def request_run_info(
     initial_peers: Sequence[str | Multiaddr],
     timeout: float = DEFAULT_JOIN_TIMEOUT,
     rpc_timeout: float = DEFAULT_RUN_INFO_TIMEOUT,
+    swarm_key: SwarmKey | None = None,
 ) -> RunInfo:
     """Ask the initial peers, in turn and in rounds, for the run info until one answers or `timeout` passes."""
+    namespace = run_info_namespace(swarm_key)
     peers = list(dict.fromkeys(peer_id_of(maddr) for maddr in parse_maddrs(initial_peers, "initial peer", True)))
     deadline = time.monotonic() + timeout
     failures: dict[PeerID, str] = {}
@@ -105,12 +114,14 @@ def request_run_info(
             left = deadline - time.monotonic()
             if left <= 0:
                 reasons = "; ".join(f"{peer}: {reason}" for peer, reason in failures.items()) or "not asked"
+                hint = ("is the swarm private? then start with --swarm-key and a copy of its key" if swarm_key is None
+                        else "do they belong to the swarm of this --swarm-key?")
                 raise BootstrapError(
                     f"none of the initial peers told which run they serve within {timeout:g}s ({reasons}): "
-                    "are they swarm peers of a running coordinator?"
+                    f"are they swarm peers of a running coordinator? {hint}"
                 )
             try:
-                return loop.run(_ask_run_info(dht, peer, min(rpc_timeout, left)), left + 1.0)
+                return loop.run(_ask_run_info(dht, peer, min(rpc_timeout, left), namespace), left + 1.0)
             except Exception as e:  # an unreachable or misbehaving peer: note why, try the next one
                 failures[peer] = _one_line(e)
                 logger.debug("run_info from %s failed: %s", peer, failures[peer])
@@ -123,10 +134,10 @@ def _one_line(error: Exception, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-async def _ask_run_info(dht: hivemind.DHT, peer: PeerID, timeout: float) -> RunInfo:
+async def _ask_run_info(dht: hivemind.DHT, peer: PeerID, timeout: float, namespace: str) -> RunInfo:
     # replicate_p2p blocks this loop on the DHT process the first time; loop.run bounds the caller anyway
     p2p = await dht.replicate_p2p()
-    stub = RunInfoServicer.get_stub(p2p, peer, namespace=RPC_NAMESPACE)
+    stub = RunInfoServicer.get_stub(p2p, peer, namespace=namespace)
     response = await stub.rpc_run_info(runtime_pb2.ExpertInfo(), timeout=timeout)
     return RunInfo.from_bytes(response.serialized_info)
 
@@ -141,6 +152,7 @@ def join_run(
     client_mode: bool = False,
     timeout: float = DEFAULT_JOIN_TIMEOUT,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    swarm_key: SwarmKey | None = None,
 ) -> tuple[hivemind.DHT, RunInfo, RunConfig]:
     """Join the run the initial peers belong to: start a DHT node, learn the run, fetch its signed config.
 
@@ -155,9 +167,10 @@ def join_run(
         None, identity, initial_peers, host_maddrs, announce_maddrs, client_mode, startup_timeout=startup_timeout
     )
     try:
-        info = request_run_info(dht, loop, initial_peers, timeout=max(0.0, deadline - time.monotonic()))
+        info = request_run_info(dht, loop, initial_peers, timeout=max(0.0, deadline - time.monotonic()),
+                                swarm_key=swarm_key)
         add_run_validators(dht, info.run_id)
-        records = SwarmRecords(dht, info.run_id, identity)
+        records = SwarmRecords(dht, info.run_id, identity, swarm_key=swarm_key)
         return dht, info, _wait_for_run_config(records, info, deadline)
     except BaseException:
         dht.shutdown()

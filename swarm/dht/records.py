@@ -15,6 +15,7 @@ from swarm.dht.errors import RunConfigInvalid, RunConfigNotFound
 from swarm.dht.identity import Identity
 from swarm.dht.keys import CONFIG_FIELD, METRICS_FIELD, RUN_CHECKPOINT_FIELD, checkpoints_field, dht_key, stage_field
 from swarm.dht.node import peer_id, wait_future
+from swarm.dht.private import SwarmKey, is_sealed
 from swarm.dht.schemas import (
     CheckpointRecord,
     PeerMetricsRecord,
@@ -36,8 +37,10 @@ class SwarmRecords:
     record written under any other owner marker is rejected by every peer.
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, identity: Identity, timeout: float = DEFAULT_REQUEST_TIMEOUT):
+    def __init__(self, dht: hivemind.DHT, run_id: str, identity: Identity, timeout: float = DEFAULT_REQUEST_TIMEOUT,
+                 swarm_key: SwarmKey | None = None):
         self.dht, self.run_id, self.timeout = dht, run_id, timeout
+        self.swarm_key = swarm_key  # a private swarm's: the run config is sealed with it
         self._owner_key = identity.owner_key
         self._peer_id: str | None = None
 
@@ -53,7 +56,8 @@ class SwarmRecords:
             raise ValueError(f"config is for run {config.run_id!r}, these records are for {self.run_id!r}")
         if self._peer_id is None:
             self._peer_id = peer_id(self.dht, self._timeout(timeout))
-        record = RunConfigRecord(run_id=self.run_id, config_yaml=config.to_yaml(), coordinator_peer_id=self._peer_id)
+        text = config.to_yaml() if self.swarm_key is None else self.swarm_key.seal(config.to_yaml())
+        record = RunConfigRecord(run_id=self.run_id, config_yaml=text, coordinator_peer_id=self._peer_id)
         return self._store(CONFIG_FIELD, record, ttl, timeout)
 
     def fetch_run_config(self, coordinator_key: bytes | None, timeout: float | None = None) -> RunConfig:
@@ -85,7 +89,7 @@ class SwarmRecords:
             raise RunConfigInvalid(f"the run config record says run {record.run_id!r}, expected {self.run_id!r}")
         ignored: list[str] = []  # settings of a newer version: this peer runs without them
         try:
-            config = RunConfig.from_yaml(record.config_yaml, ignored)
+            config = RunConfig.from_yaml(self._unsealed(record.config_yaml), ignored)
         except ConfigError as e:
             raise RunConfigInvalid(
                 f"the coordinator's run config is not usable by this peer (version {record.version} published it): {e}"
@@ -96,6 +100,18 @@ class SwarmRecords:
             logger.warning("the run config (published by version %s) has settings this version does not know; "
                         "ignoring them: %s", record.version, ", ".join(ignored))
         return config
+
+    def _unsealed(self, text: str) -> str:
+        if self.swarm_key is None:
+            if is_sealed(text):
+                raise RunConfigInvalid(f"the run config of run {self.run_id!r} is sealed: it is a private swarm, "
+                                       "start with --swarm-key and a copy of its key")
+            return text
+        try:
+            return self.swarm_key.open(text)
+        except ValueError as e:
+            raise RunConfigInvalid(f"the run config of run {self.run_id!r} could not be opened with this swarm key "
+                                   f"({e})") from None
 
     # servers: one record per server per stage
     def announce_server(self, record: ServerRecord, ttl: float, timeout: float | None = None) -> bool:

@@ -1,0 +1,45 @@
+"""SwarmKey: the key file, the network id and run_info name it derives, sealing the run config."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from swarm.dht import SwarmDHTError, load_swarm_key
+from swarm.dht.private import SEALED_PREFIX, SwarmKey, is_sealed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_key_file_is_created_private_and_read_back(tmp_path):
+    path = tmp_path / "swarm.key"
+    with pytest.raises(SwarmDHTError, match="does not exist"):
+        load_swarm_key(path)
+    created = load_swarm_key(path, create=True)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_swarm_key(path) == created == load_swarm_key(path, create=True)
+    for bad in ("", "zz" * 32, "ab" * 31, "ab" * 33):
+        path.write_text(bad)
+        with pytest.raises(SwarmDHTError, match="64 hex digits"):
+            load_swarm_key(path)
+
+
+def test_names_derive_from_the_key_and_the_run():
+    a, b = SwarmKey(b"a" * 32), SwarmKey(b"b" * 32)
+    assert a.network_id("run") == a.network_id("run") != b.network_id("run")
+    assert a.network_id("run").startswith("run-") and a.network_id("run") != a.network_id("other")
+    assert a.run_info_namespace() != b.run_info_namespace()
+    assert "a" * 8 not in a.network_id("run")  # nothing of the secret itself
+
+
+def test_sealed_text_opens_only_with_its_key_and_unchanged():
+    a, b = SwarmKey(b"a" * 32), SwarmKey(b"b" * 32)
+    sealed = a.seal("model:\n  d_model: 128\n")
+    assert is_sealed(sealed) and sealed.startswith(SEALED_PREFIX) and "d_model" not in sealed
+    assert a.open(sealed) == "model:\n  d_model: 128\n"
+    assert a.seal("x") != a.seal("x")  # a fresh nonce each time
+    tampered = sealed[:-4] + ("AAAA" if not sealed.endswith("AAAA") else "BBBB")
+    for wrong, key in ((sealed, b), (tampered, a), ("model: {}", a), (SEALED_PREFIX + "!!", a)):
+        with pytest.raises(ValueError):
+            key.open(wrong)

@@ -14,7 +14,7 @@ in one run:
   distance of each aggregate from the honest mean, relative to the honest mean's norm.
 
 With --rounds, whole averaging rounds of real StageAveragers (bench/averaging.py's, n = 3 and 4,
-stage 1 of the config) are timed with `averaging.aggregation` mean and centered_clip, alternating.
+stage 1 of the config) are timed with `averaging.aggregation` mean, then centered_clip.
 
     .venv/bin/python bench/robust.py            # n = 3, 4, 8
     .venv/bin/python bench/robust.py --quick    # n = 3, 4 on configs/tiny.yaml

@@ -102,6 +102,7 @@ def test_bad_routing_settings_are_rejected(data, field):
 
 
 def test_a_published_config_with_settings_of_a_newer_version_is_used_without_them(caplog):
+    from swarm.dht import load_identity
     from swarm.dht.records import SwarmRecords
     from swarm.dht.schemas import RunConfigRecord
 
@@ -114,8 +115,7 @@ def test_a_published_config_with_settings_of_a_newer_version_is_used_without_the
     with pytest.raises(ConfigError, match="unknown key a_new_section"):
         RunConfig.from_dict(newer)  # a local file stays strict
 
-    records = SwarmRecords.__new__(SwarmRecords)  # only its parsing, no DHT
-    records.run_id = "newer"
+    records = SwarmRecords(None, "newer", load_identity(None))  # only its parsing: no DHT is touched
     record = RunConfigRecord(run_id="newer", config_yaml=yaml.safe_dump(newer), coordinator_peer_id="x")
     with caplog.at_level("WARNING"):
         assert records._parse_run_config(record.to_wire()) == RunConfig(run_id="newer")

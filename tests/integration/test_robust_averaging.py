@@ -31,7 +31,7 @@ SCALE = 1e6
 # The liar's weight is capped at 4 batches (48 samples) against the honest 4 + 4, a share of 6/7, and its
 # contribution is clipped to 4 times the members' median distance from their median (at most the
 # honest members' distance from each other): the result moves from the honest mean by at most about
-# 6/7 x 4 = 3.4 times the honest members' distance from each other (seen: 2.3).
+# 6/7 x 4 = 3.4 times the honest members' distance from each other (seen: 2.6).
 BOUND = 4.0
 
 

@@ -7,7 +7,10 @@ finds nothing (evicted, expired, a restarted server, a backward sent to another 
 as before, so correctness never depends on it.
 
 Entries are keyed by the caller's peer id and its request id: one peer cannot take, or spoil,
-another's entry. Only the stage's worker thread touches the cache, so it needs no lock.
+another's entry. When room is needed, the caller holding the most bytes gives up its oldest graph
+first: a peer that floods the cache with forwards whose backward never comes evicts its own graphs,
+not those of the trainers it competes with (with one caller this is plain oldest-first). Only the
+stage's worker thread touches the cache, so it needs no lock.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class ActivationCache:
             raise ValueError(f"the activation cache needs max_bytes >= 0 and ttl > 0, got {max_bytes}, {ttl}")
         self.max_bytes, self.ttl, self.clock = max_bytes, ttl, clock
         self._entries: OrderedDict[Hashable, CachedForward] = OrderedDict()
+        self._by_caller: dict[Hashable, int] = {}  # bytes each caller's graphs hold
         self.bytes_held = 0
         self.hits = 0  # backwards served from a kept graph
         self.misses = 0  # backwards that had to recompute the forward
@@ -59,17 +63,31 @@ class ActivationCache:
             self.evictions += 1
             return False
         while self.bytes_held + nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            self._drop(self._victim())
         self._entries[key] = CachedForward(inputs, output, step, versions, nbytes, self.clock())
-        self.bytes_held += nbytes
+        self._account(key, nbytes)
         return True
+
+    def _victim(self) -> Hashable:
+        """The oldest graph of the caller holding the most bytes."""
+        biggest = max(self._by_caller, key=self._by_caller.__getitem__)
+        return next(key for key in self._entries if _caller(key) == biggest)
+
+    def _account(self, key: Hashable, nbytes: int) -> None:
+        caller = _caller(key)
+        held = self._by_caller.get(caller, 0) + nbytes
+        if held:
+            self._by_caller[caller] = held
+        else:
+            self._by_caller.pop(caller, None)
+        self.bytes_held += nbytes
 
     def take(self, key: Hashable) -> CachedForward | None:
         """Remove and return the graph kept under `key`, if any (and not expired). Counts nothing."""
         self.expire()
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self.bytes_held -= entry.nbytes
+            self._account(key, -entry.nbytes)
         return entry
 
     def discard(self, key: Hashable) -> None:
@@ -84,8 +102,13 @@ class ActivationCache:
 
     def _drop(self, key: Hashable) -> None:
         entry = self._entries.pop(key)
-        self.bytes_held -= entry.nbytes
+        self._account(key, -entry.nbytes)
         self.evictions += 1
+
+
+def _caller(key: Hashable) -> Hashable:
+    """Whose a key is: the caller's peer id of a (caller, request id) key."""
+    return key[0] if isinstance(key, tuple) and key else key
 
 
 class StaleGraph(RuntimeError):

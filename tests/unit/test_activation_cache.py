@@ -188,3 +188,25 @@ def test_compute_dtypes():
     assert config().stages.wire == "float32"
     assert config(compute_dtype="bfloat16").stages.wire == "bfloat16"
     assert config(compute_dtype="bfloat16", wire_dtype="float32").stages.wire == "float32"
+
+
+def test_a_caller_flooding_the_cache_evicts_its_own_graphs_not_others():
+    cache = ActivationCache(max_bytes=1000, ttl=60.0, clock=lambda: 0.0)
+    t = torch.zeros(1)
+
+    def put(caller: str, request: str, nbytes: int = 100) -> bool:
+        return cache.put((caller, request), t, t, 0, (), nbytes)
+
+    put("honest", "a")
+    put("honest", "b")
+    for i in range(30):  # a stranger's forwards that announce a backward and never send it
+        assert put("stranger", f"x{i}")
+    assert cache.bytes_held <= 1000
+    assert cache.take(("honest", "a")) is not None and cache.take(("honest", "b")) is not None
+    assert len(cache) == 8 and cache.take(("stranger", "x21")) is None and cache.take(("stranger", "x29")) is not None
+    # one caller alone: oldest first, as before
+    alone = ActivationCache(max_bytes=300, ttl=60.0, clock=lambda: 0.0)
+    for i in range(5):
+        alone.put(("me", i), t, t, 0, (), 100)
+    assert [alone.take(("me", i)) is not None for i in range(5)] == [False, False, True, True, True]
+    assert alone.bytes_held == 0 and alone.put(("me", "empty"), t, t, 0, (), 0)

@@ -21,7 +21,7 @@ from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.progress import ProgressRecord
 from swarm.dht.errors import SwarmDHTError
 from swarm.dht.keys import PROGRESS_SUFFIX
-from swarm.dht.node import wait_future
+from swarm.dht.node import require_alive, wait_future
 
 log = logging.getLogger(__name__)
 
@@ -158,17 +158,19 @@ class StageProgressTracker:
             self._wake.clear()
 
     def _store(self, value: Any) -> bool:
-        future = self.dht.store(self.key, subkey=self.owner_key, value=value,
-                                expiration_time=get_dht_time() + self.ttl, return_future=True)
         try:
+            require_alive(self.dht, f"storing {self.key}")
+            future = self.dht.store(self.key, subkey=self.owner_key, value=value,
+                                    expiration_time=get_dht_time() + self.ttl, return_future=True)
             return bool(wait_future(future, self.request_timeout, f"storing {self.key}"))
         except SwarmDHTError as e:
             log.debug("%s", e)
             return False
 
     def _read(self) -> dict[str, tuple[ProgressRecord, float]] | None:
-        future = self.dht.get(self.key, latest=True, return_future=True)
         try:
+            require_alive(self.dht, f"reading {self.key}")
+            future = self.dht.get(self.key, latest=True, return_future=True)
             found = wait_future(future, self.request_timeout, f"reading {self.key}")
         except SwarmDHTError as e:
             log.debug("%s", e)

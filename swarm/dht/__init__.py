@@ -24,6 +24,7 @@ Every network wait is bounded by a named timeout (``DEFAULT_*_TIMEOUT`` in each 
 from swarm.dht.bootstrap import RunInfo, RunInfoServicer, join_run, request_run_info, serve_run_info
 from swarm.dht.errors import (
     BootstrapError,
+    DHTProcessGone,
     DHTRequestTimeout,
     InvalidMultiaddr,
     RunConfigInvalid,
@@ -52,6 +53,7 @@ __all__ = [
     "BackgroundLoop",
     "BootstrapError",
     "CheckpointRecord",
+    "DHTProcessGone",
     "DHTRequestTimeout",
     "HeldCheckpoint",
     "Identity",

@@ -25,3 +25,7 @@ class RunConfigInvalid(SwarmDHTError):
 
 class DHTRequestTimeout(SwarmDHTError, TimeoutError):
     """A DHT get/store or a peer RPC did not finish within its timeout."""
+
+
+class DHTProcessGone(SwarmDHTError):
+    """This peer's DHT process is no longer running: nothing can be stored or read through it."""

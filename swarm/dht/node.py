@@ -14,7 +14,7 @@ import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.dht.errors import BootstrapError, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
+from swarm.dht.errors import BootstrapError, DHTProcessGone, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
 from swarm.dht.identity import Identity
 from swarm.dht.keys import make_validators, run_validators
 
@@ -159,8 +159,19 @@ class _AddValidators:
                         del held[key_id]
 
 
+def require_alive(dht: hivemind.DHT, what: str) -> None:
+    """Raise DHTProcessGone unless `dht`'s process runs. Call before each request to it.
+
+    A request is a message down a pipe to that process. Once the process is gone (killed), nobody
+    reads the pipe: a few dozen requests fill it, and the next one blocks its caller forever.
+    """
+    if not dht.is_alive():
+        raise DHTProcessGone(f"{what}: this peer's DHT process is not running")
+
+
 def call_in_dht(dht: hivemind.DHT, coro: Callable[[hivemind.DHT, Any], Awaitable[Any]], timeout: float) -> Any:
     """Run `coro(dht, node)` inside the DHT process, waiting at most `timeout` seconds."""
+    require_alive(dht, "a call into the DHT process")
     future = dht.run_coroutine(coro, return_future=True)
     return wait_future(future, timeout, "a call into the DHT process")
 

@@ -14,7 +14,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.dht.errors import RunConfigInvalid, RunConfigNotFound
 from swarm.dht.identity import Identity
 from swarm.dht.keys import CONFIG_FIELD, METRICS_FIELD, RUN_CHECKPOINT_FIELD, checkpoints_field, dht_key, stage_field
-from swarm.dht.node import peer_id, wait_future
+from swarm.dht.node import peer_id, require_alive, wait_future
 from swarm.dht.private import SwarmKey, is_sealed
 from swarm.dht.schemas import (
     CheckpointRecord,
@@ -178,6 +178,7 @@ class SwarmRecords:
         return self.timeout if timeout is None else timeout
 
     def _store(self, field: str, record: WireRecord, ttl: float, timeout: float | None) -> bool:
+        require_alive(self.dht, f"storing {field} of run {self.run_id}")
         future = self.dht.store(
             key=dht_key(self.run_id, field),
             subkey=self._owner_key,
@@ -189,6 +190,7 @@ class SwarmRecords:
 
     def _get_owned(self, fields: list[str], timeout: float | None) -> list[dict[bytes, Any]]:
         """For each field, {owner marker: value} of its unexpired records (gets run in parallel)."""
+        require_alive(self.dht, f"looking up run {self.run_id}")
         futures = [self.dht.get(dht_key(self.run_id, field), latest=True, return_future=True) for field in fields]
         deadline = time.monotonic() + self._timeout(timeout)
         try:

@@ -199,3 +199,23 @@ async def _is_set(event: asyncio.Event) -> bool:
     # the cancellation of a timed-out coroutine is scheduled on the loop, not instant
     await asyncio.wait_for(event.wait(), timeout=5)
     return True
+
+
+def test_nothing_is_sent_to_a_dht_process_that_is_gone():
+    """A request to a dead DHT process would sit in its pipe; once the pipe is full the next one blocks forever."""
+    from swarm.dht import DHTProcessGone, SwarmRecords
+
+    class DeadDHT:
+        def is_alive(self) -> bool:
+            return False
+
+        def store(self, *args, **kwargs):
+            raise AssertionError("sent to a dead DHT process")
+
+        get = run_coroutine = store
+
+    records = SwarmRecords(DeadDHT(), RUN_ID, load_identity(None))
+    with pytest.raises(DHTProcessGone, match="not running"):
+        records.announce_server(ServerRecord(**GOOD_SERVER), ttl=10)
+    with pytest.raises(DHTProcessGone):
+        records.lookup_servers(1)

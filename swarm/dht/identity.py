@@ -77,16 +77,25 @@ def _load_or_create(path: str) -> RSAPrivateKey:
     except OSError as e:
         raise SwarmDHTError(f"cannot read libp2p identity {path}: {e.strerror}") from None
     identity = Identity(RSAPrivateKey())
+    if not create_private_file(path, identity.libp2p_key_bytes(), "libp2p identity"):
+        return _load_or_create(path)  # another peer started with this path just wrote it
+    return identity.signing_key
+
+
+def create_private_file(path: str | os.PathLike, data: bytes, what: str) -> bool:
+    """Write a secret to a new file only its owner reads (0600); False if the file exists already.
+
+    O_EXCL: two peers started at once with the same path must not overwrite each other's secret.
+    """
     try:
-        # O_EXCL: two peers started at once with the same path must not overwrite each other's key
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return _load_or_create(path)
+        return False
     except OSError as e:
-        raise SwarmDHTError(f"cannot create libp2p identity {path}: {e.strerror}") from None
+        raise SwarmDHTError(f"cannot create {what} {path}: {e.strerror}") from None
     with os.fdopen(fd, "wb") as file:
-        file.write(identity.libp2p_key_bytes())
-    return identity.signing_key
+        file.write(data)
+    return True
 
 
 def _key_from_libp2p_identity(data: bytes, path: str) -> RSAPrivateKey:

@@ -15,7 +15,7 @@ from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.errors import BootstrapError, DHTProcessGone, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
-from swarm.dht.identity import Identity
+from swarm.dht.identity import Identity, create_private_file
 from swarm.dht.keys import make_validators, run_validators
 
 DEFAULT_STARTUP_TIMEOUT = 30.0  # p2pd start + first contact with the initial peers
@@ -106,9 +106,7 @@ def _identity_file(identity: Identity) -> Iterator[str]:
         return
     with tempfile.TemporaryDirectory(prefix="swarm-identity-") as directory:  # mode 0700
         path = os.path.join(directory, "peer.id")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as file:
-            file.write(identity.libp2p_key_bytes())
+        create_private_file(path, identity.libp2p_key_bytes(), "temporary libp2p identity")
         yield path
 
 

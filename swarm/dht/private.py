@@ -31,6 +31,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from swarm.dht.errors import SwarmDHTError
+from swarm.dht.identity import create_private_file
 
 KEY_BYTES = 32
 TAG_HEX = 24  # 96 bits of the network id a stranger would have to guess
@@ -95,12 +96,6 @@ def load_swarm_key(path: str | os.PathLike, create: bool = False) -> SwarmKey:
 
 def _create(path: Path) -> SwarmKey:
     secret = secrets.token_bytes(KEY_BYTES)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return load_swarm_key(path)
-    except OSError as e:
-        raise SwarmDHTError(f"cannot create swarm key {path}: {e.strerror}") from None
-    with os.fdopen(fd, "w") as file:
-        file.write(secret.hex() + "\n")
+    if not create_private_file(path, (secret.hex() + "\n").encode(), "swarm key"):
+        return load_swarm_key(path)  # written meanwhile by another process
     return SwarmKey(secret)

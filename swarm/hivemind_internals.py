@@ -14,13 +14,14 @@ from typing import Any
 
 import hivemind.averaging.averager as hivemind_averager
 import torch
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture
 
 
@@ -173,6 +174,12 @@ def forget_inherited_p2p_socket(dht: Any) -> None:
     inherited = getattr(dht, "_p2p_replica", None)
     if inherited is not None:
         inherited._client_listen_maddr = None
+
+
+def public_key_der(public_key: RSAPublicKey) -> bytes:
+    """The DER (SubjectPublicKeyInfo) bytes of hivemind's RSAPublicKey, which keeps its key privately."""
+    return public_key._public_key.public_bytes(encoding=serialization.Encoding.DER,
+                                               format=serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def private_key_from(loaded: rsa.RSAPrivateKey) -> RSAPrivateKey:

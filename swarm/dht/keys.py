@@ -28,7 +28,6 @@ from typing import Any
 
 import multihash
 import pydantic.v1 as pydantic
-from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
@@ -48,7 +47,7 @@ from swarm.dht.schemas import (
     SentFieldsOnly,
     ServerRecord,
 )
-from swarm.hivemind_internals import schema_count
+from swarm.hivemind_internals import public_key_der, schema_count
 
 CONFIG_FIELD = "config"
 METRICS_FIELD = "metrics"
@@ -94,9 +93,7 @@ def owner_key(private_key: RSAPrivateKey) -> bytes:
 
 def peer_id_of_public_key(public_key: RSAPublicKey) -> str:
     """The libp2p peer id (base58) of an RSA public key: the sha2-256 multihash of its protobuf encoding."""
-    der = public_key._public_key.public_bytes(encoding=serialization.Encoding.DER,
-                                              format=serialization.PublicFormat.SubjectPublicKeyInfo)
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_key_der(public_key)).SerializeToString()
     return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))).to_base58()
 
 

@@ -191,3 +191,17 @@ def test_the_reducer_still_sums_into_an_accumulator_and_divides_once():
     assert "self.accumulator.add_(tensor_part, alpha=weight)" in source
     assert "set_result(self.accumulator.div_(self.denominator))" in source
     assert assigns(TensorPartReducer, "finished") and assigns(TensorPartReducer, "part_shapes")
+
+
+def test_an_rsa_public_key_still_keeps_its_cryptography_key_where_we_read_it():
+    # public_key_der (keys.peer_id_of_public_key) reads RSAPublicKey._public_key
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from swarm.hivemind_internals import public_key_der
+
+    key = RSAPrivateKey()
+    der = public_key_der(key.get_public_key())
+    assert isinstance(key.get_public_key()._public_key, rsa.RSAPublicKey)
+    assert RSAPublicKey.from_bytes(key.get_public_key().to_bytes())._public_key.public_numbers() == \
+        key._private_key.public_key().public_numbers()
+    assert der.startswith(b"0\x82")  # a DER SEQUENCE

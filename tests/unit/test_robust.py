@@ -93,10 +93,11 @@ def test_the_policy_reducer_runs_hivemind_s_part_protocol():
         reducer = PolicyPartReducer([torch.Size([6]), torch.Size([6])], 3, policy)
 
         async def sender(index: int) -> list[torch.Tensor]:
-            await asyncio.sleep(0.01 * (2 - index))  # the last sender first
             return [await reducer.accumulate_part(index, part, parts[part][index], weights[index]) for part in (0, 1)]
 
-        return await asyncio.gather(*(sender(i) for i in range(3)))
+        # gather starts them in this order, each running to its first wait: the last sender's part comes first
+        results = dict(zip((2, 1, 0), await asyncio.gather(*(sender(i) for i in (2, 1, 0)))))
+        return [results[i] for i in range(3)]
 
     results = asyncio.run(asyncio.wait_for(run(), 10))
     for part in (0, 1):

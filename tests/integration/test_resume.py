@@ -35,6 +35,7 @@ RESUME_TIMEOUT = 150.0  # a new server starting, fetching and loading a checkpoi
 LOSS_TIMEOUT = 90.0  # a new trainer training two batches
 RESUMED = re.compile(r"resumed from the checkpoint of step (\d+)")
 PULLED = re.compile(r"pulled the checkpoint of stage 1 at step (\d+)")
+WRITTEN = re.compile(r"checkpoint of step (\d+) written")
 ASSEMBLED = re.compile(r"run checkpoint of steps \[\d+, \d+\] written")
 
 
@@ -69,6 +70,11 @@ def checkpoint_fingerprint(config: RunConfig, root: Path, stage: int, at_step: i
     state = StageState(module, StageOptimizer(module, config.optimizer), stage, "init")
     state.load_state_dict(StateInfo(stage, manifest.step, manifest.round_id, manifest.group), tensors)
     return param_fingerprint(state.optimizer.params)
+
+
+def newest_written(peer: Peer) -> int:
+    """The step of the newest checkpoint the server logged as written (-1: none)."""
+    return max(map(int, WRITTEN.findall(peer.proc.stderr())), default=-1)
 
 
 def resumed_step(peer: Peer) -> int:
@@ -142,8 +148,13 @@ def test_a_dead_stage_and_then_a_whole_swarm_resume_from_checkpoints(procs: Proc
     # 2. everything dies at once; the same commands bring the run back
     servers[1].proc.wait_until(lambda: step(servers[1]) >= resumed + EVERY, TRAIN_TIMEOUT,
                                "stage 1 a checkpoint interval past its resume")
+    trainer.proc.kill()  # no more samples: the servers stop stepping
+    # A checkpoint still being written when its server is SIGKILLed is lost by design: let the writes under way end
+    for server in servers:
+        server.proc.wait_until(lambda server=server: newest_written(server) > step(server) - EVERY, PULL_TIMEOUT,
+                               "the server's newest checkpoint written")
     at_kill = [step(s) for s in servers]
-    for proc in (trainer.proc, *(s.proc for s in servers), coordinator.proc):
+    for proc in (*(s.proc for s in servers), coordinator.proc):
         proc.kill()
     coordinator = swarm.coordinator()
     servers = [swarm.server(coordinator, 0, "server0"), swarm.server(coordinator, 1, "server1-new")]

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from swarm.config import ConfigError, RunConfig
-from swarm.dht import SwarmDHTError, load_swarm_key
+from swarm.dht import SwarmDHTError, load_swarm_key, write_initial_peers
 from swarm.envflags import apply_env_defaults
 from swarm.logs import setup_logging
 
@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"],
                    help="multiaddrs to listen on (default: all interfaces, a free TCP port)")
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
-    p.add_argument("--metrics-port", type=int, help="serve /metrics and /status on this port")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve the live page /, /status, /metrics, /healthz and Prometheus discovery /sd on this port")
+    p.add_argument("--initial-peers-file", metavar="FILE",
+                   help="also write the initial peers' multiaddrs to this file once others can join "
+                   "(peers read it with --initial-peers @FILE)")
     p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                    help="keep the run's checkpoints here: each stage's newest, pulled from its servers and verified, "
                    "and whole-run checkpoints for swarm-export (default: none kept by the coordinator)")
@@ -71,7 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     except (SwarmDHTError, OSError) as e:
         sys.exit(f"swarm-coordinator: error: {e}")
     try:
-        print("initial peers: " + " ".join(coordinator.initial_peers()), flush=True)
+        maddrs = coordinator.initial_peers()
+        if args.initial_peers_file:
+            try:
+                write_initial_peers(args.initial_peers_file, maddrs)
+            except OSError as e:
+                sys.exit(f"swarm-coordinator: error: cannot write --initial-peers-file: {e}")
+        print("initial peers: " + " ".join(maddrs), flush=True)
         coordinator.serve_until(stop)
     finally:
         coordinator.shutdown()

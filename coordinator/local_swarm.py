@@ -70,7 +70,7 @@ class LocalSwarm:
             extra = [] if self.in_flight is None else ["--in-flight", str(self.in_flight)]
             extra += self._data_flags()
             trainers = [self._child(f"trainer-{i}", "peer.cli", maddr, "--role", "trainer", "--trainer-index", str(i),
-                                    *extra) for i in range(self.trainers)]
+                                    "--metrics-port", "0", *extra) for i in range(self.trainers)]
             status = self._train(steps)
             end_all(trainers)  # trainers publish their last metrics as they exit
             averaging = self._averaging_stats()
@@ -156,7 +156,7 @@ class LocalSwarm:
                                   "--metrics-port", str(self.metrics_port), "--checkpoint-dir",
                                   str(self.checkpoint_dir / "coordinator"))
         match = coordinator.wait_for_output(r"initial peers: (\S+)", START_TIMEOUT, self.stop)
-        print(f"coordinator: {match.group(1)}\n  status: http://127.0.0.1:{self.metrics_port}/status"
+        print(f"coordinator: {match.group(1)}\n  live page: http://127.0.0.1:{self.metrics_port}/"
               f"\n  logs:   {self.log_dir}", flush=True)
         return match.group(1)
 

@@ -22,11 +22,13 @@ from swarm.dht import (
     start_dht,
     visible_maddrs,
 )
-from swarm.metrics import MetricsServer
+from swarm.metrics import MetricsServer, Reply, Request
 from swarm.model import build_stage
 
 from .archive import MAX_BYTES_PER_PARAM, RunArchive
+from .discovery import discovery_targets, own_address
 from .status import SwarmGauges, build_status
+from .web import StatusHistory, page_routes
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -57,8 +59,13 @@ class Coordinator:
             self.registry = CollectorRegistry()
             self.gauges = SwarmGauges(self.registry)
             self._status = build_status(config.run_id, {}, [])
+            self.history = StatusHistory()  # loss and samples/s over the run, for the live page's charts
+            self._records: tuple[dict, list] = ({}, [])  # the last lookup's servers and metrics, for /sd
             if metrics_port is not None:
-                self.metrics_server = MetricsServer(self.registry, metrics_port, status=lambda: self._status)
+                self.metrics_server = MetricsServer(self.registry, metrics_port,
+                                                   routes={"/status": self._status_reply,
+                                                           "/sd": self._discovery, **page_routes()},
+                                                   health=lambda: None if self.dht.is_alive() else "DHT exited")
             if checkpoint_dir is not None:
                 self._start_archive(checkpoint_dir)
         except BaseException:
@@ -86,9 +93,22 @@ class Coordinator:
     def refresh_status(self) -> dict[str, Any]:
         servers = self.records.lookup_all_servers(self.config.stages.num_stages)
         metrics = self.records.lookup_metrics()
+        self._records = (servers, metrics)
         self._status = build_status(self.config.run_id, servers, metrics)
+        self.history.record(self._status)
         self.gauges.update(self._status)
         return self._status
+
+    def _status_reply(self, request: Request) -> Reply:
+        """/status: the last status document, with the history that the live page `/` charts."""
+        return Reply.json({**self._status, "history": self.history.columns()})
+
+    def _discovery(self, request: Request) -> Reply:
+        """Prometheus http_sd: the peers of the last lookup, and this coordinator as Prometheus reached it."""
+        servers, metrics = self._records
+        me = own_address(request.host, self.metrics_server.port)
+        return Reply.json(discovery_targets(self.config.run_id, servers, metrics,
+                                            coordinator=(me, self.peer_id) if me else None))
 
     def serve_until(self, stop: threading.Event) -> None:
         """Renew the run config and refresh the status until `stop` is set."""

@@ -17,7 +17,9 @@ def build_status(
     """Summarize server records and peer metrics into the `/status` document of ARCHITECTURE.md.
 
     The swarm's step is that of its slowest stage (the least of each stage's most advanced ONLINE
-    server); loss and samples per second come from the trainers' own reports.
+    server); loss and samples per second come from the trainers' own reports. The bottleneck stage is
+    the one with the least ONLINE throughput (ties go to the lower stage; None without stages), and
+    the volunteers are the distinct peers serving (not OFFLINE) or training.
     """
     stages = []
     stage_steps = []
@@ -38,6 +40,9 @@ def build_status(
         )
     trainers = [m for m in metrics if m.role == "trainer"]
     losses = [m.loss for m in trainers if m.loss is not None]
+    bottleneck = min(stages, key=lambda s: (s["throughput"], s["stage"]), default=None)
+    volunteers = {r.peer_id for records in servers.values() for r in records if r.state != "OFFLINE"}
+    volunteers.update(m.peer_id for m in trainers)
     return {
         "run_id": run_id,
         "step": min(stage_steps, default=0),
@@ -46,6 +51,8 @@ def build_status(
         "samples": sum(m.samples for m in trainers),
         "trainers": len(trainers),
         "bottleneck_throughput": min((s["throughput"] for s in stages), default=0.0),
+        "bottleneck_stage": bottleneck["stage"] if bottleneck is not None else None,
+        "volunteers": len(volunteers),
         "stages": stages,
     }
 

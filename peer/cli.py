@@ -23,11 +23,13 @@ from swarm.dht import (
     join_run,
     load_identity,
     load_swarm_key,
+    read_initial_peers,
     serve_run_info,
+    visible_maddrs,
 )
 from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
-from swarm.metrics import MetricsServer
+from swarm.metrics import MetricsServer, metrics_address
 
 log = logging.getLogger("swarm.peer")
 
@@ -65,9 +67,16 @@ def positive_float(value: str) -> float:
     return x
 
 
+def dht_problem(dht) -> str | None:
+    """Why this peer cannot do its job right now (for /healthz), or None."""
+    return None if dht.is_alive() else "its DHT process has exited"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="swarm-peer", description="Join a swarm training run.")
-    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of peers already in the run")
+    p.add_argument("--initial-peers", nargs="+", required=True,
+                   help="multiaddrs of peers already in the run, or @FILE: a file listing them (as swarm-coordinator "
+                   "--initial-peers-file writes it; waited for up to --join-timeout)")
     p.add_argument("--role", choices=["auto", "server", "trainer"], default="auto",
                    help="server: host a stage; trainer: drive data through the stages; auto: server with a GPU")
     p.add_argument("--stage", type=stage_arg, default=None, metavar="auto|K",
@@ -77,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swarm-key", metavar="FILE", help="join a private swarm: a copy of its coordinator's swarm key")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics (and /healthz) on this port")
+    p.add_argument("--metrics-host", help="the host or IP address at which Prometheus reaches this peer's metrics "
+                   "port, announced so the coordinator's discovery lists it (default: from --announce-maddrs, "
+                   "else this peer's first non-loopback address)")
     p.add_argument("--data", help="trainer: the data this peer may read: a directory the run config's data.corpus "
                    "is resolved under, or your own corpus (file, glob, or a directory when the run uses the "
                    "embedded one). Without it only the embedded corpus is read")
@@ -157,7 +169,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     dht = None
     try:
         swarm_key = load_swarm_key(args.swarm_key) if args.swarm_key else None
-        dht, info, config = join_run(args.initial_peers, identity, loop, host_maddrs=args.host_maddrs,
+        initial_peers = read_initial_peers(args.initial_peers, args.join_timeout, stop.wait)
+        dht, info, config = join_run(initial_peers, identity, loop, host_maddrs=args.host_maddrs,
                                      announce_maddrs=args.announce_maddrs, timeout=args.join_timeout,
                                      swarm_key=swarm_key)
         log.info("joined %s (coordinator %s)", describe(config), info.coordinator_peer_id)
@@ -168,7 +181,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         serve_run_info(dht, loop, info, swarm_key=swarm_key)  # so newcomers can use this peer as an initial peer too
         records = SwarmRecords(dht, config.run_id, identity, swarm_key=swarm_key)
         registry = CollectorRegistry()
-        metrics = MetricsServer(registry, args.metrics_port) if args.metrics_port is not None else None
+        metrics = None
+        if args.metrics_port is not None:
+            metrics = MetricsServer(registry, args.metrics_port, health=lambda: dht_problem(dht))
+            args.metrics_addr = metrics_address(metrics.port, args.metrics_host,
+                                                [*args.announce_maddrs, *visible_maddrs(dht)])
+            log.info("metrics: http://%s/metrics", args.metrics_addr)
         try:
             if role == "server":
                 run_server(args, config, dht, records, loop, device, registry, stop)
@@ -191,7 +209,7 @@ def run_server(args, config, dht, records, loop, device, registry, stop) -> None
     checkpoint_dir = None if args.no_checkpoints else (args.checkpoint_dir or default_root())
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
                             inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
-                            fresh=args.fresh)
+                            fresh=args.fresh, metrics_addr=getattr(args, "metrics_addr", None))
     if args.activation_cache_mb is not None:
         options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
     if args.activation_cache_ttl is not None:
@@ -209,7 +227,8 @@ def run_trainer(args, config, dht, records, loop, registry, stop) -> None:
     from .trainer import Trainer, TrainerOptions
 
     config.data = volunteer_data(config.data, args.data)  # the run config's paths stay under --data
-    options = TrainerOptions(trainer_index=args.trainer_index, in_flight=args.in_flight, max_samples=args.max_samples)
+    options = TrainerOptions(trainer_index=args.trainer_index, in_flight=args.in_flight, max_samples=args.max_samples,
+                             metrics_addr=getattr(args, "metrics_addr", None))
     trainer = Trainer(config, dht, records, loop, options, registry)
     log.info("training on stages 0..%d with %d micro-batches in flight", config.stages.num_stages - 1,
              trainer.in_flight)

@@ -67,6 +67,7 @@ class ServerOptions:
     max_concurrent_requests: int | None = None  # requests taken in at once (more get BUSY); None: 2 x max_queue
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT  # seconds a caller has to send its whole request
     backward_cache_bytes: int = BACKWARD_CACHE_BYTES  # result bytes kept to answer retried backwards
+    metrics_addr: str | None = None  # "host:port" of this server's /metrics, announced for Prometheus discovery
 
     def batch_cap(self, config: RunConfig) -> int:
         return self.max_batch if self.max_batch is not None else config.optimizer.micro_batch_size
@@ -244,7 +245,7 @@ class StageServer:
     def record(self) -> ServerRecord:
         step = self.backend.step if self.backend else 0
         return ServerRecord(peer_id=self.peer_id, stage=self.stage, state=self.state.value,
-                            throughput=float(self.throughput), step=step)
+                            throughput=float(self.throughput), step=step, metrics_addr=self.options.metrics_addr)
 
     def announce(self) -> bool:
         ok = self.records.announce_server(self.record(), ttl=self.config.network.record_ttl)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import hivemind
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
@@ -35,6 +36,7 @@ class TrainerOptions:
     max_samples: int | None = None  # stop after this many samples (None: until stopped)
     refresh_period: float = 2.0  # how often the server list is read from the DHT
     metrics_period: float = 5.0  # how often loss and speed are published
+    metrics_addr: str | None = None  # "host:port" of this trainer's /metrics, announced for Prometheus discovery
 
 
 REQUEST_ID_TOKEN_BYTES = 8  # random bytes in every micro-batch's request id (16 hex characters)
@@ -77,6 +79,29 @@ class TrainerMetrics:
         self.speed = Gauge("swarm_trainer_samples_per_second", "Recent training speed", registry=registry)
         self.waiting = Gauge("swarm_trainer_waiting_stages", "Stages with no usable server right now",
                              registry=registry)
+        self.pipeline: RemotePipeline | None = None
+        registry.register(self)  # the per-stage figures below are read from the pipeline at each scrape
+
+    def describe(self) -> list:
+        return []  # no fixed families at registration: collect() is only called at scrape time
+
+    def collect(self):
+        """Per stage: calls that failed (each retried elsewhere), replies that did not fit, servers banned now."""
+        failures = CounterMetricFamily("swarm_trainer_call_failures", "Calls to a stage's server that failed "
+                                       "(each is retried elsewhere)", labels=["stage"])
+        bad = CounterMetricFamily("swarm_trainer_bad_replies", "Replies that did not fit the request "
+                                  "(shape, dtype, non-finite values)", labels=["stage"])
+        banned = GaugeMetricFamily("swarm_trainer_banned_servers", "A stage's servers this trainer bans now",
+                                   labels=["stage"])
+        pipeline = self.pipeline
+        if pipeline is not None:
+            stats = pipeline.stats
+            for stage, balancer in enumerate(pipeline.balancers):
+                label = [str(stage)]
+                failures.add_metric(label, stats.stage_failures.get(stage, 0))
+                bad.add_metric(label, stats.stage_bad_replies.get(stage, 0))
+                banned.add_metric(label, len(balancer.listed()) - len(balancer.available()))
+        yield from (failures, bad, banned)
 
 
 class Trainer:
@@ -136,6 +161,7 @@ class Trainer:
         self.pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire, settings,
                                        self.balancer_factory, hidden_size=config.model.d_model,
                                        limits=stage_wire_limits(config.model, config.optimizer.micro_batch_size))
+        self.metrics.pipeline = self.pipeline
         future = asyncio.run_coroutine_threadsafe(self._main(), self.loop.loop)
         try:
             while not future.done():
@@ -225,7 +251,7 @@ class Trainer:
         self.metrics.speed.set(speed)
         record = PeerMetricsRecord(peer_id=self.peer_id, role="trainer", step=0, samples_per_second=float(speed),
                                    samples=int(self.samples_done), time=time.time(), loss=loss,
-                                   initial_loss=self.initial_loss)
+                                   initial_loss=self.initial_loss, metrics_addr=self.options.metrics_addr)
         try:
             self.records.publish_metrics(record, ttl=self.config.network.record_ttl)
         except Exception as e:

@@ -21,7 +21,15 @@ Map of the subsystem, from people-facing entry points down to pure logic::
 Every network wait is bounded by a named timeout (``DEFAULT_*_TIMEOUT`` in each module).
 """
 
-from swarm.dht.bootstrap import RunInfo, RunInfoServicer, join_run, request_run_info, serve_run_info
+from swarm.dht.bootstrap import (
+    RunInfo,
+    RunInfoServicer,
+    join_run,
+    read_initial_peers,
+    request_run_info,
+    serve_run_info,
+    write_initial_peers,
+)
 from swarm.dht.errors import (
     BootstrapError,
     DHTProcessGone,
@@ -82,4 +90,6 @@ __all__ = [
     "serve_run_info",
     "start_dht",
     "visible_maddrs",
+    "read_initial_peers",
+    "write_initial_peers",
 ]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import hivemind
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
@@ -140,6 +141,48 @@ async def _ask_run_info(dht: hivemind.DHT, peer: PeerID, timeout: float, namespa
     stub = RunInfoServicer.get_stub(p2p, peer, namespace=namespace)
     response = await stub.rpc_run_info(runtime_pb2.ExpertInfo(), timeout=timeout)
     return RunInfo.from_bytes(response.serialized_info)
+
+
+INITIAL_PEERS_FILE_PREFIX = "@"  # `--initial-peers @FILE`: the multiaddrs are in FILE (compose, scripts)
+MAX_INITIAL_PEERS_FILE = 64 * 1024  # bytes read from such a file
+
+
+def read_initial_peers(values: Sequence[str], timeout: float, stop: Callable[[float], bool] | None = None) -> list[str]:
+    """The multiaddrs of `--initial-peers`: each value is one, or `@FILE` naming a file that lists some.
+
+    A coordinator started with `--initial-peers-file FILE` writes that file once others can join; a
+    peer started at the same time (as compose does) waits up to `timeout` seconds for it to appear.
+    `stop(seconds)` waits between looks and returns True to give up early (a shutdown signal).
+    """
+    found: list[str] = []
+    for value in values:
+        if not value.startswith(INITIAL_PEERS_FILE_PREFIX):
+            found.append(value)
+            continue
+        path = Path(value[len(INITIAL_PEERS_FILE_PREFIX):])
+        deadline = time.monotonic() + timeout
+        wait = stop or (lambda seconds: bool(time.sleep(seconds)))
+        while not path.exists():
+            if time.monotonic() > deadline or wait(_RETRY_PAUSE):
+                raise BootstrapError(f"initial peers file {path} did not appear within {timeout:.0f}s "
+                                     "(the coordinator writes it with --initial-peers-file once it is up)")
+        with open(path, "rb") as f:
+            text = f.read(MAX_INITIAL_PEERS_FILE + 1)
+        if len(text) > MAX_INITIAL_PEERS_FILE:
+            raise BootstrapError(f"initial peers file {path} is over {MAX_INITIAL_PEERS_FILE} bytes")
+        listed = text.decode(errors="replace").split()
+        if not listed:
+            raise BootstrapError(f"initial peers file {path} lists no multiaddr")
+        found.extend(listed)
+    return found
+
+
+def write_initial_peers(path: str | Path, maddrs: Sequence[str]) -> None:
+    """Write the multiaddrs others can join through, atomically (a reader never sees half a file)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text("".join(f"{m}\n" for m in maddrs))
+    temporary.replace(path)
 
 
 def join_run(

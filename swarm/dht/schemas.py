@@ -22,6 +22,11 @@ FiniteFloat = confloat(strict=True, allow_inf_nan=False)
 # `\Z`, not `$`: pydantic matches with re.match, and `$` would let a trailing newline through
 Sha256Hex = constr(strict=True, regex=r"^[0-9a-f]{64}\Z")
 StateHash = constr(strict=True, max_length=128)  # RunConfig.state_hash(); bounded, compared verbatim
+# Where Prometheus scrapes a peer: "host:port", the host an IPv4 address, a DNS name or a bracketed IPv6
+# address. Scrapers connect there, so nothing but a plain address gets in (no scheme, path or userinfo).
+MetricsAddress = constr(strict=True, max_length=262,
+                        regex=r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)"
+                              r":([1-9][0-9]{0,4})\Z")
 
 MAX_STAGES = 256  # stages a run may have; keys.py enumerates this many stage keys in the schema
 MAX_HELD_CHECKPOINTS = 16  # checkpoints one holder lists per stage (servers keep a few, default 3)
@@ -35,6 +40,12 @@ class ServerState(str, Enum):
     JOINING = "JOINING"  # downloading its stage's state; not ready for requests
     ONLINE = "ONLINE"  # serving forward/backward
     OFFLINE = "OFFLINE"  # leaving; routers should stop sending work
+
+
+def _check_port(address: str | None) -> str | None:
+    if address is not None and int(address.rsplit(":", 1)[1]) > 65535:
+        raise ValueError(f"port out of range in {address!r}")
+    return address
 
 
 class WireRecord(pydantic.BaseModel):
@@ -68,6 +79,9 @@ class ServerRecord(WireRecord):
     step: NonNegativeInt = 0  # optimizer steps this server's stage replica has taken
     role: StrictStr = "server"
     version: StrictStr = __version__
+    metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
+
+    _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
 
 
 class RunConfigRecord(WireRecord):
@@ -90,6 +104,9 @@ class PeerMetricsRecord(WireRecord):
     time: FiniteFloat  # unix time of the measurement
     stage: NonNegativeInt | None = None  # None for trainers, which touch every stage
     loss: confloat(strict=True) | None = None
+    metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
+
+    _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
 
     @pydantic.validator("loss")
     def _finite_loss(cls, loss: float | None) -> float | None:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +74,8 @@ class PipelineStats:
     calls: int = 0
     failures: int = 0  # failed calls, each retried on another server or later
     bad_replies: int = 0  # of them, replies that did not fit the request (shape, dtype, non-finite, no loss)
+    stage_failures: Counter = field(default_factory=Counter)  # failures by stage
+    stage_bad_replies: Counter = field(default_factory=Counter)  # bad replies by stage
     waiting_stages: set[int] = field(default_factory=set)
 
 
@@ -198,6 +201,7 @@ class RemotePipeline:
                 raise PipelineError(f"stage {stage} refused the {kind} request: {e.message}") from e
             ban = balancer.report_failure(ticket)
             self.stats.failures += 1
+            self.stats.stage_failures[stage] += 1
             log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying", stage, kind, peer[-8:], e, ban)
             return None
         problem = self._reply_problem(stage, request, reply)
@@ -205,6 +209,8 @@ class RemotePipeline:
             ban = balancer.report_failure(ticket)
             self.stats.failures += 1
             self.stats.bad_replies += 1
+            self.stats.stage_failures[stage] += 1
+            self.stats.stage_bad_replies[stage] += 1
             log.warning("stage %d %s on %s replied %s; banned for %.0fs, retrying", stage, kind, peer[-8:], problem,
                         ban)
             return None

@@ -86,7 +86,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, tiny_config_path: Path):
         ports = [free_port() for _ in range(num_stages)]
         servers = [procs.start("swarm-peer", *join, "--role", "server", "--stage", str(stage),
                                "--metrics-port", str(port)) for stage, port in enumerate(ports)]
-        trainer = procs.start("swarm-peer", *join, "--role", "trainer", "--trainer-index", "0")
+        trainer = procs.start("swarm-peer", *join, "--role", "trainer", "--trainer-index", "0",
+                              "--metrics-port", str(free_port()))
         server_ids = []
         for stage, server in enumerate(servers):
             line = server.wait_for_line(SERVING_LINE, SERVER_START_TIMEOUT, stream="stderr")
@@ -118,6 +119,25 @@ def test_training_lowers_the_loss_and_metrics_show_the_swarm(swarm: Swarm):
     for server_port in swarm.server_ports:  # every micro-batch runs a backward on every stage
         ok = metric(server_port, "swarm_server_requests_total", kind="backward", status="ok")
         assert ok is not None and ok > 0, http_get(server_port, "/metrics")
+
+
+def test_prometheus_discovery_lists_every_peer_with_its_labels(swarm: Swarm):
+    port = swarm.coordinator.metrics_port
+
+    def listed() -> dict[str, dict] | None:
+        groups = {g["labels"]["peer_id"]: g for g in json.loads(http_get(port, "/sd") or "[]")}
+        return groups if len(groups) == len(swarm.servers) + 2 else None  # servers, the trainer, the coordinator
+
+    groups = swarm.wait_for(listed, ONLINE_TIMEOUT, "/sd to list every peer")
+    coordinator = groups.pop(swarm.coordinator.peer_id)
+    assert coordinator == {"targets": [f"127.0.0.1:{port}"],
+                           "labels": {"role": "coordinator", "peer_id": swarm.coordinator.peer_id, "run_id": "tiny"}}
+    for stage, (peer_id, server_port) in enumerate(zip(swarm.server_ids, swarm.server_ports)):
+        assert groups.pop(peer_id) == {"targets": [f"127.0.0.1:{server_port}"], "labels": {
+            "role": "server", "stage": str(stage), "peer_id": peer_id, "run_id": "tiny"}}
+    [trainer] = groups.values()
+    assert trainer["labels"]["role"] == "trainer"
+    assert http_get(int(trainer["targets"][0].rsplit(":", 1)[1]), "/healthz") == "ok\n"
 
 
 def test_sigterm_takes_a_server_offline_then_it_exits_cleanly(swarm: Swarm):

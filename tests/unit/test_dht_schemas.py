@@ -31,7 +31,8 @@ from swarm.dht import (
 from swarm.dht.keys import dht_key, peer_id_of_owner, schema_validator, stage_field
 
 RUN_ID = "unit-run"
-GOOD_SERVER = dict(peer_id="QmPeer", stage=1, state="ONLINE", throughput=12.5, step=3, role="server", version="0.1.0")
+GOOD_SERVER = dict(peer_id="QmPeer", stage=1, state="ONLINE", throughput=12.5, step=3, role="server", version="0.1.0",
+                   metrics_addr="127.0.0.1:9100")
 GOOD_METRICS = dict(peer_id="QmPeer", role="trainer", step=2, samples_per_second=4.0, samples=64, time=1.7e9)
 OWNER = b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC7 test]"
 

@@ -1,0 +1,71 @@
+"""Prometheus HTTP service discovery: every peer that announces a metrics address becomes a scrape target.
+
+Prometheus polls the coordinator's `/sd` (an `http_sd_configs` endpoint) and gets back target groups
+built from the DHT: servers from their stage records, trainers from their metrics records, and the
+coordinator itself. Each target carries the labels `role`, `peer_id`, `run_id` and, for servers,
+`stage`, so per-peer series can be grouped without any per-peer configuration.
+
+The addresses come from strangers' (signed) records: each is a plain "host:port" (the record schema
+refuses anything else), at most MAX_TARGETS are listed, and an address claimed by several peers is
+listed once, for the claimant that sorts first (servers before trainers, then by peer id).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from swarm.dht import PeerMetricsRecord, ServerRecord
+from swarm.dht.schemas import ServerState
+
+log = logging.getLogger("swarm.coordinator")
+
+MAX_TARGETS = 4096  # one Prometheus scrapes this many peers at most through one coordinator
+
+
+def discovery_targets(
+    run_id: str,
+    servers: dict[int, list[ServerRecord]],
+    metrics: Iterable[PeerMetricsRecord],
+    coordinator: tuple[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """The `/sd` document: one target group per peer with a metrics address.
+
+    `coordinator` is (metrics address, peer id) of the coordinator itself, listed first.
+    OFFLINE servers are left out: they are leaving, and their records expire soon after.
+    """
+    claims: list[tuple[int, str, str, dict[str, str]]] = []  # (rank, peer id, address, labels)
+    if coordinator is not None:
+        address, peer = coordinator
+        claims.append((0, peer, address, {"role": "coordinator"}))
+    for stage, records in servers.items():
+        for r in records:
+            if r.metrics_addr is not None and r.state != ServerState.OFFLINE.value:
+                claims.append((1, r.peer_id, r.metrics_addr, {"role": "server", "stage": str(stage)}))
+    for m in metrics:
+        if m.metrics_addr is not None:
+            claims.append((2, m.peer_id, m.metrics_addr, {"role": m.role if m.role == "trainer" else "peer"}))
+    groups: list[dict[str, Any]] = []
+    taken: set[str] = set()
+    for _, peer, address, labels in sorted(claims, key=lambda c: (c[0], c[1])):
+        if address in taken:
+            log.debug("metrics address %s claimed again by %s: listed once", address, peer)
+            continue
+        if len(groups) >= MAX_TARGETS:
+            log.warning("more than %d peers announce metrics addresses: the rest are not listed", MAX_TARGETS)
+            break
+        taken.add(address)
+        groups.append({"targets": [address], "labels": {**labels, "peer_id": peer, "run_id": run_id}})
+    return groups
+
+
+def own_address(host_header: str | None, port: int) -> str | None:
+    """The coordinator's metrics address as its caller reached it (the Host header), if it is a plain one."""
+    if not host_header:
+        return None
+    address = host_header if host_header.rsplit(":", 1)[-1].isdigit() and not host_header.endswith("]") \
+        else f"{host_header}:{port}"
+    record = PeerMetricsRecord.from_wire({"peer_id": "-", "role": "coordinator", "step": 0, "samples_per_second": 0.0,
+                                          "samples": 0, "time": 0.0, "metrics_addr": address})
+    return address if record is not None else None

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint reference bench clean
+.PHONY: demo test test-stack test-image lint reference bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,19 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests/unit tests/integration
+
+# Slower suites with real outside programs (installed by docker/install-test-tools.sh, as root):
+# a real Prometheus, promtool, Grafana's dashboard schema and a headless Chromium against a local swarm...
+test-stack: $(STAMP)
+	docker/install-test-tools.sh
+	npm --prefix tests/stack/grafana ci --no-audit --no-fund --silent
+	$(PY) -m pytest -q tests/stack
+
+# ...and the volunteer image, built with podman, joining a swarm on this machine.
+test-image: $(STAMP)
+	docker/install-test-tools.sh
+	docker/test-image.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the slow suites (make test-stack, make test-image) need and `make test` does not:
-# Debian's prometheus/promtool, chromium, podman/buildah/runc/mmdebstrap; playwright from PyPI;
+# Debian's prometheus/promtool, chromium, podman/buildah/runc/mmdebstrap/catatonit (compose's
+# `init: true`); playwright and podman-compose from PyPI;
 # the dashboard validator's npm packages. Needs root for apt-get (CI runs as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
 for tool in prometheus:prometheus promtool:prometheus chromium:chromium podman:podman buildah:buildah \
-            runc:runc mmdebstrap:mmdebstrap node:nodejs npm:npm; do
+            runc:runc mmdebstrap:mmdebstrap catatonit:catatonit node:nodejs npm:npm; do
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 if ((${#need[@]})); then

@@ -37,14 +37,14 @@ ca=$(.venv/bin/python -m pip config get global.cert 2>/dev/null || echo /etc/ssl
 wheels=$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)
 printf '[global]\ncert = /etc/ssl/host-ca.crt\n' > "$WORK/pip.conf"
 mounts=(-v "$ca:/etc/ssl/host-ca.crt:ro" -v "$PWD/$WORK/pip.conf:/etc/pip.conf:ro")
-args=(--build-arg TORCH_INDEX_URL=https://pypi.org/simple)
-if [ -n "$wheels" ]; then
+args=()
+if [ -n "$wheels" ]; then  # torch's CPU wheel is there: take it, and the rest from PyPI
   mounts+=(-v "$wheels:/wheels:ro")
-  args+=(--build-arg PIP_FIND_LINKS=/wheels)
+  args+=(--build-arg PIP_FIND_LINKS=/wheels --build-arg TORCH_INDEX_URL=https://pypi.org/simple)
 fi
 echo "building $IMAGE"
 start=$(date +%s)
-podman build --quiet --format docker --network=host "${mounts[@]}" "${args[@]}" -f docker/Dockerfile -t "$IMAGE" . >/dev/null
+podman build --quiet --format docker --network=host "${mounts[@]}" ${args[@]+"${args[@]}"} -f docker/Dockerfile -t "$IMAGE" . >/dev/null
 echo "built $IMAGE in $(( $(date +%s) - start )) s: $(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
 
 SWARM_TEST_IMAGE=$IMAGE .venv/bin/python -m pytest -q tests/image "$@"

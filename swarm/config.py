@@ -7,6 +7,7 @@ data, network). It loads from and saves to YAML without loss, and every problem 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -29,6 +30,32 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts: the MLP of every `every`-th block (blocks i with (i + 1) % every == 0) becomes
+    `num_experts` expert MLPs, `top_k` of them chosen per token by a router (swarm.model.moe)."""
+
+    every: int = 2
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25  # an expert takes at most ceil(factor * tokens * top_k / num_experts); 0: no limit
+    aux_loss_weight: float = 0.01  # weight of the load-balancing loss (summed over the MoE blocks) in the objective
+    expert_hidden: int = 0  # an expert's hidden size; 0: the dense MLP's, model.mlp_ratio * model.d_model
+
+    def validate(self) -> None:
+        _positive(self, "every", "model.moe")
+        if self.num_experts < 2:
+            raise ConfigError(f"model.moe.num_experts must be at least 2, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"model.moe.top_k must be in 1..model.moe.num_experts ({self.num_experts}), "
+                              f"got {self.top_k}")
+        for name in ("capacity_factor", "aux_loss_weight"):
+            value = getattr(self, name)
+            if not 0.0 <= value < float("inf"):
+                raise ConfigError(f"model.moe.{name} must be a finite number, not negative, got {value}")
+        _non_negative(self, "expert_hidden", "model.moe")
+
+
+@dataclass
 class ModelConfig:
     """A GPT-style decoder."""
 
@@ -40,6 +67,9 @@ class ModelConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     seed: int = 0  # parameter initialization seed, so every replica of a stage starts equal
+    # None: every block is dense. Left out of the YAML and of the state hash when None, so dense runs
+    # are described exactly as before MoE existed.
+    moe: MoEConfig | None = field(default=None, metadata={"omit_if_none": True})
 
     def validate(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -50,6 +80,43 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.moe is not None:
+            self.moe.validate()
+            if not self.moe_layers():
+                raise ConfigError(f"model.moe.every ({self.moe.every}) exceeds model.n_layer ({self.n_layer}): "
+                                  "no block would be a mixture of experts")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` (global) is a mixture of experts: (index + 1) % moe.every == 0."""
+        return self.moe is not None and (index + 1) % self.moe.every == 0
+
+    def moe_layers(self) -> list[int]:
+        """Global indices of the MoE blocks (e.g. [1, 3] for 4 blocks and every 2); [] without moe."""
+        return [i for i in range(self.n_layer) if self.is_moe_layer(i)]
+
+    @property
+    def expert_hidden(self) -> int:
+        """An expert's hidden size (moe.expert_hidden, or the dense MLP's when that is 0)."""
+        if self.moe is None or self.moe.expert_hidden == 0:
+            return self.mlp_ratio * self.d_model
+        return self.moe.expert_hidden
+
+
+def check_moe_placement(model: ModelConfig, num_stages: int) -> None:
+    """ConfigError naming model.moe.every unless every MoE block is the last block of a non-last stage,
+    or lies in the last stage: a non-last stage's output is then the MoE output itself, so its
+    backward needs no expert output kept or recomputed (design note on MoE, section 3.1)."""
+    if num_stages < 1 or model.n_layer % num_stages:
+        return  # the split itself is reported elsewhere
+    per_stage = model.n_layer // num_stages
+    for index in model.moe_layers():
+        stage, position = divmod(index, per_stage)
+        if stage < num_stages - 1 and position != per_stage - 1:
+            raise ConfigError(
+                f"model.moe.every ({model.moe.every}) makes block {index} a mixture of experts, but it is "
+                f"block {position} of {per_stage} in stage {stage} of {num_stages}: an MoE block must be the last "
+                "block of a non-last stage, or in the last stage (stages.num_stages sets the split)"
+            )
 
 
 @dataclass
@@ -266,6 +333,7 @@ class RunConfig:
                 f"stages.num_stages ({self.stages.num_stages}) must divide model.n_layer "
                 f"({self.model.n_layer}) so every stage holds the same number of blocks"
             )
+        check_moe_placement(self.model, self.stages.num_stages)
         return self
 
     @property
@@ -278,11 +346,11 @@ class RunConfig:
         Checkpoints carry it: a state is usable by a run whose hash matches, whatever its other
         settings (timeouts, averaging, data) are.
         """
-        shape = {"model": dataclasses.asdict(self.model), "num_stages": self.stages.num_stages}
+        shape = {"model": _as_dict(self.model), "num_stages": self.stages.num_stages}
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _as_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any, ignored: list[str] | None = None) -> RunConfig:
@@ -316,6 +384,19 @@ class RunConfig:
         return cls.from_yaml(text)
 
 
+def _as_dict(obj: Any) -> Any:
+    """dataclasses.asdict, leaving out fields marked ``omit_if_none`` whose value is None."""
+    if not dataclasses.is_dataclass(obj):
+        return obj
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None and f.metadata.get("omit_if_none"):
+            continue
+        out[f.name] = _as_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
+
+
 def _build(cls: type, data: Any, prefix: str, ignored: list[str] | None = None) -> Any:
     where = prefix.rstrip(".") or "run config"
     if not isinstance(data, dict):
@@ -338,6 +419,9 @@ def _convert(hint: Any, value: Any, name: str, ignored: list[str] | None = None)
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None and type(None) in allowed:
         return None
+    for t in allowed:  # an optional section, such as model.moe
+        if dataclasses.is_dataclass(t) and isinstance(value, dict):
+            return _build(t, value, name + ".", ignored)
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if any(t is not type(None) and type(value) is t for t in allowed):

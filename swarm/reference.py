@@ -4,6 +4,11 @@ It does what a swarm does, minus the network: the model is split into the same s
 stage has its own :class:`~swarm.optim.StageOptimizer` (own gradient clipping, sample-sum
 accumulation), and micro-batches flow through the stages in order. A swarm run with one server
 per stage and one trainer should therefore follow this trainer's loss curve closely.
+
+With ``model.moe``, each micro-batch of ``n`` samples backpropagates
+``(CE + aux_loss_weight * sum of the MoE layers' aux losses) * n``; the reported ``loss`` stays the
+cross-entropy, comparable with dense runs, and ``aux_loss`` (the sum over layers, before weighting)
+and ``dropped`` (the share of top-k slots over capacity) are reported beside it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from swarm.backend import autocast, resolve_compute_dtype
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, DataError, eval_batches, load_tokenizer, load_tokens, sampler_seed
-from swarm.model import build_stages
+from swarm.model import build_stages, record_moe, total_aux_loss
 from swarm.optim import StageOptimizer
 
 FINAL_LOSS_WINDOW = 5  # final_loss averages this many last steps, so one noisy batch doesn't decide it
@@ -60,23 +65,37 @@ class ReferenceTrainer:
                 hidden = stage(hidden)
             return self.stages[-1](hidden, targets=y.to(self.device))
 
+    def loss_and_moe(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """(mean cross-entropy, sum of the MoE layers' aux losses or None for a dense model, share of
+        top-k slots dropped by capacity) of one batch."""
+        with record_moe() as records:
+            loss = self.loss(x, y)
+        slots = sum(r.plan.status.numel() for r in records)
+        dropped = sum(r.plan.dropped() for r in records) / slots if slots else 0.0
+        return loss, total_aux_loss(records), dropped
+
     def train_step(self) -> dict[str, Any]:
         """Accumulate micro-batches until every stage has a full batch, then step every stage."""
         for stage in self.stages:
             stage.train()
-        losses, samples = [], 0
+        moe = self.config.model.moe
+        losses, aux_losses, dropped, samples = [], [], [], 0
         while not all(opt.ready for opt in self.optimizers):
             x, y = self.sampler.next_batch()
             n = x.shape[0]
-            loss = self.loss(x, y)
+            loss, aux, drop_share = self.loss_and_moe(x, y)
+            objective = loss if aux is None else loss + moe.aux_loss_weight * aux
             # Sum over samples, as servers do, so the optimizer can divide by the true count.
-            (loss * n).backward()
+            (objective * n).backward()
             for opt in self.optimizers:
                 opt.add_samples(n)
             losses.append(loss.item())
+            if aux is not None:
+                aux_losses.append(aux.item())
+                dropped.append(drop_share)
             samples += n
         stats = [opt.step() for opt in self.optimizers]
-        return {
+        result = {
             "step": self.step_count,
             "loss": sum(losses) / len(losses),
             "samples": samples,
@@ -84,6 +103,10 @@ class ReferenceTrainer:
             "grad_norms": [s["grad_norm"] for s in stats],
             "skipped": any(s["skipped"] for s in stats),
         }
+        if aux_losses:  # MoE runs only, so a dense run's stats are as they were
+            result["aux_loss"] = sum(aux_losses) / len(aux_losses)
+            result["dropped"] = sum(dropped) / len(dropped)
+        return result
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = EVAL_BATCHES) -> float:
@@ -120,16 +143,22 @@ class ReferenceTrainer:
         if steps <= 0:
             raise ValueError(f"steps must be positive, got {steps}")
         start = time.perf_counter()
-        losses, samples = [], 0
+        losses, aux_losses, samples = [], [], 0
         for _ in range(steps):
             stats = self.train_step()
             losses.append(stats["loss"])
+            if "aux_loss" in stats:
+                aux_losses.append(stats["aux_loss"])
             samples += stats["samples"]
             if on_progress is not None:
                 on_progress(stats)
         train_seconds = time.perf_counter() - start
         val_loss = self.evaluate(eval_max_batches)
         last = losses[-FINAL_LOSS_WINDOW:]
+        moe = {}
+        if aux_losses:
+            moe = {"initial_aux_loss": aux_losses[0],
+                   "final_aux_loss": sum(aux_losses[-FINAL_LOSS_WINDOW:]) / len(aux_losses[-FINAL_LOSS_WINDOW:])}
         return {
             "initial_loss": losses[0],
             "final_loss": sum(last) / len(last),
@@ -139,4 +168,5 @@ class ReferenceTrainer:
             "samples_per_second": samples / train_seconds if train_seconds > 0 else 0.0,
             "train_seconds": train_seconds,
             "wall_seconds": time.perf_counter() - start,
+            **moe,
         }

@@ -6,6 +6,11 @@ is made by a ``make_*`` function that initializes it from its own random generat
 (model seed, part, index). A pipeline stage can therefore build only its own parts and still equal
 the same slice of a full model. Nothing here touches the global RNG.
 
+With ``model.moe`` set, the blocks ``ModelConfig.is_moe_layer`` selects have a
+:class:`~swarm.model.moe.MoEFeedForward` as their ``mlp``. Each expert is a part of its own
+(:func:`make_expert`, generator (seed, "expert", layer * num_experts + e)), so its initial weights
+do not depend on whether a block or an expert host builds it.
+
 The LM head is not tied to the token embedding: they live on different pipeline stages.
 """
 
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.config import ModelConfig
+from swarm.model.moe import Expert, MoEFeedForward
 
 INIT_STD = 0.02  # GPT-2's std for every Linear and Embedding weight
 
@@ -76,22 +82,30 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm Transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
 
-    def __init__(self, cfg: ModelConfig):
+    ``mlp`` is the dense :class:`MLP` unless given (an :class:`MoEFeedForward` for an MoE block).
+    """
+
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
-    def residual_projections(self) -> tuple[nn.Linear, nn.Linear]:
-        """The layers whose outputs are added to the residual stream (their init is scaled down)."""
-        return self.attn.out, self.mlp.down
+    def residual_projections(self) -> tuple[nn.Linear, ...]:
+        """The layers whose outputs are added to the residual stream (their init is scaled down).
+
+        An MoE block's experts are parts of their own and scale their down projections themselves.
+        """
+        if isinstance(self.mlp, MLP):
+            return self.attn.out, self.mlp.down
+        return (self.attn.out,)
 
 
 class Head(nn.Module):
@@ -115,10 +129,39 @@ def make_embedding(cfg: ModelConfig) -> Embedding:
 
 
 def make_block(cfg: ModelConfig, index: int) -> Block:
-    """Block `index` of the model, initialized from the generator of (seed, "block", index)."""
+    """Block `index` of the model, initialized from the generator of (seed, "block", index).
+
+    An MoE block's router draws from that generator too (after the attention and norms); each of its
+    experts from its own, exactly as :func:`make_expert` builds it.
+    """
     if not 0 <= index < cfg.n_layer:
         raise ValueError(f"block index must be in 0..{cfg.n_layer - 1}, got {index}")
-    return _materialize(lambda: Block(cfg), cfg, "block", index)
+    if not cfg.is_moe_layer(index):
+        return _materialize(lambda: Block(cfg), cfg, "block", index)
+    block = _materialize(lambda: Block(cfg, _moe_ffn(cfg, index)), cfg, "block", index, skip=Expert)
+    for e, expert in enumerate(block.mlp.experts):
+        _initialize(expert, cfg, "expert", _expert_part(cfg, index, e))
+    return block
+
+
+def make_expert(cfg: ModelConfig, layer: int, expert: int) -> Expert:
+    """Expert `expert` of MoE block `layer`, from the generator of (seed, "expert", layer * num_experts + expert)."""
+    if not cfg.is_moe_layer(layer):
+        raise ValueError(f"block {layer} is not a mixture of experts (model.moe selects blocks {cfg.moe_layers()})")
+    if not 0 <= expert < cfg.moe.num_experts:
+        raise ValueError(f"expert index must be in 0..{cfg.moe.num_experts - 1}, got {expert}")
+    return _materialize(lambda: Expert(cfg.d_model, cfg.expert_hidden), cfg, "expert",
+                        _expert_part(cfg, layer, expert))
+
+
+def _moe_ffn(cfg: ModelConfig, index: int) -> MoEFeedForward:
+    moe = cfg.moe
+    experts = [Expert(cfg.d_model, cfg.expert_hidden) for _ in range(moe.num_experts)]
+    return MoEFeedForward(cfg.d_model, experts, moe.top_k, moe.capacity_factor, layer=index, dropout=cfg.dropout)
+
+
+def _expert_part(cfg: ModelConfig, layer: int, expert: int) -> int:
+    return layer * cfg.moe.num_experts + expert
 
 
 def make_head(cfg: ModelConfig) -> Head:
@@ -155,17 +198,30 @@ def _part_seed(seed: int, part: str, index: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _materialize(build: Callable[[], M], cfg: ModelConfig, part: str, index: int) -> M:
+def _materialize(build: Callable[[], M], cfg: ModelConfig, part: str, index: int,
+                 skip: type[nn.Module] | None = None) -> M:
     # Construct on the meta device so PyTorch's default init draws nothing from the global RNG,
     # then fill every parameter from this part's own generator, in registration order.
     with torch.device("meta"):
         module = build()
     module.to_empty(device="cpu")
+    _initialize(module, cfg, part, index, skip)
+    return module
+
+
+def _initialize(module: nn.Module, cfg: ModelConfig, part: str, index: int,
+                skip: type[nn.Module] | None = None) -> None:
+    # Submodules of type `skip` (with all they hold) are parts of their own, left for their own generator.
     gen = torch.Generator().manual_seed(_part_seed(cfg.seed, part, index))
-    residual = module.residual_projections() if isinstance(module, Block) else ()
+    residual = module.residual_projections() if isinstance(module, (Block, Expert)) else ()
     residual_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
+    skipped = set()
+    if skip is not None:
+        skipped = {id(m) for outer in module.modules() if isinstance(outer, skip) for m in outer.modules()}
     with torch.no_grad():
         for m in module.modules():
+            if id(m) in skipped:
+                continue
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 std = residual_std if any(m is r for r in residual) else INIT_STD
                 m.weight.normal_(0.0, std, generator=gen)
@@ -173,7 +229,6 @@ def _materialize(build: Callable[[], M], cfg: ModelConfig, part: str, index: int
                 m.weight.fill_(1.0)
             if getattr(m, "bias", None) is not None:
                 m.bias.zero_()
-    return module
 
 
 def check_tokens(x: object, cfg: ModelConfig, what: str = "token ids") -> None:

@@ -5,7 +5,12 @@ also holds the embedding and stage S-1 also holds the head (a single stage holds
 
 Parameter names in ``StageModule.state_dict()`` are ``embed.*`` (first stage only),
 ``blocks.<j>.*`` with ``j`` counted from 0 *within the stage*, and ``head.*`` (last stage only).
-:meth:`StageModule.full_model_name` maps them to the names of the unsplit :class:`GPT`.
+:meth:`StageModule.full_model_name` maps them to the names of the unsplit :class:`GPT`. An MoE
+block's ``mlp`` holds ``router.weight`` and ``experts.<e>.{up,down}.{weight,bias}``.
+
+With ``model.moe``, an MoE block is either the last block of a non-last stage or in the last stage
+(:func:`swarm.config.check_moe_placement`, enforced when a stage is assembled). A stage's MoE
+layers report their aux losses through :func:`swarm.model.moe.record_moe`, not its output.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from swarm.config import ModelConfig, RunConfig
+from swarm.config import ModelConfig, RunConfig, check_moe_placement
 from swarm.model.gpt import (
     GPT,
     Block,
@@ -108,6 +113,11 @@ class StageModule(nn.Module):
             h = block(h)
         return self.head(h, targets) if self.is_last else h
 
+    @property
+    def moe_layers(self) -> list[int]:
+        """Global indices of this stage's MoE blocks (each adds an aux loss to the stage's objective)."""
+        return [k for k in self.layers if self.config.is_moe_layer(k)]
+
     def full_model_name(self, name: str) -> str:
         """The name in the unsplit GPT of this stage's parameter `name` (``blocks.j`` -> global index)."""
         parts = name.split(".")
@@ -159,6 +169,7 @@ def _assemble(
     # The one place that decides which parts a stage holds; the callables either build a part
     # (build_stage) or hand over an existing one (split_model), and are called only when needed.
     layers = stage_layers(cfg.n_layer, num_stages, index)
+    check_moe_placement(cfg, num_stages)
     return StageModule(
         cfg,
         index,

@@ -1,0 +1,121 @@
+"""MoE vs dense, with the same parameters active per token and the same samples: the reference trainer, side by side.
+
+    moe    the config as given (configs/moe.yaml: 8 experts of hidden 256, top 2, in blocks 1 and 3)
+    dense  the same config without model.moe: every block has the dense MLP (configs/moe.yaml's dense
+           twin is configs/tiny.yaml, whose MLP hidden size 512 = top_k x expert_hidden)
+
+Both single-process reference trainers (swarm.reference) start from the same seed and draw the same
+micro-batches (same sampler seed and micro-batch size), and their steps are interleaved (moe,
+dense, moe, ...) so a change in the machine's load hits both. Printed for each: parameters in all
+and active per token (those outside experts, plus top_k experts of each MoE block), the training
+loss (cross-entropy, the mean of the last 5 steps), the validation loss on the same windows, and
+training samples/s; for MoE also its aux loss (summed over its MoE blocks; 1 per block when
+balanced) and the share of top-k slots dropped by capacity. The MoE loss is the cross-entropy alone,
+comparable with the dense one; the aux term is only in its objective.
+
+    .venv/bin/python bench/moe.py                     # configs/moe.yaml, 120 steps (25-70 s on 2 cores)
+    .venv/bin/python bench/moe.py --steps 30 --json /tmp/moe-bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+from swarm.config import RunConfig
+from swarm.model import MoEFeedForward
+from swarm.reference import FINAL_LOSS_WINDOW, ReferenceTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parameter_counts(trainer: ReferenceTrainer, top_k: int) -> tuple[int, int]:
+    """(all parameters, parameters active for one token: experts count top_k per MoE block)."""
+    total = sum(p.numel() for stage in trainer.stages for p in stage.parameters())
+    active = total
+    for stage in trainer.stages:
+        for module in stage.modules():
+            if isinstance(module, MoEFeedForward):
+                sizes = [sum(p.numel() for p in e.parameters()) for e in module.experts]
+                active -= sum(sizes) - top_k * max(sizes)  # experts are all one size
+    return total, active
+
+
+def measure(config: RunConfig, steps: int, eval_batches: int) -> dict:
+    if config.model.moe is None:
+        raise SystemExit("the config has no model.moe section: nothing to compare")
+    dense_config = copy.deepcopy(config)
+    dense_config.model.moe = None
+    dense_config.validate()
+    trainers = {"moe": ReferenceTrainer(config), "dense": ReferenceTrainer(dense_config)}
+    seconds = {name: 0.0 for name in trainers}
+    history: dict[str, list[dict]] = {name: [] for name in trainers}
+    for _ in range(steps):
+        for name, trainer in trainers.items():
+            started = time.perf_counter()
+            history[name].append(trainer.train_step())
+            seconds[name] += time.perf_counter() - started
+    results = {}
+    for name, trainer in trainers.items():
+        stats = history[name]
+        total, active = parameter_counts(trainer, config.model.moe.top_k)
+        last = stats[-FINAL_LOSS_WINDOW:]
+        r = {
+            "params": total,
+            "active_params": active,
+            "initial_loss": stats[0]["loss"],
+            "final_loss": sum(s["loss"] for s in last) / len(last),
+            "val_loss": trainer.evaluate(eval_batches),
+            "samples": sum(s["samples"] for s in stats),
+            "train_seconds": seconds[name],
+        }
+        r["samples_per_second"] = r["samples"] / seconds[name]
+        if "aux_loss" in stats[0]:
+            r["initial_aux_loss"] = stats[0]["aux_loss"]
+            r["final_aux_loss"] = sum(s["aux_loss"] for s in last) / len(last)
+            r["dropped"] = sum(s["dropped"] for s in stats) / len(stats)
+        results[name] = r
+    moe = config.model.moe
+    return {"config": {"n_layer": config.model.n_layer, "d_model": config.model.d_model,
+                       "num_stages": config.stages.num_stages, "moe_layers": config.model.moe_layers(),
+                       "num_experts": moe.num_experts, "top_k": moe.top_k, "expert_hidden": config.model.expert_hidden,
+                       "dense_hidden": config.model.mlp_ratio * config.model.d_model,
+                       "capacity_factor": moe.capacity_factor, "aux_loss_weight": moe.aux_loss_weight,
+                       "batch_size": config.optimizer.batch_size,
+                       "micro_batch_size": config.optimizer.micro_batch_size},
+            "steps": steps, **results,
+            "val_loss_ratio": results["moe"]["val_loss"] / results["dense"]["val_loss"],
+            "speed_ratio": results["moe"]["samples_per_second"] / results["dense"]["samples_per_second"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "configs" / "moe.yaml"))
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--eval-batches", type=int, default=20, help="validation micro-batches (the same windows for both)")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    r = measure(RunConfig.load(args.config), args.steps, args.eval_batches)
+    c = r["config"]
+    print(f"{args.config}: {c['n_layer']} blocks x d_model {c['d_model']}, MoE blocks {c['moe_layers']} with "
+          f"top {c['top_k']} of {c['num_experts']} experts (hidden {c['expert_hidden']}) vs dense MLP hidden "
+          f"{c['dense_hidden']}; {r['steps']} steps of {c['batch_size']} samples each", flush=True)
+    for name in ("moe", "dense"):
+        s = r[name]
+        extra = ""
+        if "final_aux_loss" in s:
+            extra = (f"; aux loss {s['initial_aux_loss']:.3f} -> {s['final_aux_loss']:.3f}, "
+                     f"{100 * s['dropped']:.1f}% of slots dropped")
+        print(f"  {name:5s} {s['params'] / 1e6:.2f}M params ({s['active_params'] / 1e6:.2f}M active per token): "
+              f"train loss {s['initial_loss']:.3f} -> {s['final_loss']:.3f}, val loss {s['val_loss']:.4f}, "
+              f"{s['samples_per_second']:.1f} samples/s{extra}", flush=True)
+    print(f"  moe / dense: val loss {r['val_loss_ratio']:.3f}, samples/s {r['speed_ratio']:.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"done: {summary['steps']} steps, loss {_num(summary['initial_loss'])} -> {_num(summary['final_loss'])}, "
           f"validation loss {_num(summary['val_loss'])}, {summary['samples_per_second']:.1f} samples/s", flush=True)
     checkpoint = summary.get("run_checkpoint")
-    if checkpoint:
+    if checkpoint and config.model.moe is not None:  # GPT-2 cannot hold experts: no export to offer
+        print(f"run checkpoint of steps {checkpoint['steps']}: {checkpoint['path']}", flush=True)
+    elif checkpoint:
         print(f"run checkpoint of steps {checkpoint['steps']}: swarm-export --checkpoint-dir "
               f"{checkpoint['checkpoint_dir']} --out model/  (a GPT-2 model transformers loads)", flush=True)
     if args.summary:

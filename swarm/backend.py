@@ -29,6 +29,7 @@ from torch.func import functional_call
 
 from swarm.activations import ActivationCache, CachedForward, SavedBytes, StaleGraph
 from swarm.model import StageModule
+from swarm.model.moe import record_moe, total_aux_loss
 from swarm.optim import StageOptimizer
 
 if TYPE_CHECKING:
@@ -117,7 +118,10 @@ class StageBackend:
         self._stash: list[torch.Tensor] | None = None
         self._stash_step: int | None = None  # the step whose parameters _stash holds
         # Forward graphs kept for their backward (never for the last stage: it runs both in one call)
-        self.cache = None if module.is_last or cache is None or cache.max_bytes == 0 else cache
+        # ... nor for a stage with MoE blocks: their aux loss is a second root of the backward, which a
+        # kept graph does not hold (the backward recomputes the forward instead).
+        self.cache = None if module.is_last or module.moe_layers or cache is None or cache.max_bytes == 0 else cache
+        self.aux_loss_weight = module.config.moe.aux_loss_weight if module.moe_layers else 0.0
         self._copy_stream = None
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # what stays float32 may use tensor cores
@@ -276,20 +280,27 @@ class StageBackend:
         module = self.module
         if not module.is_first:
             x = x.detach().float().requires_grad_(True)
-        with self._autocast():
+        with self._autocast(), record_moe() as routed:
             if stashed:  # fresh leaves each time, so their gradients are this micro-batch's alone
                 leaves = [t.detach().requires_grad_(True) for t in self._stash]
                 out = functional_call(module, dict(zip(self._param_names, leaves)), (x, targets))
             else:
                 leaves = self.optimizer.params
                 out = module(x, targets)  # validates x and targets
+        # The objective is (cross-entropy + alpha * the MoE blocks' load-balancing losses) summed over
+        # samples, as the reference's; each stage adds the aux losses of its own MoE blocks.
+        aux = total_aux_loss(routed)
         if module.is_last:
-            loss = float(out.detach())
-            (out * n).backward()
+            loss = float(out.detach())  # the cross-entropy alone, comparable with dense runs
+            ((out if aux is None else out + self.aux_loss_weight * aux) * n).backward()
         else:
             loss = None
             _check_grad_output(grad_output, out)
-            out.backward(self._to_device(grad_output).to(out.dtype))
+            grad = self._to_device(grad_output).to(out.dtype)
+            if aux is None:
+                out.backward(grad)
+            else:
+                torch.autograd.backward([out, aux], [grad, aux.new_tensor(self.aux_loss_weight * n)])
         grad_input = None if module.is_first else x.grad.detach()
         return [leaf.grad for leaf in leaves], loss, grad_input
 

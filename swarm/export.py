@@ -247,6 +247,9 @@ def _load_newest(root: Path | None, run_id: str | None) -> tuple[RunConfig, dict
     if unknown_model:  # the run's model may differ from the one this version would export
         _fail(f"checkpoint {source} is of a model with settings this version does not know "
               f"({', '.join(unknown_model)}): export it with the swarm version that trained it")
+    if config.model.moe is not None:  # GPT-2 has no experts to put them in
+        _fail(f"checkpoint {source} is of a mixture-of-experts model (model.moe): a GPT-2 model cannot hold its "
+              "experts, so swarm-export does not convert it; its stage checkpoints load with swarm's own model")
     if ignored:
         logging.getLogger(__name__).warning("ignoring run config keys this version does not know: %s",
                                             ", ".join(ignored))

@@ -13,6 +13,7 @@ import torch
 
 from peer.server import StageServer
 from peer.trainer import Trainer, TrainerOptions
+from swarm.config import MoEConfig
 from swarm.reference import ReferenceTrainer
 from tests.helpers import wait_until
 from tests.integration.inproc import (
@@ -110,6 +111,27 @@ def test_one_swarm_step_equals_one_reference_step(num_stages):
             swarm_moments = optimizer_state(server)["optimizer"]["state"]
             reference_moments = reference.optimizers[stage].state_dict()["optimizer"]["state"]
             torch.testing.assert_close(swarm_moments, reference_moments, **MOMENTS)
+
+
+def test_one_moe_swarm_step_equals_one_reference_step():
+    """MoE blocks on both stages (experts inside the stage servers): routing with capacity drops, and the
+    load-balancing loss each stage adds to its backward, give the reference's step."""
+    config = tiny_config("exactmoe", 2, batch_size=12, micro_batch_size=4, lr=1e-2, warmup_steps=1)
+    # 4 experts, top 2, capacity 1.0: some tokens go over an expert's capacity; a weight of 0.5 makes
+    # the aux loss's share of the router's gradient large enough that leaving it out would show.
+    config.model.moe = MoEConfig(every=1, num_experts=4, top_k=2, capacity_factor=1.0, aux_loss_weight=0.5)
+    config.validate()
+    for servers, steps, initial, trainer, reference, expected in one_step(config, 2):
+        assert expected["dropped"] > 0 and expected["aux_loss"] > 0, expected
+        micro_batches = config.optimizer.batch_size // config.optimizer.micro_batch_size
+        swarm_loss = sum(loss for _, loss, _ in trainer.recent) / micro_batches
+        assert swarm_loss == pytest.approx(expected["loss"], rel=1e-5)
+        for stage, server in enumerate(servers):
+            assert server.backend.module.moe_layers == [stage] and server.backend.cache is None
+            assert steps[stage][0]["grad_norm"] == pytest.approx(expected["grad_norms"][stage], rel=1e-4)
+            swarm_params = stage_state(server)
+            assert any(not torch.equal(initial[stage][k], swarm_params[k]) for k in swarm_params)
+            torch.testing.assert_close(swarm_params, reference.stages[stage].state_dict(), **EXACT)
 
 
 def relative_error(actual: dict, expected: dict) -> float:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.checkpoint.verify import STATE_NAME
-from swarm.config import ModelConfig, RunConfig, StagesConfig
+from swarm.config import ModelConfig, MoEConfig, RunConfig, StagesConfig
 from swarm.export import CONFIG_FILE, WEIGHTS_FILE, export, main, to_hf_state
 from swarm.model import StageModule, build_stage
 
@@ -180,3 +180,15 @@ def test_cli_names_the_runs_to_choose_from(stages: list[StageModule], tmp_path: 
         main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out"), "--run-id", "gamma"])
     main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out"), "--run-id", "beta"])
     assert (tmp_path / "out" / CONFIG_FILE).is_file()
+
+
+def test_cli_refuses_a_mixture_of_experts_run_up_front(tmp_path: Path):
+    config = RunConfig.from_yaml(CONFIG.to_yaml())
+    config.run_id = "moe"
+    config.model.moe = MoEConfig(every=2, num_experts=2, top_k=1)
+    config.validate()
+    root = tmp_path / "ckpt"
+    write_run_checkpoint(root, config, [build_stage(config, k) for k in range(config.stages.num_stages)], step=3)
+    with pytest.raises(SystemExit, match=r"mixture-of-experts model \(model.moe\): a GPT-2 model cannot hold"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -107,6 +107,28 @@ class ServerMetrics:
         self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
                                registry=registry)
         registry.register(ActivationCacheCollector(backend_ref))
+        registry.register(ExpertCollector(backend_ref))
+
+
+class ExpertCollector:
+    """Per MoE block of the stage: tokens routed to each expert, and slots dropped over capacity."""
+
+    def __init__(self, server: StageServer):
+        self.server = server
+
+    def collect(self):
+        tokens = CounterMetricFamily("swarm_moe_expert_tokens", "Tokens of trained micro-batches each expert "
+                                     "processed (its load)", labels=["layer", "expert"])
+        dropped = CounterMetricFamily("swarm_moe_dropped_slots", "Top-k slots of trained micro-batches dropped "
+                                      "for being over an expert's capacity (the token kept its residual)",
+                                      labels=["layer"])
+        backend = self.server.backend
+        if backend is not None:
+            for layer, counts in list(backend.expert_tokens.items()):
+                for expert, count in enumerate(counts):
+                    tokens.add_metric([str(layer), str(expert)], count)
+                dropped.add_metric([str(layer)], backend.dropped_slots[layer])
+        yield from (tokens, dropped)
 
 
 class ActivationCacheCollector:

@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 from swarm.activations import ActivationCache, CachedForward, SavedBytes, StaleGraph
 from swarm.model import StageModule
-from swarm.model.moe import record_moe, total_aux_loss
+from swarm.model.moe import MoERecord, record_moe, total_aux_loss
 from swarm.optim import StageOptimizer
 
 if TYPE_CHECKING:
@@ -122,6 +122,11 @@ class StageBackend:
         # kept graph does not hold (the backward recomputes the forward instead).
         self.cache = None if module.is_last or module.moe_layers or cache is None or cache.max_bytes == 0 else cache
         self.aux_loss_weight = module.config.moe.aux_loss_weight if module.moe_layers else 0.0
+        # Per MoE block of this stage, over the micro-batches trained: tokens each expert processed, and
+        # top-k slots dropped for being over an expert's capacity (metrics; counted once, in the backward).
+        experts = module.config.moe.num_experts if module.moe_layers else 0
+        self.expert_tokens = {layer: [0] * experts for layer in module.moe_layers}
+        self.dropped_slots = dict.fromkeys(module.moe_layers, 0)
         self._copy_stream = None
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # what stays float32 may use tensor cores
@@ -290,6 +295,7 @@ class StageBackend:
         # The objective is (cross-entropy + alpha * the MoE blocks' load-balancing losses) summed over
         # samples, as the reference's; each stage adds the aux losses of its own MoE blocks.
         aux = total_aux_loss(routed)
+        self._count_routing(routed)
         if module.is_last:
             loss = float(out.detach())  # the cross-entropy alone, comparable with dense runs
             ((out if aux is None else out + self.aux_loss_weight * aux) * n).backward()
@@ -303,6 +309,13 @@ class StageBackend:
                 torch.autograd.backward([out, aux], [grad, aux.new_tensor(self.aux_loss_weight * n)])
         grad_input = None if module.is_first else x.grad.detach()
         return [leaf.grad for leaf in leaves], loss, grad_input
+
+    def _count_routing(self, routed: list[MoERecord]) -> None:
+        for record in routed:
+            plan = record.plan
+            done = plan.experts[plan.processed].bincount(minlength=len(self.expert_tokens[record.layer])).tolist()
+            self.expert_tokens[record.layer] = [a + b for a, b in zip(self.expert_tokens[record.layer], done)]
+            self.dropped_slots[record.layer] += plan.dropped()
 
     def _param_versions(self) -> tuple[int, ...]:
         """Every in-place change of a parameter (a step, a state loaded, a repair) bumps its version."""

@@ -132,6 +132,12 @@ def test_one_moe_swarm_step_equals_one_reference_step():
             swarm_params = stage_state(server)
             assert any(not torch.equal(initial[stage][k], swarm_params[k]) for k in swarm_params)
             torch.testing.assert_close(swarm_params, reference.stages[stage].state_dict(), **EXACT)
+            # every top-k slot of the batch's tokens was either processed by an expert or dropped, once
+            backend, slots = server.backend, config.optimizer.batch_size * config.model.seq_len * 2
+            assert sum(backend.expert_tokens[stage]) + backend.dropped_slots[stage] == slots
+            exported = {s.labels["expert"]: s.value for family in server.registry.collect() for s in family.samples
+                        if s.name == "swarm_moe_expert_tokens_total"}
+            assert exported == {str(e): float(n) for e, n in enumerate(backend.expert_tokens[stage])}
 
 
 def relative_error(actual: dict, expected: dict) -> float:

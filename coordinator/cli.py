@@ -15,6 +15,7 @@ from swarm.dht import SwarmDHTError, load_swarm_key, write_initial_peers
 from swarm.envflags import apply_env_defaults
 from swarm.logs import setup_logging
 
+from .discovery import parse_networks
 from .node import Coordinator
 
 log = logging.getLogger("swarm.coordinator")
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
     p.add_argument("--metrics-port", type=int,
                    help="serve the live page /, /status, /metrics, /healthz and Prometheus discovery /sd on this port")
+    p.add_argument("--metrics-networks", nargs="+", metavar="CIDR",
+                   help="list in /sd only peers whose announced metrics address is an IP in these networks, e.g. "
+                   "10.0.0.0/8 (default: any address a peer announces; Prometheus then connects wherever peers say)")
     p.add_argument("--initial-peers-file", metavar="FILE",
                    help="also write the initial peers' multiaddrs to this file once others can join "
                    "(peers read it with --initial-peers @FILE)")
@@ -55,11 +59,12 @@ def main(argv: list[str] | None = None) -> None:
         config = RunConfig.load(args.config)
         if args.run_id:
             config.run_id = args.run_id
+        networks = parse_networks(args.metrics_networks) if args.metrics_networks else None
         swarm_key = load_swarm_key(args.swarm_key, create=True) if args.swarm_key else None
         if swarm_key is not None:
             config.run_id = swarm_key.network_id(config.run_id)
         config.validate()
-    except (ConfigError, SwarmDHTError) as e:
+    except (ConfigError, SwarmDHTError, ValueError) as e:
         sys.exit(f"swarm-coordinator: error: {e}")
     if swarm_key is not None:
         log.info("private swarm: peers need a copy of %s (--swarm-key) to join run %s", args.swarm_key, config.run_id)
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
         coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port,
-                                  args.checkpoint_dir, swarm_key)
+                                  args.checkpoint_dir, swarm_key, networks)
     except (SwarmDHTError, OSError) as e:
         sys.exit(f"swarm-coordinator: error: {e}")
     try:

@@ -7,13 +7,16 @@ coordinator itself. Each target carries the labels `role`, `peer_id`, `run_id` a
 
 The addresses come from strangers' (signed) records: each is a plain "host:port" (the record schema
 refuses anything else), at most MAX_TARGETS are listed, and an address claimed by several peers is
-listed once, for the claimant that sorts first (servers before trainers, then by peer id).
+listed once, for the claimant that sorts first (servers before trainers, then by peer id). An
+operator whose Prometheus should reach only certain networks gives them (`--metrics-networks`): then
+only IP addresses inside them are listed, never a DNS name (which could resolve anywhere).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from swarm.dht import PeerMetricsRecord, ServerRecord
@@ -22,6 +25,30 @@ from swarm.dht.schemas import ServerState
 log = logging.getLogger("swarm.coordinator")
 
 MAX_TARGETS = 4096  # one Prometheus scrapes this many peers at most through one coordinator
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(values: Sequence[str]) -> list[Network]:
+    """CIDR blocks ("10.0.0.0/8", "::1/128", or a single address); ValueError naming the bad one."""
+    networks = []
+    for value in values:
+        try:
+            networks.append(ipaddress.ip_network(value, strict=False))
+        except ValueError:
+            raise ValueError(f"not an IP network: {value!r} (expected CIDR such as 10.0.0.0/8)") from None
+    return networks
+
+
+def address_allowed(address: str, networks: Sequence[Network] | None) -> bool:
+    """Whether a "host:port" may be listed: any when `networks` is None, else an IP inside one of them."""
+    if networks is None:
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a DNS name
+        return False
+    return any(ip in network for network in networks)
 
 
 def discovery_targets(
@@ -29,11 +56,13 @@ def discovery_targets(
     servers: dict[int, list[ServerRecord]],
     metrics: Iterable[PeerMetricsRecord],
     coordinator: tuple[str, str] | None = None,
+    networks: Sequence[Network] | None = None,
 ) -> list[dict[str, Any]]:
     """The `/sd` document: one target group per peer with a metrics address.
 
     `coordinator` is (metrics address, peer id) of the coordinator itself, listed first.
-    OFFLINE servers are left out: they are leaving, and their records expire soon after.
+    OFFLINE servers are left out: they are leaving, and their records expire soon after. With
+    `networks`, so are peers whose address is not an IP inside one of them (the coordinator is kept).
     """
     claims: list[tuple[int, str, str, dict[str, str]]] = []  # (rank, peer id, address, labels)
     if coordinator is not None:
@@ -48,7 +77,10 @@ def discovery_targets(
             claims.append((2, m.peer_id, m.metrics_addr, {"role": m.role if m.role == "trainer" else "peer"}))
     groups: list[dict[str, Any]] = []
     taken: set[str] = set()
-    for _, peer, address, labels in sorted(claims, key=lambda c: (c[0], c[1])):
+    for rank, peer, address, labels in sorted(claims, key=lambda c: (c[0], c[1])):
+        if rank > 0 and not address_allowed(address, networks):
+            log.debug("metrics address %s of %s is outside --metrics-networks: not listed", address, peer)
+            continue
         if address in taken:
             log.debug("metrics address %s claimed again by %s: listed once", address, peer)
             continue

@@ -41,8 +41,10 @@ class Coordinator:
 
     def __init__(self, config: RunConfig, host_maddrs: list[str], announce_maddrs: list[str],
                  identity_path: str | None = None, metrics_port: int | None = None,
-                 checkpoint_dir: Path | None = None, swarm_key: SwarmKey | None = None):
+                 checkpoint_dir: Path | None = None, swarm_key: SwarmKey | None = None,
+                 metrics_networks: list | None = None):
         self.config = config
+        self.metrics_networks = metrics_networks  # peers' metrics addresses listed by /sd (None: any)
         self.identity = load_identity(identity_path)
         self.loop = BackgroundLoop("coordinator-loop").start()
         self.dht = None
@@ -108,7 +110,8 @@ class Coordinator:
         servers, metrics = self._records
         me = own_address(request.host, self.metrics_server.port)
         return Reply.json(discovery_targets(self.config.run_id, servers, metrics,
-                                            coordinator=(me, self.peer_id) if me else None))
+                                            coordinator=(me, self.peer_id) if me else None,
+                                            networks=self.metrics_networks))
 
     def serve_until(self, stop: threading.Event) -> None:
         """Renew the run config and refresh the status until `stop` is set."""

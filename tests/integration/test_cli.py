@@ -113,6 +113,12 @@ def test_missing_config_is_a_clear_error(procs: ProcSet, tmp_path: Path):
     assert_clear_error(proc, "swarm-coordinator", str(missing))
 
 
+def test_bad_metrics_network_is_a_clear_error(procs: ProcSet, tiny_config_path: Path):
+    proc = procs.run("swarm-coordinator", "--config", str(tiny_config_path), "--metrics-networks", "10.0.0.0/8",
+                     "10.0.0.0/40", *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
+    assert_clear_error(proc, "swarm-coordinator", "'10.0.0.0/40'", "not an IP network")
+
+
 def test_config_with_unknown_key_is_a_clear_error(procs: ProcSet, tmp_path: Path, tiny_config_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(tiny_config_path.read_text().replace("  n_layer:", "  n_layers_typo: 4\n  n_layer:", 1))

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from coordinator.discovery import MAX_TARGETS, discovery_targets, own_address
+from coordinator.discovery import MAX_TARGETS, discovery_targets, own_address, parse_networks
 from swarm.dht import PeerMetricsRecord, ServerRecord
 from swarm.metrics import MetricsServer, Reply, metrics_address
 
@@ -110,3 +110,20 @@ def test_metrics_server_routes_health_and_failures():
         assert code == 404 and "/metrics" in body
     finally:
         server.close()
+
+
+def test_metrics_networks_keep_only_ip_addresses_inside_them():
+    networks = parse_networks(["10.0.0.0/8", "::1"])
+    servers = {0: [server("in", 0, "10.1.2.3:9100"), server("out", 0, "192.168.0.5:9100"),
+                   server("name", 0, "peer.example:9100"), server("v6", 0, "[::1]:9100")]}
+    groups = discovery_targets("run", servers, [trainer("t", "172.16.0.1:9100")],
+                               coordinator=("coordinator.example:9400", "c"), networks=networks)
+    # the coordinator is listed as Prometheus reached it, whatever the networks
+    assert [g["labels"]["peer_id"] for g in groups] == ["c", "in", "v6"]
+    assert len(discovery_targets("run", servers, [], networks=None)) == 4  # without the option: all
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.0/33", "ten", "", "10.0.0.0/8/1"])
+def test_a_bad_network_is_named(bad):
+    with pytest.raises(ValueError, match="not an IP network"):
+        parse_networks(["127.0.0.0/8", bad])

@@ -35,7 +35,7 @@ class TrainerOptions:
     in_flight: int | None = None  # micro-batches travelling through the pipeline at once (None: default_in_flight)
     max_samples: int | None = None  # stop after this many samples (None: until stopped)
     refresh_period: float = 2.0  # how often the server list is read from the DHT
-    metrics_period: float = 5.0  # how often loss and speed are published
+    metrics_period: float = 5.0  # how often loss and speed are published (at least every network.announce_period)
     metrics_addr: str | None = None  # "host:port" of this trainer's /metrics, announced for Prometheus discovery
 
 
@@ -231,7 +231,9 @@ class Trainer:
 
     async def _report(self) -> None:
         while True:
-            await asyncio.sleep(self.options.metrics_period)
+            # Renewed like every record, so it never expires between two reports (record_ttl may be short):
+            # the coordinator's /status and Prometheus discovery would lose the trainer meanwhile.
+            await asyncio.sleep(min(self.options.metrics_period, self.config.network.announce_period))
             await asyncio.to_thread(self._publish_metrics)
 
     def recent_stats(self, window: float = 10.0) -> tuple[float | None, float]:

@@ -67,7 +67,11 @@ def test_a_container_joins_as_a_server_and_the_run_trains_through_it(host_swarm)
                              f"the run to take {STEPS} steps through the container")
 
         # Prometheus discovery lists the container under its own peer id, as a stage 1 server.
-        targets = {g["labels"]["peer_id"]: g for g in json.loads(http_get(port, "/sd"))}
+        def listed() -> dict | None:  # (a DHT lookup may miss a record for a moment)
+            groups = {g["labels"]["peer_id"]: g for g in json.loads(http_get(port, "/sd") or "[]")}
+            return groups if server["peer_id"] in groups else None
+
+        targets = container.wait_until(listed, SERVE_TIMEOUT, "/sd to list the container")
         assert targets[server["peer_id"]]["labels"] == {"role": "server", "stage": "1", "peer_id": server["peer_id"],
                                                         "run_id": targets[server["peer_id"]]["labels"]["run_id"]}
         assert targets[server["peer_id"]]["targets"] == [f"127.0.0.1:{metrics_port}"]

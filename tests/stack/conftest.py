@@ -153,7 +153,7 @@ def prometheus(stack: StackSwarm, tmp_path_factory: pytest.TempPathFactory, arti
                            f"--web.listen-address=127.0.0.1:{port}")
         server = Prometheus(proc, port)
         server.wait_for(lambda: http_get(port, "/-/ready") is not None, PROMETHEUS_START_TIMEOUT, "Prometheus ready")
-        expected = len(stack.get_json("/sd"))
+        expected = len(stack.peers) + 1  # and the coordinator
         server.wait_for(lambda: sum(t["health"] == "up" for t in server.targets()) == expected, TARGETS_UP_TIMEOUT,
                         f"all {expected} discovered targets up")
         yield server

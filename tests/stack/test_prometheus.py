@@ -15,11 +15,19 @@ SERIES_TIMEOUT = 60.0  # targets up to a series present in Prometheus
 
 
 def test_every_peer_is_discovered_labelled_and_up(stack, prometheus):
-    listed = {group["labels"]["peer_id"]: group for group in stack.get_json("/sd")}
+    def every_peer() -> dict | None:  # (a DHT lookup may miss a record for a moment: ask again)
+        groups = {group["labels"]["peer_id"]: group for group in stack.get_json("/sd") or []}
+        return groups if len(groups) == len(stack.peers) + 1 else None
+
+    listed = stack.wait_for(every_peer, SERIES_TIMEOUT, "/sd to list every peer")
     roles = sorted(group["labels"]["role"] for group in listed.values())
     assert roles == ["coordinator", "server", "server", "server", "server", "trainer"], listed
-    up = {t["labels"]["peer_id"]: t for t in prometheus.targets() if t["health"] == "up"}
-    assert up.keys() == listed.keys()
+
+    def all_up() -> dict | None:  # Prometheus re-reads /sd every 2 s here
+        up = {t["labels"]["peer_id"]: t for t in prometheus.targets() if t["health"] == "up"}
+        return up if up.keys() == listed.keys() else None
+
+    up = prometheus.wait_for(all_up, SERIES_TIMEOUT, "every listed peer's target up")
     for peer, target in up.items():
         labels = listed[peer]["labels"]
         assert target["labels"]["role"] == labels["role"]

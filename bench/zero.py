@@ -77,217 +77,40 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
-import os
-import signal
 import statistics
-import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from hivemind.p2p import P2P
-from prometheus_client import CollectorRegistry
+from zero_apart import measure_stage_apart
+from zero_rig import (
+    ATTEMPTS,
+    DRIFT,
+    LOSS_REPLICAS,
+    MB,
+    PARTS,
+    STAGE,
+    Peer,
+    Replica,
+    alternating,
+    derived,
+    flatten,
+    group,
+    max_diff,
+    max_param_diff,
+    medians,
+    one_round,
+    random_grads,
+    running_peers,
+)
 
-from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, averaging_prefix
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, eval_batches, load_tokenizer, load_tokens, sampler_seed
-from swarm.dht import BackgroundLoop, SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
 from swarm.logs import setup_logging
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from swarm.reference import EVAL_BATCHES
-from swarm.state import StageState
-
-STAGE = 1  # bytes and time: stage 1 of configs/small.yaml
-HOST = ["/ip4/127.0.0.1/tcp/0"]
-READY_TIMEOUT = 30.0  # every averager sees the stage's full batch through the DHT or its channel
-LOOP_TIMEOUT = 30.0  # replicating a DHT's P2P on its loop
-POLL = 0.02
-LOSS_REPLICAS = 2  # r in the loss part (ZeroConfig's default)
-DRIFT = 1e-4  # loss part: parameters further apart than this (max abs) count as diverged
-ATTEMPTS = 2  # a pair of groups whose round failed is measured once more, on fresh groups
-PARTS = ("bytes", "time", "loss")
-MB = 1e6
-START_TIMEOUT = 180.0  # time part, members in processes: a member's imports, its DHT peer and joining the first
-REPLY_TIMEOUT = 300.0  # ... any other command (a round's own deadlines are shorter: READY_TIMEOUT, the configs')
-STOP_TIMEOUT = 60.0  # ... a member shutting down after "stop", before it is terminated
-
-
-@dataclass
-class Peer:
-    """One machine of the benchmark: a DHT node, its loop and P2P replica, its signing identity."""
-
-    dht: object
-    loop: BackgroundLoop
-    p2p: P2P
-    records: SwarmRecords
-    peer_id: str
-
-
-def start_peer(run_id: str, initial: Sequence[str], stack: contextlib.ExitStack) -> Peer:
-    """A peer (joined through `initial`, if any), shut down when `stack` closes (its DHT, then its loop)."""
-    loop = BackgroundLoop("zerobench-loop").start()
-    stack.callback(loop.stop)
-    identity = load_identity(None)
-    dht = start_dht(run_id, identity, initial_peers=list(initial), host_maddrs=HOST)
-    stack.callback(dht.shutdown)  # before loop.stop: callbacks unwind in reverse
-    p2p = loop.run(dht.replicate_p2p(), LOOP_TIMEOUT)
-    return Peer(dht, loop, p2p, SwarmRecords(dht, run_id, identity), peer_id(dht))
-
-
-@contextlib.contextmanager
-def running_peers(run_id: str, n: int) -> Iterator[list[Peer]]:
-    """n peers in this process, the others joined through the first; each shut down on exit."""
-    with contextlib.ExitStack() as stack:
-        peers: list[Peer] = []
-        initial: list[str] = []
-        for _ in range(n):
-            peers.append(start_peer(run_id, initial, stack))
-            initial = initial or visible_maddrs(peers[0].dht)
-        yield peers
-
-
-class Replica:
-    """One StageAverager (its own module, optimizer and metrics registry) on one peer."""
-
-    def __init__(self, peer: Peer, config: RunConfig, stage: int, stack: contextlib.ExitStack):
-        self.stage = stage
-        module = build_stage(config, stage)
-        optimizer = StageOptimizer(module, config.optimizer)
-        self.registry = CollectorRegistry()
-        self.averager = StageAverager(StageState(module, optimizer, stage, INITIAL_ROUND), peer.dht, config,
-                                      owner_key=peer.records.local_owner_key, peer_id=peer.peer_id,
-                                      registry=self.registry)
-        stack.callback(self.averager.shutdown)
-        channel = ProgressChannel(peer.p2p, peer.loop, averaging_prefix(config.run_id, stage))
-        self.averager.start(lambda: None, channel)  # this benchmark calls step() itself
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.averager.optimizer.module
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return self.averager.optimizer.params
-
-    def metric(self, name: str) -> float:
-        return self.registry.get_sample_value(name, {"stage": str(self.stage)}) or 0.0
-
-    def counters(self) -> tuple[float, float, float]:
-        return (self.metric("swarm_averaging_round_seconds_sum"),
-                self.metric("swarm_averaging_round_start_seconds_sum"),
-                self.metric("swarm_averaging_bytes_sent_total"))
-
-
-def group(peers: Sequence[Peer], config: RunConfig, stage: int, stack: contextlib.ExitStack) -> list[Replica]:
-    """One replica per peer (created on the main thread: each forks its averaging process)."""
-    return [Replica(peer, config, stage, stack) for peer in peers]
-
-
-def derived(base: RunConfig, run_id: str, *, zero: bool, replicas: int = 2, batch_size: int | None = None) -> RunConfig:
-    """`base` under another run id, codec none, zero on or off (chunk size as `base` has it)."""
-    config = RunConfig.from_dict({**base.to_dict(), "run_id": run_id})
-    config.averaging.compression = "none"
-    config.averaging.zero.enabled = zero
-    config.averaging.zero.replicas = replicas
-    if batch_size is not None:
-        config.optimizer.batch_size = batch_size
-    return config.validate()
-
-
-def together(calls: list[Callable[[], object]]) -> list[tuple[float, object]]:
-    """Run the calls at once on threads; (seconds, result) of each."""
-    barrier = threading.Barrier(len(calls))
-
-    def timed(call: Callable[[], object]) -> tuple[float, object]:
-        barrier.wait()
-        started = time.perf_counter()
-        result = call()
-        return time.perf_counter() - started, result
-
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return list(pool.map(timed, calls))
-
-
-def whole_step(averager: StageAverager) -> dict | None:
-    """Close the batch (the round runs beside), wait for the round, apply it: a server's step, end to end."""
-    if averager.step() is not None or not averager.busy:
-        raise RuntimeError("the batch did not go to a round")
-    config = averager.config
-    deadline = time.monotonic() + READY_TIMEOUT + config.matchmaking_timeout + config.allreduce_timeout
-    while not averager.ready:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the round did not end in time")
-        time.sleep(0.001)
-    return averager.step()
-
-
-def hand_over(replica: Replica, grads: list[torch.Tensor], samples: int, what: str) -> None:
-    replica.averager.accumulate(grads, samples)
-    if replica.averager.held_samples:
-        raise RuntimeError(f"{what}: a replica held its samples for the next step")
-
-
-def wait_full(replicas: Sequence[Replica], n: int, what: str) -> None:
-    """Until each of `replicas` sees the stage's full batch and all n members (through the DHT or its channel)."""
-    batch_size = replicas[0].averager.batch_size
-    deadline = time.monotonic() + READY_TIMEOUT
-    while not all(r.averager.view().samples >= batch_size and r.averager.view().group_size == n for r in replicas):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: the averagers did not see the stage's batch within {READY_TIMEOUT:g}s")
-        time.sleep(POLL)
-
-
-def check_stats(stats: Sequence[dict | None], n: int, what: str) -> None:
-    if any(not s or s.get("averaging") != "succeeded" or s.get("group_size") != n for s in stats):
-        raise RuntimeError(f"{what}: a round did not average all {n}: {list(stats)}")
-
-
-def round_times(deltas: Sequence[Sequence[float]], steps: Sequence[float]) -> dict:
-    """The members' counter deltas (round, formed, sent) and whole-step seconds, as one round's numbers."""
-    return {"round": max(d[0] for d in deltas), "formed": min(d[1] for d in deltas),  # the last member's
-            "sent": statistics.mean(d[2] for d in deltas), "step": max(steps)}
-
-
-def one_round(replicas: list[Replica], grads: list[list[torch.Tensor]], samples: list[int], what: str) -> dict:
-    """Hand each replica its gradient sums (copies), wait until every one sees the full batch and the
-    whole group, then step them all at once; the round's and the step's times."""
-    n = len(replicas)
-    for replica, mine, count in zip(replicas, grads, samples):
-        hand_over(replica, [g.clone() for g in mine], count, what)
-    wait_full(replicas, n, what)
-    before = [r.counters() for r in replicas]
-    results = together([lambda r=r: whole_step(r.averager) for r in replicas])
-    check_stats([s for _, s in results], n, what)
-    deltas = [[a - b for a, b in zip(r.counters(), c)] for r, c in zip(replicas, before)]
-    return {**round_times(deltas, [seconds for seconds, _ in results]),
-            "spread": spread([fingerprint(r.params) for r in replicas])}
-
-
-def random_grads(replicas: list[Replica], generator: torch.Generator) -> list[list[torch.Tensor]]:
-    return [[torch.randn(p.shape, generator=generator) for p in r.params] for r in replicas]
-
-
-def max_param_diff(a: Replica, b: Replica) -> float:
-    return max_diff(a.params, b.params)
-
-
-def fingerprint(params: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """The sum and the sum of squares of the parameters (in float64): equal on replicas that agree."""
-    flat = flatten(params).double()
-    return float(flat.sum()), float(flat.square().sum())
-
-
-def spread(fingerprints: Sequence[tuple[float, float]]) -> float:
-    """How far the members' fingerprints are from the first's, relative (0.0: identical)."""
-    first = fingerprints[0]
-    return max(abs(x - y) / max(abs(y), 1e-30) for other in fingerprints[1:] for x, y in zip(other, first))
 
 
 # bytes and time
@@ -336,16 +159,6 @@ def measure_pair(base: RunConfig, peers: list[Peer], r: int, timed: bool, repeat
         return result
 
 
-def alternating(i: int) -> list[str]:
-    """The order of the two sides in timed round i: each goes first every other time."""
-    return ["plain", "zero"] if i % 2 == 0 else ["zero", "plain"]
-
-
-def medians(runs: dict[str, list[dict]]) -> dict:
-    return {f"{name}_{key}": statistics.median(x[key] for x in rounds)
-            for name, rounds in runs.items() for key in ("round", "step", "formed", "sent", "cpu_own", "cpu_children")
-            if key in rounds[0]}
-
 
 def held_bytes(plain: list[Replica], zero: list[Replica]) -> dict:
     unsharded = [p.averager.optimizer.state_bytes() for p in plain]
@@ -356,250 +169,6 @@ def held_bytes(plain: list[Replica], zero: list[Replica]) -> dict:
             "mean_ratio": statistics.mean(ratios),
             "chunks_held": [len(z.averager.optimizer.shards.chunks) for z in zero],
             "gauge_matches": gauges == [float(s) for s in sharded]}
-
-
-# time, every member in a process of its own
-class Member:
-    """What a member process holds: its peer, and (per r) an unsharded and a sharded replica of the stage.
-
-    Its methods are the commands the parent sends ("setup", "prepare", "go", "check", "close", "stop").
-    """
-
-    def __init__(self, index: int, n: int, base: RunConfig, peer: Peer):
-        self.index, self.n, self.base, self.peer = index, n, base, peer
-        self.sides: dict[str, Replica] = {}
-        self.stack = contextlib.ExitStack()
-        self.before: tuple[float, float, float] = (0.0, 0.0, 0.0)
-        self.cpu_before: tuple[float, float] = (0.0, 0.0)
-
-    def setup(self, r: int, tag: str) -> int:
-        """Fresh groups for r replicas (run ids as the in-process mode has them); the number of chunks."""
-        self.close()
-        n, base = self.n, self.base
-        self.stack = contextlib.ExitStack()
-        self.sides = {
-            "plain": Replica(self.peer, derived(base, f"zerobench-n{n}-r{r}-{tag}-plain", zero=False), STAGE,
-                             self.stack),
-            "zero": Replica(self.peer, derived(base, f"zerobench-n{n}-r{r}-{tag}-zero", zero=True, replicas=r),
-                            STAGE, self.stack)}
-        return self.sides["zero"].averager.optimizer.shards.layout.num_chunks
-
-    def prepare(self, side: str, seed: int, what: str) -> None:
-        """Hand the side its gradient sums (random, from the seed and this member's index: the same on both
-        sides), wait until it sees the full batch and all n members, and note its counters."""
-        replica = self.sides[side]
-        generator = torch.Generator().manual_seed(seed * 1000 + self.index)
-        grads = [torch.randn(p.shape, generator=generator) for p in replica.params]
-        hand_over(replica, grads, -(-self.base.optimizer.batch_size // self.n), what)
-        wait_full([replica], self.n, what)
-        self.before = replica.counters()
-        self.cpu_before = cpu_seconds()
-
-    def go(self, side: str, what: str) -> dict:
-        """The whole step (its round beside); its times, what was sent, the CPU time it took (this process,
-        the processes under it) and the parameters' fingerprint."""
-        replica = self.sides[side]
-        started = time.perf_counter()
-        stats = whole_step(replica.averager)
-        seconds = time.perf_counter() - started
-        cpu = [a - b for a, b in zip(cpu_seconds(), self.cpu_before)]
-        check_stats([stats], self.n, f"{what} (member {self.index})")
-        deltas = [a - b for a, b in zip(replica.counters(), self.before)]
-        return {"deltas": deltas, "step": seconds, "cpu": cpu, "fingerprint": fingerprint(replica.params)}
-
-    def check(self) -> dict:
-        plain, zero = self.sides["plain"], self.sides["zero"]
-        return {"param_diff": max_param_diff(plain, zero),
-                "zero_torch_state_bytes": zero.averager.optimizer.state_bytes()}
-
-    def close(self) -> None:
-        self.sides = {}
-        self.stack.close()
-
-    def stop(self) -> None:
-        self.close()
-
-
-def member_main(index: int, n: int, base: dict, torch_threads: int, conn: Connection) -> None:
-    """A member process (spawned): its peer, joined through the multiaddrs the parent sends first (none for the
-    first member, which sends its own back), then commands until "stop". Each reply: ("ok", result) or
-    ("error", what)."""
-    mp.set_start_method("fork", force=True)  # a spawned process would spawn its children too: hivemind forks them
-    setup_logging("WARNING")
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
-    try:
-        with contextlib.ExitStack() as stack:
-            try:
-                peer = start_peer(f"zerobench-n{n}", conn.recv(), stack)
-                member = Member(index, n, RunConfig.from_dict(base), peer)
-                stack.callback(member.close)
-                conn.send(("ok", visible_maddrs(peer.dht)))
-            except Exception as e:  # noqa: BLE001 - tell the parent, then leave
-                conn.send(("error", f"member {index} did not start: {type(e).__name__}: {e}"))
-                return
-            while True:
-                command, *args = conn.recv()
-                try:
-                    conn.send(("ok", getattr(member, command)(*args)))
-                except Exception as e:  # noqa: BLE001 - the parent decides
-                    traceback.print_exc()
-                    conn.send(("error", f"member {index}: {type(e).__name__}: {e}"))
-                if command == "stop":
-                    return
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent went away
-        pass
-
-
-class MemberError(RuntimeError):
-    """A member answered a command with an error (every member answered: they can go on)."""
-
-
-class Members:
-    """n member processes ("spawn": this process has threads, and hivemind forks children of its own)."""
-
-    def __init__(self, base: RunConfig, n: int, torch_threads: int):
-        context = mp.get_context("spawn")
-        self.conns: list[Connection] = []
-        self.procs: list[mp.process.BaseProcess] = []
-        for index in range(n):
-            mine, theirs = context.Pipe()
-            proc = context.Process(target=member_main, args=(index, n, base.to_dict(), torch_threads, theirs),
-                                   name=f"zerobench-member-{index}")
-            proc.start()
-            theirs.close()
-            self.conns.append(mine)
-            self.procs.append(proc)
-
-    def join_dht(self) -> None:
-        """The first member starts the DHT; the others join through its multiaddrs."""
-        self.conns[0].send([])
-        initial = self.replies(self.conns[:1], START_TIMEOUT)[0]
-        for conn in self.conns[1:]:
-            conn.send(initial)
-        self.replies(self.conns[1:], START_TIMEOUT)
-
-    def ask(self, *command: object) -> list:
-        """Send the command to every member, then read every reply (so the members act at once)."""
-        for conn in self.conns:
-            conn.send(command)
-        return self.replies(self.conns, REPLY_TIMEOUT)
-
-    def replies(self, conns: list[Connection], timeout: float) -> list:
-        deadline = time.monotonic() + timeout
-        results, errors = [], []
-        for conn in conns:
-            index = self.conns.index(conn)
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"member {index} did not answer within {timeout:g}s")
-            try:
-                status, result = conn.recv()
-            except EOFError:
-                raise RuntimeError(f"member {index} died (exit code {self.procs[index].exitcode})") from None
-            (results if status == "ok" else errors).append(result)
-        if errors:
-            raise MemberError("; ".join(errors))
-        return results
-
-    def close(self) -> None:
-        """Ask every member to stop, wait for it, and terminate (with what it started) any that does not."""
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(("stop",))
-        deadline = time.monotonic() + STOP_TIMEOUT
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.is_alive():
-                below = descendants(proc.pid)
-                print(f"WARNING: {proc.name} (pid {proc.pid}) did not stop within {STOP_TIMEOUT:g}s: terminating it "
-                      f"and the {len(below)} processes it started", flush=True)
-                proc.terminate()
-                proc.join(5.0)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5.0)
-                for pid in below:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            elif proc.exitcode:
-                print(f"WARNING: {proc.name} exited with code {proc.exitcode}", flush=True)
-        for conn in self.conns:
-            conn.close()
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under `pid` (from /proc): what a member started, to end if the member has to be killed."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """CPU seconds used so far by this process (all its threads) and by the live processes under it (the p2p
-    daemons, the DHT's and the averagers' processes), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children = 0.0
-    for pid in descendants(os.getpid()):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            children += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return time.process_time(), children
-
-
-def measure_stage_apart(base: RunConfig, n: int, replica_counts: list[int], repeats: int,
-                        torch_threads: int) -> Iterator[dict]:
-    """As measure_stage (times only), each of the n members in a process of its own."""
-    members = Members(base, n, torch_threads)
-    try:
-        members.join_dht()
-        for r in replica_counts:
-            for attempt in range(1, ATTEMPTS + 1):
-                try:
-                    result = measure_pair_apart(members, n, r, repeats, f"a{attempt}")
-                except MemberError as e:  # say so, then retry or give up on this r
-                    print(f"n={n} r={r}: attempt {attempt} of {ATTEMPTS} FAILED: {e}", flush=True)
-                    continue
-                yield result
-                break
-    finally:
-        members.close()
-
-
-def measure_pair_apart(members: Members, n: int, r: int, repeats: int, tag: str) -> dict:
-    """measure_pair's rounds, sent to the member processes; each round starts on all of them at once."""
-    chunks = members.ask("setup", r, tag)[0]
-    seed = 1000 * n + r
-    spreads: dict[str, list[float]] = {"plain": [], "zero": []}
-
-    def one(name: str, seed: int, what: str) -> dict:
-        members.ask("prepare", name, seed, what)
-        replies = members.ask("go", name, what)
-        spreads[name].append(spread([x["fingerprint"] for x in replies]))
-        return {**round_times([x["deltas"] for x in replies], [x["step"] for x in replies]),
-                "cpu_own": statistics.mean(x["cpu"][0] for x in replies),
-                "cpu_children": statistics.mean(x["cpu"][1] for x in replies)}
-
-    one("plain", seed, f"unsharded n={n} warm-up")  # warm-up: connections, first allocations
-    one("zero", seed, f"zero n={n} r={r} warm-up")
-    runs: dict[str, list[dict]] = {"plain": [], "zero": []}
-    for i in range(repeats):
-        for name in alternating(i):
-            runs[name].append(one(name, seed + 1 + i, f"{name} n={n} r={r}"))
-    checks = members.ask("check")
-    members.ask("close")
-    return {"n": n, "r": r, "chunks": chunks, **medians(runs),
-            "param_diff": max(c["param_diff"] for c in checks),
-            "zero_torch_state_bytes": max(c["zero_torch_state_bytes"] for c in checks),
-            **{f"{name}_spread": max(values) for name, values in spreads.items()}}
 
 
 # loss
@@ -679,15 +248,6 @@ def measure_loss(base: RunConfig, n: int, steps: int, tag: str) -> dict:
     result.update({"train": losses, "drift": drift, "reference_grad_norms": norms})
     return result
 
-
-def max_diff(one: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
-    with torch.no_grad():
-        return max(float((x - y).abs().max()) for x, y in zip(one, other))
-
-
-def flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat([p.detach().flatten() for p in params])
 
 
 # printing

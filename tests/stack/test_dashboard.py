@@ -9,13 +9,13 @@ Prometheus scraping a real local swarm, and each must return a series with a val
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import re
 import shutil
 import subprocess
-import time
 import urllib.error
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helpers import wait_until
 from tests.procs import REPO_ROOT
 
 GRAFANA = REPO_ROOT / "docker" / "grafana"
@@ -256,8 +257,8 @@ def test_every_panel_query_returns_data(stack, prometheus):
     rounds, failures) and a rate needs two scrapes."""
     pending = {(title, ref): expr for title, ref, expr in queries(load_dashboard())}
     last: dict[tuple[str, str], str] = {}
-    deadline = time.monotonic() + DATA_TIMEOUT
-    while True:
+
+    def all_answered() -> bool:
         for key, expr in list(pending.items()):
             try:
                 result = prometheus.query(expr)
@@ -269,9 +270,10 @@ def test_every_panel_query_returns_data(stack, prometheus):
                 del pending[key]
             else:
                 last[key] = f"only NaN: {result}" if result else "no series"
-        if not pending or time.monotonic() > deadline:
-            break
-        time.sleep(POLL_INTERVAL)
+        return not pending
+
+    with contextlib.suppress(AssertionError):  # what is still pending is reported below, query by query
+        wait_until(all_answered, DATA_TIMEOUT, POLL_INTERVAL, "every panel's query to return data")
     report = "\n".join(f"  panel {title!r} query {ref}: {last[(title, ref)]}\n    {expr}"
                        for (title, ref), expr in pending.items())
     assert not pending, f"{len(pending)} queries returned no data within {DATA_TIMEOUT:.0f} s:\n{report}"

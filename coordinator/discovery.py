@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from swarm.dht import PeerMetricsRecord, ServerRecord
-from swarm.dht.schemas import ServerState
+from swarm.dht.schemas import ServerState, is_metrics_address
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -98,6 +98,4 @@ def own_address(host_header: str | None, port: int) -> str | None:
         return None
     address = host_header if host_header.rsplit(":", 1)[-1].isdigit() and not host_header.endswith("]") \
         else f"{host_header}:{port}"
-    record = PeerMetricsRecord.from_wire({"peer_id": "-", "role": "coordinator", "step": 0, "samples_per_second": 0.0,
-                                          "samples": 0, "time": 0.0, "metrics_addr": address})
-    return address if record is not None else None
+    return address if is_metrics_address(address) else None

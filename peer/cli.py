@@ -181,17 +181,17 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         serve_run_info(dht, loop, info, swarm_key=swarm_key)  # so newcomers can use this peer as an initial peer too
         records = SwarmRecords(dht, config.run_id, identity, swarm_key=swarm_key)
         registry = CollectorRegistry()
-        metrics = None
+        metrics, metrics_addr = None, None
         if args.metrics_port is not None:
             metrics = MetricsServer(registry, args.metrics_port, health=lambda: dht_problem(dht))
-            args.metrics_addr = metrics_address(metrics.port, args.metrics_host,
-                                                [*args.announce_maddrs, *visible_maddrs(dht)])
-            log.info("metrics: http://%s/metrics", args.metrics_addr)
+            maddrs = [*args.announce_maddrs, *visible_maddrs(dht)]
+            metrics_addr = metrics_address(metrics.port, args.metrics_host, maddrs)
+            log.info("metrics: http://%s/metrics", metrics_addr)
         try:
             if role == "server":
-                run_server(args, config, dht, records, loop, device, registry, stop)
+                run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr)
             else:
-                run_trainer(args, config, dht, records, loop, registry, stop)
+                run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         loop.stop()
 
 
-def run_server(args, config, dht, records, loop, device, registry, stop) -> None:
+def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
     from swarm.checkpoint.store import default_root
 
     from .server import ServerOptions, StageServer
@@ -209,7 +209,7 @@ def run_server(args, config, dht, records, loop, device, registry, stop) -> None
     checkpoint_dir = None if args.no_checkpoints else (args.checkpoint_dir or default_root())
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
                             inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
-                            fresh=args.fresh, metrics_addr=getattr(args, "metrics_addr", None))
+                            fresh=args.fresh, metrics_addr=metrics_addr)
     if args.activation_cache_mb is not None:
         options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
     if args.activation_cache_ttl is not None:
@@ -223,12 +223,12 @@ def run_server(args, config, dht, records, loop, device, registry, stop) -> None
         server.shutdown()
 
 
-def run_trainer(args, config, dht, records, loop, registry, stop) -> None:
+def run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr) -> None:
     from .trainer import Trainer, TrainerOptions
 
     config.data = volunteer_data(config.data, args.data)  # the run config's paths stay under --data
     options = TrainerOptions(trainer_index=args.trainer_index, in_flight=args.in_flight, max_samples=args.max_samples,
-                             metrics_addr=getattr(args, "metrics_addr", None))
+                             metrics_addr=metrics_addr)
     trainer = Trainer(config, dht, records, loop, options, registry)
     log.info("training on stages 0..%d with %d micro-batches in flight", config.stages.num_stages - 1,
              trainer.in_flight)

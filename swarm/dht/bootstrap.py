@@ -155,13 +155,13 @@ def read_initial_peers(values: Sequence[str], timeout: float, stop: Callable[[fl
     `stop(seconds)` waits between looks and returns True to give up early (a shutdown signal).
     """
     found: list[str] = []
+    wait = stop or (lambda seconds: bool(time.sleep(seconds)))
     for value in values:
         if not value.startswith(INITIAL_PEERS_FILE_PREFIX):
             found.append(value)
             continue
         path = Path(value[len(INITIAL_PEERS_FILE_PREFIX):])
         deadline = time.monotonic() + timeout
-        wait = stop or (lambda seconds: bool(time.sleep(seconds)))
         while not path.exists():
             if time.monotonic() > deadline or wait(_RETRY_PAUSE):
                 raise BootstrapError(f"initial peers file {path} did not appear within {timeout:.0f}s "

@@ -8,6 +8,7 @@ a newer peer may add fields, an older one keeps them and still validates the rec
 from __future__ import annotations
 
 import math
+import re
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -24,9 +25,10 @@ Sha256Hex = constr(strict=True, regex=r"^[0-9a-f]{64}\Z")
 StateHash = constr(strict=True, max_length=128)  # RunConfig.state_hash(); bounded, compared verbatim
 # Where Prometheus scrapes a peer: "host:port", the host an IPv4 address, a DNS name or a bracketed IPv6
 # address. Scrapers connect there, so nothing but a plain address gets in (no scheme, path or userinfo).
-MetricsAddress = constr(strict=True, max_length=262,
-                        regex=r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)"
-                              r":([1-9][0-9]{0,4})\Z")
+METRICS_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)"
+                             r":([1-9][0-9]{0,4})\Z")
+MAX_METRICS_ADDRESS = 262
+MetricsAddress = constr(strict=True, max_length=MAX_METRICS_ADDRESS, regex=METRICS_ADDRESS.pattern)
 
 MAX_STAGES = 256  # stages a run may have; keys.py enumerates this many stage keys in the schema
 MAX_HELD_CHECKPOINTS = 16  # checkpoints one holder lists per stage (servers keep a few, default 3)
@@ -40,6 +42,12 @@ class ServerState(str, Enum):
     JOINING = "JOINING"  # downloading its stage's state; not ready for requests
     ONLINE = "ONLINE"  # serving forward/backward
     OFFLINE = "OFFLINE"  # leaving; routers should stop sending work
+
+
+def is_metrics_address(value: object) -> bool:
+    """Whether `value` is a plain "host:port" that a record's `metrics_addr` accepts."""
+    return (isinstance(value, str) and len(value) <= MAX_METRICS_ADDRESS and METRICS_ADDRESS.match(value) is not None
+            and int(value.rsplit(":", 1)[1]) <= 65535)
 
 
 def _check_port(address: str | None) -> str | None:

@@ -1,15 +1,17 @@
 """Prometheus HTTP service discovery: every peer that announces a metrics address becomes a scrape target.
 
 Prometheus polls the coordinator's `/sd` (an `http_sd_configs` endpoint) and gets back target groups
-built from the DHT: servers from their stage records, trainers from their metrics records, and the
-coordinator itself. Each target carries the labels `role`, `peer_id`, `run_id` and, for servers,
-`stage`, so per-peer series can be grouped without any per-peer configuration.
+built from the DHT: servers from their stage records, expert servers from their expert host records,
+trainers from their metrics records, and the coordinator itself. Each target carries the labels `role`,
+`peer_id`, `run_id` and, for servers, `stage`, so per-peer series can be grouped without any per-peer
+configuration.
 
 The addresses come from strangers' (signed) records: each is a plain "host:port" (the record schema
 refuses anything else), at most MAX_TARGETS are listed, and an address claimed by several peers is
-listed once, for the claimant that sorts first (servers before trainers, then by peer id). An
-operator whose Prometheus should reach only certain networks gives them (`--metrics-networks`): then
-only IP addresses inside them are listed, never a DNS name (which could resolve anywhere).
+listed once, for the claimant that sorts first (servers, then expert servers, then trainers; then by
+peer id). An operator whose Prometheus should reach only certain networks gives them
+(`--metrics-networks`): then only IP addresses inside them are listed, never a DNS name (which could
+resolve anywhere).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from swarm.dht import PeerMetricsRecord, ServerRecord
+from swarm.dht import ExpertHostRecord, PeerMetricsRecord, ServerRecord
 from swarm.dht.schemas import ServerState, is_metrics_address
 
 log = logging.getLogger("swarm.coordinator")
@@ -57,12 +59,14 @@ def discovery_targets(
     metrics: Iterable[PeerMetricsRecord],
     coordinator: tuple[str, str] | None = None,
     networks: Sequence[Network] | None = None,
+    expert_hosts: Iterable[ExpertHostRecord] = (),
 ) -> list[dict[str, Any]]:
     """The `/sd` document: one target group per peer with a metrics address.
 
     `coordinator` is (metrics address, peer id) of the coordinator itself, listed first.
-    OFFLINE servers are left out: they are leaving, and their records expire soon after. With
-    `networks`, so are peers whose address is not an IP inside one of them (the coordinator is kept).
+    OFFLINE servers and expert hosts are left out: they are leaving, and their records expire soon
+    after. With `networks`, so are peers whose address is not an IP inside one of them (the
+    coordinator is kept).
     """
     claims: list[tuple[int, str, str, dict[str, str]]] = []  # (rank, peer id, address, labels)
     if coordinator is not None:
@@ -72,9 +76,12 @@ def discovery_targets(
         for r in records:
             if r.metrics_addr is not None and r.state != ServerState.OFFLINE.value:
                 claims.append((1, r.peer_id, r.metrics_addr, {"role": "server", "stage": str(stage)}))
+    for h in expert_hosts:
+        if h.metrics_addr is not None and h.state != ServerState.OFFLINE.value:
+            claims.append((2, h.peer_id, h.metrics_addr, {"role": "expert"}))
     for m in metrics:
         if m.metrics_addr is not None:
-            claims.append((2, m.peer_id, m.metrics_addr, {"role": m.role if m.role == "trainer" else "peer"}))
+            claims.append((3, m.peer_id, m.metrics_addr, {"role": m.role if m.role == "trainer" else "peer"}))
     groups: list[dict[str, Any]] = []
     taken: set[str] = set()
     for rank, peer, address, labels in sorted(claims, key=lambda c: (c[0], c[1])):

@@ -19,6 +19,7 @@ from swarm.logs import setup_logging
 from .progress import ProgressLine
 
 log = logging.getLogger("swarm.local")
+DEFAULT_EXPERT_SERVERS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=50, help="optimizer steps to train for")
     p.add_argument("--servers-per-stage", type=int, default=1, help="server processes per pipeline stage")
     p.add_argument("--trainers", type=int, default=1, help="trainer processes")
+    p.add_argument("--expert-servers", type=int, default=None, metavar="N",
+                   help="expert server processes, for a run whose experts live on expert servers "
+                   "(model.moe.expert_servers; default 2 for such a run); the experts are dealt out among them")
     p.add_argument("--in-flight", type=positive_int, help="each trainer's micro-batches in flight (default: "
                    "swarm-peer's, a quarter of a batch)")
     p.add_argument("--reference", action="store_true", help="train the whole model in this one process")
@@ -67,7 +71,18 @@ def run_swarm(args: argparse.Namespace, config: RunConfig) -> dict:
     print(f"local swarm: {config.run_id}, {S} stages x {R} server(s), {T} trainer(s), {args.steps} steps", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    swarm = LocalSwarm(args.config, config, R, T, args.log_dir, args.metrics_port, stop, in_flight=args.in_flight)
+    moe = config.model.moe
+    remote = moe is not None and moe.expert_servers
+    experts = (DEFAULT_EXPERT_SERVERS if args.expert_servers is None else args.expert_servers) if remote else 0
+    if args.expert_servers and not remote:
+        raise ConfigError(f"--expert-servers: run {config.run_id} keeps its experts in the stage servers "
+                          "(model.moe.expert_servers is not set)")
+    if remote and experts < 1:
+        raise ConfigError("--expert-servers: this run's experts live on expert servers; start at least one")
+    if experts:
+        print(f"  and {experts} expert server(s) for the {moe.num_experts} experts of each MoE block", flush=True)
+    swarm = LocalSwarm(args.config, config, R, T, args.log_dir, args.metrics_port, stop, in_flight=args.in_flight,
+                       expert_servers=experts)
     try:
         return swarm.run(args.steps)
     except KeyboardInterrupt:
@@ -92,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             summary = run_swarm(args, config)
     except KeyboardInterrupt:
         sys.exit("swarm-local: interrupted; every process it started was ended")
-    except (RuntimeError, SwarmDHTError, DataError, OSError) as e:
+    except (RuntimeError, SwarmDHTError, DataError, OSError, ConfigError) as e:
         sys.exit(f"swarm-local: error: {e}")
     print(f"done: {summary['steps']} steps, loss {_num(summary['initial_loss'])} -> {_num(summary['final_loss'])}, "
           f"validation loss {_num(summary['val_loss'])}, {summary['samples_per_second']:.1f} samples/s", flush=True)

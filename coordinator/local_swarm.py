@@ -33,6 +33,15 @@ EVAL_CALL_TIMEOUT = 120.0
 METRICS_TIMEOUT = 5.0  # reading a server's /metrics at the end
 
 
+def deal_experts(num_experts: int, servers: int) -> list[list[int]]:
+    """Experts for each of `servers` expert servers: consecutive runs of ceil(E / servers), wrapping
+    around, so every expert has a server (and some have two when the division is not even)."""
+    if servers <= 0:
+        return []
+    per = -(-num_experts // servers)
+    return [sorted({(i * per + j) % num_experts for j in range(per)}) for i in range(servers)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,8 +52,10 @@ class LocalSwarm:
     """Starts, watches and ends the processes of a local swarm; `run` returns the JSON summary."""
 
     def __init__(self, config_path: str, config: RunConfig, servers_per_stage: int, trainers: int,
-                 log_dir: str | None, metrics_port: int | None, stop: threading.Event, in_flight: int | None = None):
+                 log_dir: str | None, metrics_port: int | None, stop: threading.Event, in_flight: int | None = None,
+                 expert_servers: int = 0):
         self.config_path = config_path
+        self.expert_servers = expert_servers
         self.in_flight = in_flight  # each trainer's micro-batches in flight (None: the trainers' default)
         self.config = config
         self.servers_per_stage = servers_per_stage
@@ -65,6 +76,7 @@ class LocalSwarm:
         try:
             maddr = self._start_coordinator()
             self._start_servers(maddr)
+            self._start_expert_servers(maddr)
             self._join(maddr)
             self._wait_for_servers()
             extra = [] if self.in_flight is None else ["--in-flight", str(self.in_flight)]
@@ -148,7 +160,7 @@ class LocalSwarm:
         """
         if "OMP_NUM_THREADS" in os.environ:
             return {}
-        servers = self.config.stages.num_stages * self.servers_per_stage
+        servers = self.config.stages.num_stages * self.servers_per_stage + self.expert_servers
         return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // servers))}
 
     def _start_coordinator(self) -> str:
@@ -168,6 +180,12 @@ class LocalSwarm:
                 name = f"server-{stage}-{replica}"
                 self._child(name, "peer.cli", maddr, "--role", "server", "--stage", str(stage), "--device", "cpu",
                             "--metrics-port", str(port), "--checkpoint-dir", str(self.checkpoint_dir / name))
+
+    def _start_expert_servers(self, maddr: str) -> None:
+        for i, experts in enumerate(deal_experts(self.config.model.moe.num_experts if self.expert_servers else 0,
+                                                 self.expert_servers)):
+            self._child(f"expert-{i}", "peer.cli", maddr, "--role", "expert", "--experts",
+                        ",".join(map(str, experts)), "--device", "cpu", "--metrics-port", str(free_port()))
 
     def _averaging_stats(self) -> dict[str, list[float | None]]:
         """Per stage, from its servers' /metrics: the share of samples that came while a round ran (one
@@ -236,13 +254,22 @@ class LocalSwarm:
             if line != shown:
                 print(line, flush=True)
                 shown = line
-            if all(n >= self.servers_per_stage for n in online):
+            unhosted = self._unhosted_experts()
+            if unhosted:
+                line += f"; experts without a server: {unhosted}"
+            if all(n >= self.servers_per_stage for n in online) and not unhosted:
                 return
             self._check_children()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"servers did not come ONLINE within {START_TIMEOUT:.0f}s; see {self.log_dir}")
             if self.stop.wait(POLL_PERIOD):
                 raise KeyboardInterrupt
+
+    def _unhosted_experts(self) -> list[int]:
+        if not self.expert_servers:
+            return []
+        hosted = {e for r in self.records.lookup_expert_hosts() if r.state == "ONLINE" for e in r.experts}
+        return [e for e in range(self.config.model.moe.num_experts) if e not in hosted]
 
     def _train(self, steps: int) -> dict[str, Any]:
         progress = ProgressLine(steps, every=1)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from swarm.config import RunConfig
 from swarm.dht import (
     BackgroundLoop,
+    ExpertHostRecord,
     RunInfo,
     SwarmKey,
     SwarmRecords,
@@ -60,9 +61,10 @@ class Coordinator:
                            swarm_key=swarm_key)
             self.registry = CollectorRegistry()
             self.gauges = SwarmGauges(self.registry)
-            self._status = build_status(config.run_id, {}, [])
+            self._status = build_status(config.run_id, {}, [], num_experts=self._num_experts())
             self.history = StatusHistory()  # loss and samples/s over the run, for the live page's charts
             self._records: tuple[dict, list] = ({}, [])  # the last lookup's servers and metrics, for /sd
+            self._expert_hosts: list[ExpertHostRecord] = []  # the last expert host lookup that answered
             if metrics_port is not None:
                 self.metrics_server = MetricsServer(self.registry, metrics_port,
                                                    routes={"/status": self._status_reply,
@@ -92,11 +94,22 @@ class Coordinator:
         if not self.records.publish_run_config(self.config, ttl=self.config.network.record_ttl):
             log.warning("could not store the run config in the DHT (will retry)")
 
+    def _num_experts(self) -> int | None:
+        """Experts per MoE block, for /status; None unless they live on expert servers (no experts section)."""
+        moe = self.config.model.moe
+        return None if moe is None or not moe.expert_servers else moe.num_experts
+
     def refresh_status(self) -> dict[str, Any]:
         servers = self.records.lookup_all_servers(self.config.stages.num_stages)
         metrics = self.records.lookup_metrics()
         self._records = (servers, metrics)
-        self._status = build_status(self.config.run_id, servers, metrics)
+        num_experts = self._num_experts()
+        if num_experts is not None:
+            try:
+                self._expert_hosts = self.records.lookup_expert_hosts()
+            except Exception as e:  # keep the last answer: better than reporting every expert unhosted
+                log.warning("expert host lookup failed: %s", e)
+        self._status = build_status(self.config.run_id, servers, metrics, self._expert_hosts, num_experts)
         self.history.record(self._status)
         self.gauges.update(self._status)
         return self._status
@@ -111,7 +124,7 @@ class Coordinator:
         me = own_address(request.host, self.metrics_server.port)
         return Reply.json(discovery_targets(self.config.run_id, servers, metrics,
                                             coordinator=(me, self.peer_id) if me else None,
-                                            networks=self.metrics_networks))
+                                            networks=self.metrics_networks, expert_hosts=self._expert_hosts))
 
     def serve_until(self, stop: threading.Event) -> None:
         """Renew the run config and refresh the status until `stop` is set."""

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from swarm.dht import PeerMetricsRecord, ServerRecord
+from swarm.dht import ExpertHostRecord, PeerMetricsRecord, ServerRecord
 
 STATES = ("JOINING", "ONLINE", "OFFLINE")
 
 
 def build_status(
-    run_id: str, servers: dict[int, list[ServerRecord]], metrics: list[PeerMetricsRecord]
+    run_id: str, servers: dict[int, list[ServerRecord]], metrics: list[PeerMetricsRecord],
+    expert_hosts: Iterable[ExpertHostRecord] = (), num_experts: int | None = None,
 ) -> dict[str, Any]:
     """Summarize server records and peer metrics into the `/status` document of ARCHITECTURE.md.
 
     The swarm's step is that of its slowest stage (the least of each stage's most advanced ONLINE
     server); loss and samples per second come from the trainers' own reports. The bottleneck stage is
     the one with the least ONLINE throughput (ties go to the lower stage; None without stages), and
-    the volunteers are the distinct peers serving (not OFFLINE) or training.
+    the volunteers are the distinct peers serving (not OFFLINE) or training. A MoE run (`num_experts`
+    given) adds who hosts each expert: see expert_status.
     """
     stages = []
     stage_steps = []
@@ -43,7 +46,7 @@ def build_status(
     bottleneck = min(stages, key=lambda s: (s["throughput"], s["stage"]), default=None)
     volunteers = {r.peer_id for records in servers.values() for r in records if r.state != "OFFLINE"}
     volunteers.update(m.peer_id for m in trainers)
-    return {
+    status = {
         "run_id": run_id,
         "step": min(stage_steps, default=0),
         "loss": sum(losses) / len(losses) if losses else None,
@@ -54,6 +57,37 @@ def build_status(
         "bottleneck_stage": bottleneck["stage"] if bottleneck is not None else None,
         "volunteers": len(volunteers),
         "stages": stages,
+    }
+    if num_experts is not None:
+        status.update(expert_status(expert_hosts, num_experts))
+    return status
+
+
+def expert_status(hosts: Iterable[ExpertHostRecord], num_experts: int) -> dict[str, Any]:
+    """The MoE part of `/status`: the hosts of each expert 0 .. num_experts-1, and which have none ONLINE.
+
+    OFFLINE hosts are leaving and left out; JOINING ones are listed (not yet serving) but do not count
+    as hosting. Indices a host lists beyond the run's experts (a host of another config) are ignored, and
+    `expert_hosts` counts the distinct ONLINE hosts of at least one of the run's experts.
+    """
+    hosts = sorted((h for h in hosts if h.state != "OFFLINE"), key=lambda h: h.peer_id)
+    by_expert: list[list[ExpertHostRecord]] = [[] for _ in range(num_experts)]
+    for host in hosts:
+        for expert in host.experts:
+            if expert < num_experts:
+                by_expert[expert].append(host)
+    online = {h.peer_id for records in by_expert for h in records if h.state == "ONLINE"}
+    return {
+        "experts": [
+            {
+                "expert": expert,
+                "hosts": [{"peer_id": h.peer_id, "state": h.state, "throughput": h.throughput, "step": h.step}
+                          for h in records],
+            }
+            for expert, records in enumerate(by_expert)
+        ],
+        "expert_hosts": len(online),
+        "unhosted_experts": [e for e, records in enumerate(by_expert) if not any(h.state == "ONLINE" for h in records)],
     }
 
 

@@ -46,6 +46,19 @@ def stage_arg(value: str) -> int | None:
     return stage
 
 
+def experts_arg(value: str) -> list[int] | None:
+    if value == "auto":
+        return None
+    try:
+        experts = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a comma-separated list of expert indices, got {value!r}"
+                                         ) from None
+    if any(e < 0 for e in experts) or len(set(experts)) != len(experts):
+        raise argparse.ArgumentTypeError(f"expert indices must be distinct and not negative, got {value!r}")
+    return experts
+
+
 def fraction(value: str) -> float:
     x = float(value)
     if not 0.0 <= x <= 1.0:
@@ -77,8 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", required=True,
                    help="multiaddrs of peers already in the run, or @FILE: a file listing them (as swarm-coordinator "
                    "--initial-peers-file writes it; waited for up to --join-timeout)")
-    p.add_argument("--role", choices=["auto", "server", "trainer"], default="auto",
-                   help="server: host a stage; trainer: drive data through the stages; auto: server with a GPU")
+    p.add_argument("--role", choices=["auto", "server", "trainer", "expert"], default="auto",
+                   help="server: host a stage; trainer: drive data through the stages; expert: host experts of the "
+                   "run's mixture-of-experts blocks (runs with model.moe.expert_servers); auto: server with a GPU")
+    p.add_argument("--experts", type=experts_arg, default=None, metavar="auto|LIST",
+                   help="expert: which experts to host, in every MoE block, e.g. 0,1,2 (default auto: the "
+                   "--expert-count experts with the fewest hosts)")
+    p.add_argument("--expert-count", type=positive_int, default=None, metavar="N",
+                   help="expert, with --experts auto: how many experts to host (default: half of a block's)")
     p.add_argument("--stage", type=stage_arg, default=None, metavar="auto|K",
                    help="stage to serve (default auto: the one with the least throughput)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where a server computes")
@@ -190,6 +209,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         try:
             if role == "server":
                 run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr)
+            elif role == "expert":
+                run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr)
             else:
                 run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr)
         finally:
@@ -215,6 +236,21 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
     if args.activation_cache_ttl is not None:
         options.activation_cache_ttl = args.activation_cache_ttl
     server = StageServer(config, dht, records, loop, options, registry)
+    try:
+        server.start()
+        stop.wait()
+        log.info("stopping: announcing OFFLINE")
+    finally:
+        server.shutdown()
+
+
+def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
+    from .expert import ExpertOptions, ExpertServer
+
+    options = ExpertOptions(experts=args.experts, count=args.expert_count, device=device,
+                            inject_delay=args.inject_delay, inject_failure_rate=args.inject_failure_rate,
+                            metrics_addr=metrics_addr)
+    server = ExpertServer(config, dht, records, loop, options, registry)
     try:
         server.start()
         stop.wait()

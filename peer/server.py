@@ -24,6 +24,7 @@ from swarm.checkpoint.keeper import StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
 from swarm.model import build_stage
+from swarm.model.moe import MoEFeedForward
 from swarm.optim import StageOptimizer
 from swarm.protocol import (
     BAD_REQUEST,
@@ -40,6 +41,8 @@ from swarm.protocol import (
     stage_namespace,
     stage_wire_limits,
 )
+from swarm.routing.experts import ExpertDispatcher, ExpertsUnavailable, RemoteExperts, expert_call
+from swarm.routing.pipeline import PipelineSettings
 from swarm.state import StageState
 
 from .placement import choose_stage
@@ -50,6 +53,7 @@ LOOP_CALL_TIMEOUT = 30.0  # registering handlers, replicating the DHT's P2P
 STEP_LOG_EVERY = 10  # optimizer steps between progress lines in the log
 BACKWARD_CACHE_SIZE = 512  # recent backward results kept so a retried request is not counted twice
 BACKWARD_CACHE_BYTES = 256 * 2**20  # ... and the most bytes of their result tensors kept
+EXPERT_LOOKUP_PERIOD = 2.0  # seconds between lookups of the expert servers, for a stage whose experts live there
 
 
 @dataclass
@@ -106,8 +110,11 @@ class ServerMetrics:
                                registry=registry)
         self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
                                registry=registry)
+        self.expert_latency = Histogram("swarm_moe_expert_call_seconds", "Time for an expert server to answer a "
+                                        "request of this stage", ["layer", "kind"], registry=registry)
         registry.register(ActivationCacheCollector(backend_ref))
         registry.register(ExpertCollector(backend_ref))
+        registry.register(ExpertCallCollector(backend_ref))
 
 
 class ExpertCollector:
@@ -129,6 +136,38 @@ class ExpertCollector:
                     tokens.add_metric([str(layer), str(expert)], count)
                 dropped.add_metric([str(layer)], backend.dropped_slots[layer])
         yield from (tokens, dropped)
+
+
+class ExpertCallCollector:
+    """Per MoE block whose experts live on expert servers: calls to them, failures, and what was lost."""
+
+    def __init__(self, server: StageServer):
+        self.server = server
+
+    def collect(self):
+        calls = CounterMetricFamily("swarm_moe_expert_calls", "Requests sent to expert servers",
+                                    labels=["layer", "kind"])
+        failures = CounterMetricFamily("swarm_moe_expert_call_failures", "Requests to expert servers that failed "
+                                       "or timed out (each banned the host for those experts)",
+                                       labels=["layer", "kind"])
+        lost = CounterMetricFamily("swarm_moe_unavailable_slots", "Top-k slots whose expert no host answered in "
+                                   "time: the token went on without it", labels=["layer"])
+        backward_lost = CounterMetricFamily("swarm_moe_backward_lost_experts", "Experts whose tokens got no "
+                                            "gradient in a backward: no host took it", labels=["layer"])
+        latency = self.server.metrics.expert_latency
+        dispatcher = self.server.dispatcher
+        if dispatcher is not None:
+            stats = dispatcher.stats
+            for (layer, kind), count in list(stats.calls.items()):
+                calls.add_metric([str(layer), kind], count)
+                failures.add_metric([str(layer), kind], stats.failures.get((layer, kind), 0))
+            for layer in self.server.backend.module.moe_layers:
+                lost.add_metric([str(layer)], stats.lost_slots.get(layer, 0))
+                backward_lost.add_metric([str(layer)], stats.backward_lost.get(layer, 0))
+            while stats.latency:  # observed here, off the hot path
+                layer, kind, seconds = stats.latency.pop()
+                latency.labels(layer=str(layer), kind=kind).observe(seconds)
+        yield from (calls, failures, lost, backward_lost)
 
 
 class ActivationCacheCollector:
@@ -174,6 +213,7 @@ class StageServer:
         self.stage_state: StageState | None = None  # the replica's parameters, moments, step and round
         self.averager: StageAverager | None = None
         self.keeper: StageKeeper | None = None  # checkpoints on this server's disk (unless turned off)
+        self.dispatcher: ExpertDispatcher | None = None  # reaches this stage's experts, if they live on expert servers
         self.throughput = 0.0
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, self)
@@ -216,6 +256,7 @@ class StageServer:
             self._resume()
         self.throughput = measure_throughput(self.backend, self.config)
         self.metrics.throughput.set(self.throughput)
+        self._reach_experts(module)
         handler = StageRequestHandler(self)
         namespace = stage_namespace(self.config.run_id, stage)
         self._service = self.loop.run(handler.serve(self._p2p, namespace), LOOP_CALL_TIMEOUT)
@@ -228,6 +269,30 @@ class StageServer:
         self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
         self._announcer.start()
         log.info("serving stage %d of %d (%.1f samples/s measured) as %s", stage, n, self.throughput, self.peer_id)
+
+    def _reach_experts(self, module) -> None:
+        """Give the stage's MoE blocks a runner that calls the expert servers, if its experts live there."""
+        moe = self.config.model.moe
+        if not module.moe_layers or not moe.expert_servers:
+            return
+        settings = PipelineSettings.from_config(self.config.network)
+        limits = stage_wire_limits(self.config.model, self.options.batch_cap(self.config) * moe.top_k)
+        self.dispatcher = ExpertDispatcher(self._p2p, self.config.run_id, moe.num_experts, self.config.stages.wire,
+                                           settings, limits)
+        # The longest one block's expert calls may take: a timeout per host tried, a few hosts in turn.
+        runner = RemoteExperts(self.dispatcher, self.loop.run, moe.k_min, 3 * settings.request_timeout)
+        for block in module.modules():
+            if isinstance(block, MoEFeedForward):
+                block.runner = runner
+        self.refresh_experts()
+
+    def refresh_experts(self) -> None:
+        """Look up the run's ONLINE expert servers and hand them to the dispatcher."""
+        if self.dispatcher is None:
+            return
+        online = ServerState.ONLINE.value
+        hosts = {r.peer_id: r.experts for r in self.records.lookup_expert_hosts() if r.state == online}
+        self.loop.run(_call_soon(self.dispatcher.update_hosts, hosts), LOOP_CALL_TIMEOUT)
 
     def _activation_cache(self) -> ActivationCache:
         size = self.options.activation_cache_bytes
@@ -276,7 +341,19 @@ class StageServer:
         return ok
 
     def _announce_forever(self) -> None:
-        while not self._stop.wait(self.config.network.announce_period):
+        # Expert servers come and go: look them up more often than records are renewed.
+        period = self.config.network.announce_period
+        if self.dispatcher is not None:
+            period = min(period, EXPERT_LOOKUP_PERIOD)
+        last_announce = time.monotonic()
+        while not self._stop.wait(period):
+            try:
+                self.refresh_experts()
+            except Exception as e:
+                log.warning("expert server lookup failed: %s", e)
+            if time.monotonic() - last_announce < self.config.network.announce_period - period / 2:
+                continue
+            last_announce = time.monotonic()
             try:
                 self.announce()
             except Exception as e:  # a DHT hiccup must not stop the renewals
@@ -411,9 +488,12 @@ class StageRequestHandler(StageHandler):
         started = time.perf_counter()
         backend = await self._admit(request)
         keep = (request.caller, request.request_id) if request.backward_follows else None
-        out, step = await self._run(request, backend.forward_at, request.inputs, request.targets, keep)
+        (out, step), lost = await self._run(request, _in_call(backend.forward_at), request.inputs, request.targets,
+                                            keep)
         self._done(request, started)
-        return StageReply([out], server_step=step)
+        # The experts this forward went without: the trainer sends them back with the backward.
+        info = {"moe_lost": sorted(lost.items())} if lost else {}
+        return StageReply([out], server_step=step, info=info)
 
     async def _backward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
@@ -425,7 +505,12 @@ class StageRequestHandler(StageHandler):
         task = self._recent.get(key)
         first = task is None
         if first:
-            task = asyncio.ensure_future(self._run(request, backend.backward, request.inputs, request.grad_outputs,
+            call = _in_call(backend.backward, request.inputs.shape[0], request.moe_lost)
+
+            def fn(*args):  # the result alone: what lost experts cost is counted by the dispatcher
+                return call(*args)[0]
+
+            task = asyncio.ensure_future(self._run(request, fn, request.inputs, request.grad_outputs,
                                                    request.targets, request.forward_step, key))
             self._recent.add(key, task)
         result = await asyncio.shield(task)
@@ -471,6 +556,9 @@ class StageRequestHandler(StageHandler):
         except Overloaded as e:
             self._count(request.kind, NOT_READY)
             raise RequestRejected(NOT_READY, str(e)) from None
+        except ExpertsUnavailable as e:  # too few experts answered: retry later, or on another server
+            self._count(request.kind, NOT_READY)
+            raise RequestRejected(NOT_READY, str(e)) from None
         except ValueError as e:  # the module's and backend's input checks
             self._count(request.kind, BAD_REQUEST)
             raise RequestRejected(BAD_REQUEST, str(e)) from None
@@ -483,6 +571,24 @@ class StageRequestHandler(StageHandler):
         self.server.metrics.latency.labels(kind=request.kind).observe(time.perf_counter() - started)
 
 
+def _in_call(fn, samples: int | None = None, lost_in=None):
+    """`fn` run inside an expert_call context (for MoE blocks on expert servers): returns (its result,
+    {block: experts lost})."""
+    def run(*args):
+        with expert_call(samples, lost_in) as call:
+            return fn(*args), call.lost_out
+    return run
+
+
+async def _call_soon(fn, *args):
+    return fn(*args)
+
+
+def _no_experts(layer: int, u: torch.Tensor, plan):
+    """A stand-in for expert servers while timing the stage alone: outputs 0 (the stage's own compute)."""
+    return u.new_zeros(*plan.experts.shape, u.shape[-1]) * u.sum(), plan
+
+
 def measure_throughput(backend: StageBackend, config: RunConfig, repeats: int = 3) -> float:
     """Samples per second of forward + backward on one micro-batch, on a copy of the stage.
 
@@ -493,6 +599,9 @@ def measure_throughput(backend: StageBackend, config: RunConfig, repeats: int = 
     import copy
 
     module = copy.deepcopy(backend.module)
+    for block in module.modules():  # experts on expert servers are not this stage's compute
+        if isinstance(block, MoEFeedForward) and block.experts is None:
+            block.runner = _no_experts
     n, t = config.optimizer.micro_batch_size, config.model.seq_len
     if module.is_first:
         x = torch.randint(0, config.model.vocab_size, (n, t), device=backend.device)

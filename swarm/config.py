@@ -40,6 +40,13 @@ class MoEConfig:
     capacity_factor: float = 1.25  # an expert takes at most ceil(factor * tokens * top_k / num_experts); 0: no limit
     aux_loss_weight: float = 0.01  # weight of the load-balancing loss (summed over the MoE blocks) in the objective
     expert_hidden: int = 0  # an expert's hidden size; 0: the dense MLP's, model.mlp_ratio * model.d_model
+    # Where the experts live: False, inside the servers of their block's stage; True, on expert servers
+    # (swarm-peer --role expert) that the stage server calls, routing around the dead and slow ones.
+    expert_servers: bool = False
+    # With expert servers: a token goes on with the experts that answered (gates renormalized over them)
+    # if at least k_min of its top-k did, or all it was routed to, if fewer; otherwise the micro-batch
+    # is refused as not ready (the trainer retries later). 0: a token may go on with none (its residual).
+    k_min: int = 1
 
     def validate(self) -> None:
         _positive(self, "every", "model.moe")
@@ -53,6 +60,10 @@ class MoEConfig:
             if not 0.0 <= value < float("inf"):
                 raise ConfigError(f"model.moe.{name} must be a finite number, not negative, got {value}")
         _non_negative(self, "expert_hidden", "model.moe")
+        if not isinstance(self.expert_servers, bool):
+            raise ConfigError(f"model.moe.expert_servers must be true or false, got {self.expert_servers!r}")
+        if not 0 <= self.k_min <= self.top_k:
+            raise ConfigError(f"model.moe.k_min must be in 0..model.moe.top_k ({self.top_k}), got {self.k_min}")
 
 
 @dataclass

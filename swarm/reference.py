@@ -9,6 +9,10 @@ With ``model.moe``, each micro-batch of ``n`` samples backpropagates
 ``(CE + aux_loss_weight * sum of the MoE layers' aux losses) * n``; the reported ``loss`` stays the
 cross-entropy, comparable with dense runs, and ``aux_loss`` (the sum over layers, before weighting)
 and ``dropped`` (the share of top-k slots over capacity) are reported beside it.
+
+With ``model.moe.expert_servers``, the experts are kept apart from the stages, as expert servers
+keep them: each expert has its own optimizer (own clipping, its own sample count, stepping with
+the stages), exactly what :class:`swarm.experts.ExpertHost` does for the experts it hosts.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 from swarm.backend import autocast, resolve_compute_dtype
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, DataError, eval_batches, load_tokenizer, load_tokens, sampler_seed
-from swarm.model import build_stages, record_moe, total_aux_loss
+from swarm.model import build_stages, make_expert, record_moe, total_aux_loss
+from swarm.model.moe import LocalExperts, MoEFeedForward
 from swarm.optim import StageOptimizer
 
 FINAL_LOSS_WINDOW = 5  # final_loss averages this many last steps, so one noisy batch doesn't decide it
@@ -44,6 +49,18 @@ class ReferenceTrainer:
             )
         self.stages = [stage.to(self.device) for stage in build_stages(config)]
         self.optimizers = [StageOptimizer(stage, config.optimizer) for stage in self.stages]
+        self.experts: list[torch.nn.Module] = []
+        moe = config.model.moe
+        if moe is not None and moe.expert_servers:  # the experts, as expert servers hold them
+            experts = {layer: [make_expert(config.model, layer, e).to(self.device) for e in range(moe.num_experts)]
+                       for layer in config.model.moe_layers()}
+            runner = LocalExperts(experts)
+            for stage in self.stages:
+                for module in stage.modules():
+                    if isinstance(module, MoEFeedForward):
+                        module.runner = runner
+            self.experts = [expert for layer in experts.values() for expert in layer]
+            self.optimizers += [StageOptimizer(expert, config.optimizer) for expert in self.experts]
         self.train_tokens = load_tokens(config.data, "train", tokenizer)
         self.val_tokens = load_tokens(config.data, "val", tokenizer)
         self.sampler = BatchSampler(
@@ -75,7 +92,7 @@ class ReferenceTrainer:
         return loss, total_aux_loss(records), dropped
 
     def train_step(self) -> dict[str, Any]:
-        """Accumulate micro-batches until every stage has a full batch, then step every stage."""
+        """Accumulate micro-batches until every stage has a full batch, then step every stage (and expert)."""
         for stage in self.stages:
             stage.train()
         moe = self.config.model.moe

@@ -5,17 +5,17 @@ Map of the subsystem, from people-facing entry points down to pure logic::
     bootstrap.py  join_run(initial_peers, ...): start a node, ask an initial peer which run it serves
                   (RunInfoServicer over libp2p), fetch the run config its coordinator signed;
                   serve_run_info(...) makes this peer an entry point for others
-    records.py    SwarmRecords: sync publish/lookup of the run config, server records, metrics,
+    records.py    SwarmRecords: sync publish/lookup of the run config, server records, expert hosts, metrics,
                   checkpoint lists (who holds which stage checkpoint) and the run checkpoint
     node.py       start_dht(...): a hivemind.DHT process with our validators, bounded startup,
                   hivemind's failures turned into our errors; multiaddr parsing
     loop.py       BackgroundLoop: our asyncio thread for P2P handlers and calls
     identity.py   Identity / load_identity: one RSA key, the libp2p identity and the signer of our records
-    keys.py       key layout ({run_id}_config, _metrics, _run_checkpoint, _stage{k}, _checkpoints{k}),
+    keys.py       key layout ({run_id}_config, _metrics, _run_checkpoint, _experts, _stage{k}, _checkpoints{k}),
                   owner-marked subkeys, validators (RunRecordGuard: what a node accepts at a run's keys)
     private.py    SwarmKey: a private swarm's secret (its run's network id, run_info's name, the sealed config)
-    schemas.py    ServerRecord, RunConfigRecord, PeerMetricsRecord, CheckpointRecord, RunCheckpointRecord:
-                  strict, tolerant of unknown fields
+    schemas.py    ServerRecord, ExpertHostRecord, RunConfigRecord, PeerMetricsRecord, CheckpointRecord,
+                  RunCheckpointRecord: strict, tolerant of unknown fields
     errors.py     SwarmDHTError and its subclasses
 
 Every network wait is bounded by a named timeout (``DEFAULT_*_TIMEOUT`` in each module).
@@ -47,6 +47,7 @@ from swarm.dht.private import SwarmKey, load_swarm_key
 from swarm.dht.records import SwarmRecords
 from swarm.dht.schemas import (
     CheckpointRecord,
+    ExpertHostRecord,
     HeldCheckpoint,
     PeerMetricsRecord,
     RunCheckpointRecord,
@@ -63,6 +64,7 @@ __all__ = [
     "CheckpointRecord",
     "DHTProcessGone",
     "DHTRequestTimeout",
+    "ExpertHostRecord",
     "HeldCheckpoint",
     "Identity",
     "InvalidMultiaddr",

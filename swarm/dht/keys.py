@@ -1,11 +1,12 @@
 """Where records live in the DHT, and the validators that guard them.
 
-Every key is ``{run_id}_{field}``; fields are ``config``, ``metrics``, ``run_checkpoint``, ``stage0`` ..
-``stage255`` (server records) and ``checkpoints0`` .. ``checkpoints255`` (who holds which stage checkpoints).
-Each key holds a dictionary whose subkeys are owner markers (``[owner:ssh-rsa ...]``): hivemind's
-RSASignatureValidator then accepts a subkey's value only if it is signed by that owner, so a peer can
-write its own server record, metrics or checkpoint list, never another peer's (readers that trust only
-the coordinator for the config or the run checkpoint pick its owner marker).
+Every key is ``{run_id}_{field}``; fields are ``config``, ``metrics``, ``run_checkpoint``, ``experts``
+(expert host records), ``stage0`` .. ``stage255`` (server records) and ``checkpoints0`` .. ``checkpoints255``
+(who holds which stage checkpoints). Each key holds a dictionary whose subkeys are owner markers
+(``[owner:ssh-rsa ...]``): hivemind's RSASignatureValidator then accepts a subkey's value only if it is
+signed by that owner, so a peer can write its own server record, metrics or checkpoint list, never
+another peer's (readers that trust only the coordinator for the config or the run checkpoint pick its
+owner marker).
 
 Every DHT node of a run, and every reader, also applies RunRecordGuard to the run's keys and to each
 stage's averaging progress key (``{run_id}_stage{k}_averaging.progress``, read by averaging/tracker.py). Stock
@@ -41,6 +42,7 @@ from swarm.config import MAX_RECORD_TTL
 from swarm.dht.schemas import (
     MAX_STAGES,  # stage keys enumerated in the schema; a run may use any number of stages up to this
     CheckpointRecord,
+    ExpertHostRecord,
     PeerMetricsRecord,
     RunCheckpointRecord,
     RunConfigRecord,
@@ -52,6 +54,7 @@ from swarm.hivemind_internals import public_key_der, schema_count
 CONFIG_FIELD = "config"
 METRICS_FIELD = "metrics"
 RUN_CHECKPOINT_FIELD = "run_checkpoint"
+EXPERTS_FIELD = "experts"
 
 
 def stage_field(stage: int) -> str:
@@ -118,6 +121,10 @@ class ServerRecordAsSent(SentFieldsOnly, ServerRecord):
     pass
 
 
+class ExpertHostRecordAsSent(SentFieldsOnly, ExpertHostRecord):
+    pass
+
+
 class RunConfigRecordAsSent(SentFieldsOnly, RunConfigRecord):
     pass
 
@@ -149,7 +156,7 @@ RunRecordsSchema = pydantic.create_model(
     __config__=_SchemaConfig,
     __module__=__name__,
     **{CONFIG_FIELD: _owned(RunConfigRecordAsSent), METRICS_FIELD: _owned(PeerMetricsRecordAsSent)},
-    **{RUN_CHECKPOINT_FIELD: _owned(RunCheckpointRecordAsSent)},
+    **{RUN_CHECKPOINT_FIELD: _owned(RunCheckpointRecordAsSent), EXPERTS_FIELD: _owned(ExpertHostRecordAsSent)},
     **{stage_field(stage): _owned(ServerRecordAsSent) for stage in range(MAX_STAGES)},
     **{checkpoints_field(stage): _owned(CheckpointRecordAsSent) for stage in range(MAX_STAGES)},
 )

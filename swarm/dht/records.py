@@ -1,4 +1,4 @@
-"""Publishing and reading the run's records (config, servers, metrics, checkpoints) over a hivemind DHT."""
+"""Publishing and reading a run's records (config, servers, expert hosts, metrics, checkpoints) over a hivemind DHT."""
 
 from __future__ import annotations
 
@@ -13,11 +13,20 @@ from hivemind.utils import get_dht_time
 from swarm.config import ConfigError, RunConfig
 from swarm.dht.errors import RunConfigInvalid, RunConfigNotFound
 from swarm.dht.identity import Identity
-from swarm.dht.keys import CONFIG_FIELD, METRICS_FIELD, RUN_CHECKPOINT_FIELD, checkpoints_field, dht_key, stage_field
+from swarm.dht.keys import (
+    CONFIG_FIELD,
+    EXPERTS_FIELD,
+    METRICS_FIELD,
+    RUN_CHECKPOINT_FIELD,
+    checkpoints_field,
+    dht_key,
+    stage_field,
+)
 from swarm.dht.node import peer_id, require_alive, wait_future
 from swarm.dht.private import SwarmKey, is_sealed
 from swarm.dht.schemas import (
     CheckpointRecord,
+    ExpertHostRecord,
     PeerMetricsRecord,
     RunCheckpointRecord,
     RunConfigRecord,
@@ -135,6 +144,15 @@ class SwarmRecords:
             parsed = _parse_all(ServerRecord, records.values())
             found[stage] = [record for record in parsed if record.stage == stage]
         return found
+
+    # expert hosts: one record per expert server, for all MoE blocks of the run
+    def announce_expert_host(self, record: ExpertHostRecord, ttl: float, timeout: float | None = None) -> bool:
+        """Store (or renew) this peer's expert host record, valid for `ttl` seconds."""
+        return self._store(EXPERTS_FIELD, record, ttl, timeout)
+
+    def lookup_expert_hosts(self, timeout: float | None = None) -> list[ExpertHostRecord]:
+        """Expert hosts whose records are valid and unexpired (every state: callers pick ONLINE ones)."""
+        return _parse_all(ExpertHostRecord, self._get_owned([EXPERTS_FIELD], timeout)[0].values())
 
     # metrics: one record per peer
     def publish_metrics(self, record: PeerMetricsRecord, ttl: float, timeout: float | None = None) -> bool:

@@ -32,6 +32,7 @@ MetricsAddress = constr(strict=True, max_length=MAX_METRICS_ADDRESS, regex=METRI
 
 MAX_STAGES = 256  # stages a run may have; keys.py enumerates this many stage keys in the schema
 MAX_HELD_CHECKPOINTS = 16  # checkpoints one holder lists per stage (servers keep a few, default 3)
+MAX_HOSTED_EXPERTS = 256  # expert indices one expert host may list; bounds the record's size
 
 RecordT = TypeVar("RecordT", bound="WireRecord")
 
@@ -90,6 +91,32 @@ class ServerRecord(WireRecord):
     metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
 
     _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
+
+
+class ExpertHostRecord(WireRecord):
+    """One expert server, hosting the listed expert indices in every MoE block of the run (DHT key ``experts``).
+
+    Renewed every announce period, like a ServerRecord. `experts` is a set sent as a list: an index
+    listed twice is refused rather than deduplicated, since SchemaValidator rejects any record that
+    parsing changes.
+    """
+
+    peer_id: StrictStr
+    experts: conlist(NonNegativeInt, max_items=MAX_HOSTED_EXPERTS)
+    state: ServerState
+    throughput: NonNegativeFloat  # samples per second this host sustains
+    step: NonNegativeInt = 0  # optimizer steps its experts have taken
+    role: StrictStr = "expert"
+    version: StrictStr = __version__
+    metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
+
+    _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
+
+    @pydantic.validator("experts")
+    def _distinct(cls, experts: list[int]) -> list[int]:
+        if len(set(experts)) != len(experts):
+            raise ValueError("an expert index is listed more than once")
+        return experts
 
 
 class RunConfigRecord(WireRecord):

@@ -139,7 +139,7 @@ def make_block(cfg: ModelConfig, index: int) -> Block:
     if not cfg.is_moe_layer(index):
         return _materialize(lambda: Block(cfg), cfg, "block", index)
     block = _materialize(lambda: Block(cfg, _moe_ffn(cfg, index)), cfg, "block", index, skip=Expert)
-    for e, expert in enumerate(block.mlp.experts):
+    for e, expert in enumerate(block.mlp.experts or ()):  # none with model.moe.expert_servers
         _initialize(expert, cfg, "expert", _expert_part(cfg, index, e))
     return block
 
@@ -156,7 +156,9 @@ def make_expert(cfg: ModelConfig, layer: int, expert: int) -> Expert:
 
 def _moe_ffn(cfg: ModelConfig, index: int) -> MoEFeedForward:
     moe = cfg.moe
-    experts = [Expert(cfg.d_model, cfg.expert_hidden) for _ in range(moe.num_experts)]
+    # On expert servers, the block holds the router only: its experts are built there (make_expert).
+    experts = moe.num_experts if moe.expert_servers else [Expert(cfg.d_model, cfg.expert_hidden)
+                                                          for _ in range(moe.num_experts)]
     return MoEFeedForward(cfg.d_model, experts, moe.top_k, moe.capacity_factor, layer=index, dropout=cfg.dropout)
 
 

@@ -32,7 +32,8 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from torch import nn
 
 PROCESSED = 0  # slot status: the expert ran on the token
 DROPPED = 1  # slot status: over the expert's capacity; the token keeps its residual for this slot
+UNAVAILABLE = 2  # slot status: no host of the expert answered in time; the token goes on without it
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,16 @@ class RoutingPlan:
 
     def dropped(self) -> int:
         return int((self.status == DROPPED).sum())
+
+    def unavailable(self) -> int:
+        return int((self.status == UNAVAILABLE).sum())
+
+    def without(self, lost: Sequence[int]) -> RoutingPlan:
+        """This plan with the processed slots of the experts in `lost` marked UNAVAILABLE."""
+        if not len(lost):
+            return self
+        hit = torch.isin(self.experts, torch.as_tensor(list(lost), dtype=self.experts.dtype)) & self.processed
+        return replace(self, status=torch.where(hit, torch.full_like(self.status, UNAVAILABLE), self.status))
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -110,22 +122,59 @@ def combine(w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (w.unsqueeze(-1) * y).sum(dim=1)
 
 
+@dataclass(frozen=True)
+class Dispatch:
+    """The processed slots of a plan grouped by expert: ``slots`` (s = token * k + choice) sorted by
+    (expert, slot), so each expert's tokens come in position order; ``counts[e]`` of them go to ``e``."""
+
+    slots: torch.Tensor
+    tokens: torch.Tensor
+    counts: list[int]
+
+    @classmethod
+    def of(cls, plan: RoutingPlan, num_experts: int) -> Dispatch:
+        n, k = plan.experts.shape
+        slots = plan.processed.reshape(-1).nonzero().squeeze(1)
+        expert_of_slot = plan.experts.reshape(-1)[slots]
+        order = torch.argsort(expert_of_slot * (n * k) + slots)
+        slots, expert_of_slot = slots[order], expert_of_slot[order]
+        counts = torch.bincount(expert_of_slot, minlength=num_experts).tolist()
+        return cls(slots, torch.div(slots, k, rounding_mode="floor"), counts)
+
+    def scatter(self, flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """Slot outputs [n, k, D] from the experts' outputs concatenated in dispatch order (zeros elsewhere)."""
+        return flat.new_zeros(n * k, flat.shape[-1]).index_copy(0, self.slots, flat).view(n, k, -1)
+
+
 def local_expert_outputs(experts: Sequence[nn.Module], u: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """Slot outputs [N, k, D] of experts run here: one call per expert on its processed tokens in token order."""
     n, k = plan.experts.shape
-    processed = plan.processed.reshape(-1)
-    slot_ids = processed.nonzero().squeeze(1)
-    expert_of_slot = plan.experts.reshape(-1)[slot_ids]
-    # Slot s = token * k + choice; sorting by (expert, slot) groups each expert's tokens in position order.
-    order = torch.argsort(expert_of_slot * (n * k) + slot_ids)
-    slot_ids, expert_of_slot = slot_ids[order], expert_of_slot[order]
-    counts = torch.bincount(expert_of_slot, minlength=len(experts)).tolist()
-    chunks = torch.split(u[torch.div(slot_ids, k, rounding_mode="floor")], counts)
-    outputs = [expert(chunk) for expert, chunk, count in zip(experts, chunks, counts) if count]
+    dispatch = Dispatch.of(plan, len(experts))
+    chunks = torch.split(u[dispatch.tokens], dispatch.counts)
+    outputs = [expert(chunk) for expert, chunk, count in zip(experts, chunks, dispatch.counts) if count]
     if not outputs:
         return u.new_zeros(n, k, u.shape[-1])
-    flat = torch.cat(outputs)
-    return flat.new_zeros(n * k, flat.shape[-1]).index_copy(0, slot_ids, flat).view(n, k, -1)
+    return dispatch.scatter(torch.cat(outputs), n, k)
+
+
+class ExpertRunner(Protocol):
+    """Runs the experts of MoE blocks that hold none themselves (``model.moe.expert_servers``)."""
+
+    def __call__(self, layer: int, u: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, RoutingPlan]:
+        """Slot outputs [N, k, D] for ``u`` [N, D] routed by ``plan`` (differentiable in ``u`` when
+        gradients are on), and the plan with the slots whose expert could not be run marked
+        :data:`UNAVAILABLE`."""
+
+
+class LocalExperts:
+    """An :class:`ExpertRunner` over expert modules held in this process, ``experts[layer][e]``: the
+    single-process reference of a run whose experts live on expert servers."""
+
+    def __init__(self, experts: dict[int, Sequence[nn.Module]]):
+        self.experts = experts
+
+    def __call__(self, layer: int, u: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, RoutingPlan]:
+        return local_expert_outputs(self.experts[layer], u, plan), plan
 
 
 class Expert(nn.Module):
@@ -200,17 +249,20 @@ class MoEFeedForward(nn.Module):
     does not hinge on bfloat16 rounding. Pass ``plan`` to force a routing (teacher forcing a recorded one).
     """
 
-    def __init__(self, d_model: int, experts: Sequence[nn.Module], top_k: int, capacity_factor: float,
+    def __init__(self, d_model: int, experts: Sequence[nn.Module] | int, top_k: int, capacity_factor: float,
                  layer: int = 0, dropout: float = 0.0):
         super().__init__()
-        if not 1 <= top_k <= len(experts):
-            raise ValueError(f"top_k must be in 1..{len(experts)} (the experts), got {top_k}")
-        self.num_experts = len(experts)
+        remote = isinstance(experts, int)
+        self.num_experts = experts if remote else len(experts)
+        if not 1 <= top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..{self.num_experts} (the experts), got {top_k}")
         self.top_k = top_k
         self.capacity_factor = capacity_factor
         self.layer = layer
         self.router = nn.Linear(d_model, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(experts)
+        self.experts = None if remote else nn.ModuleList(experts)
+        # Who runs the experts when this layer holds none (set by whoever hosts the block); not a submodule.
+        self.runner: ExpertRunner | None = None
         self.drop = nn.Dropout(dropout)
 
     def forward(self, u: torch.Tensor, plan: RoutingPlan | None = None) -> torch.Tensor:
@@ -220,10 +272,18 @@ class MoEFeedForward(nn.Module):
         probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # bf16 -> f32, f64 stays
         if plan is None:
             plan = route(probs.detach(), self.top_k, self.capacity_factor)
-        y = local_expert_outputs(self.experts, flat, plan)
+        if self.experts is not None:
+            y = local_expert_outputs(self.experts, flat, plan)
+        elif self.runner is not None:
+            y, plan = self.runner(self.layer, flat, plan)
+        else:
+            raise RuntimeError(f"the experts of MoE block {self.layer} live on expert servers, and no runner "
+                               "reaches them here")
         out = combine(gates(probs, plan), y)
         _emit(MoERecord(self.layer, plan, aux_loss(probs, plan.experts, self.num_experts)))
         return self.drop(out.to(y.dtype).view(shape))
 
     def extra_repr(self) -> str:
-        return f"layer {self.layer}: top {self.top_k} of {self.num_experts}, capacity factor {self.capacity_factor:g}"
+        where = "" if self.experts is not None else ", experts on expert servers"
+        return (f"layer {self.layer}: top {self.top_k} of {self.num_experts}, capacity factor "
+                f"{self.capacity_factor:g}{where}")

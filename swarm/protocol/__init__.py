@@ -37,6 +37,7 @@ from swarm.protocol.messages import (
     FORWARD,
     StageReply,
     StageRequest,
+    experts_namespace,
     parse_reply,
     parse_request,
     receive_reply,
@@ -91,6 +92,7 @@ __all__ = [
     "register",
     "reply_frames",
     "request_frames",
+    "experts_namespace",
     "stage_namespace",
     "stage_wire_limits",
 ]

@@ -13,6 +13,15 @@ A backward may carry `forward_step`: the step the stage reported in its forward 
 server can tell how many of its own steps the micro-batch's gradient is stale by. A forward may
 carry `backward_follows: true`: the caller will send this micro-batch's backward (same request
 id), so the server may keep the forward's graph for it instead of recomputing the forward then.
+
+Expert servers (model.moe.expert_servers) take the same messages under their own namespace
+(`experts_namespace`): `stage` is then the MoE block's index, `inputs` the tokens [rows, d_model]
+of each expert in turn, and `experts` says which: `[[expert, rows], ...]`, the rows adding up to
+the tensor's. A backward carries `grad_outputs` of the same shape and `samples`, the sequences of
+the micro-batch (an expert counts them toward its batch even when it got no token of it).
+An MoE stage's forward reply may name the experts that did not answer, `moe_lost`
+(`[[block, [expert, ...]], ...]`); the trainer sends it back with that micro-batch's backward, so
+the backward leaves out exactly the experts the forward did.
 Reply metadata: `{"ok": true, "server_step": N, ...}` or `{"ok": false, "code": C, "error": MESSAGE}`.
 Fields a reader does not know are ignored, so newer peers can add some.
 """
@@ -35,6 +44,13 @@ FORWARD, BACKWARD = "forward", "backward"
 KINDS = (FORWARD, BACKWARD)
 MAX_REQUEST_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000  # error replies are for logs and people, not for shipping tracebacks
+MAX_EXPERT_ENTRIES = 1024  # experts one request may name (a run has far fewer per block)
+MAX_MOE_BLOCKS = 256  # MoE blocks a `moe_lost` may name
+
+
+def experts_namespace(run_id: str) -> str:
+    """The P2P handler namespace of a run's expert servers (one per peer, every MoE block)."""
+    return f"swarm/{run_id}/experts"
 
 
 def stage_namespace(run_id: str, stage: int) -> str:
@@ -55,6 +71,9 @@ class StageRequest:
     wire_dtype: str = "float32"
     forward_step: int | None = None  # backward: the step this stage reported when it ran the forward
     backward_follows: bool = False  # forward: the caller will send the backward of this micro-batch
+    experts: list[tuple[int, int]] | None = None  # expert calls: (expert, rows of inputs) in order
+    samples: int | None = None  # expert backward: sequences of the micro-batch the tokens come from
+    moe_lost: list[tuple[int, list[int]]] | None = None  # MoE stage backward: experts its forward went without
     caller: str | None = None  # the peer the request came from (set by the receiving side, never sent)
 
     def __post_init__(self) -> None:
@@ -78,6 +97,12 @@ class StageRequest:
             raise ProtocolError("a forward request carries no grad_outputs")
         if self.kind == BACKWARD and (self.targets is None) == (self.grad_outputs is None):
             raise ProtocolError("a backward request carries either targets (last stage) or grad_outputs")
+        if self.experts is not None:
+            self.experts = _expert_rows(self.experts, self.inputs)
+        if self.samples is not None and (not _is_int(self.samples) or self.samples < 1):
+            raise ProtocolError(f"samples must be a positive integer, got {self.samples!r}")
+        if self.moe_lost is not None:
+            self.moe_lost = check_moe_lost(self.moe_lost)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -97,6 +122,9 @@ class StageRequest:
             meta["forward_step"] = self.forward_step
         if self.backward_follows:
             meta["backward_follows"] = True
+        for name in ("experts", "samples", "moe_lost"):
+            if getattr(self, name) is not None:
+                meta[name] = getattr(self, name)
         return meta
 
 
@@ -145,6 +173,9 @@ def parse_request(meta: dict, tensors: list[torch.Tensor]) -> StageRequest:
         wire_dtype=meta.get("wire_dtype", "float32"),
         forward_step=meta.get("forward_step"),
         backward_follows=meta.get("backward_follows", False),
+        experts=meta.get("experts"),
+        samples=meta.get("samples"),
+        moe_lost=meta.get("moe_lost"),
     )
 
 
@@ -201,3 +232,38 @@ async def receive_reply(stream: AsyncIterator, limits: WireLimits = DEFAULT_LIMI
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expert_rows(entries: object, inputs: torch.Tensor) -> list[tuple[int, int]]:
+    """`experts` checked: distinct non-negative expert indices with row counts adding up to the inputs' rows."""
+    if not isinstance(entries, (list, tuple)) or len(entries) > MAX_EXPERT_ENTRIES:
+        raise ProtocolError(f"experts must be a list of at most {MAX_EXPERT_ENTRIES} [expert, rows] pairs")
+    rows = []
+    for entry in entries:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 2 or not all(_is_int(v) for v in entry)
+                or min(entry) < 0):
+            raise ProtocolError(f"an experts entry must be [expert, rows] of non-negative integers, got {entry!r}")
+        rows.append((entry[0], entry[1]))
+    if len({expert for expert, _ in rows}) != len(rows):
+        raise ProtocolError("experts names an expert twice")
+    total = sum(count for _, count in rows)
+    if inputs.dim() != 2 or inputs.shape[0] != total:
+        raise ProtocolError(f"experts account for {total} rows, but the inputs have shape {list(inputs.shape)} "
+                            "(expected [rows, d_model])")
+    return rows
+
+
+def check_moe_lost(entries: object) -> list[tuple[int, list[int]]]:
+    """`moe_lost` checked: [[block, [expert, ...]], ...] of non-negative integers, bounded."""
+    if not isinstance(entries, (list, tuple)) or len(entries) > MAX_MOE_BLOCKS:
+        raise ProtocolError(f"moe_lost must be a list of at most {MAX_MOE_BLOCKS} [block, [experts]] pairs")
+    lost = []
+    for entry in entries:
+        ok = isinstance(entry, (list, tuple)) and len(entry) == 2 and _is_int(entry[0]) and entry[0] >= 0
+        experts = entry[1] if ok else None
+        if not (ok and isinstance(experts, (list, tuple)) and len(experts) <= MAX_EXPERT_ENTRIES
+                and all(_is_int(e) and e >= 0 for e in experts)):
+            raise ProtocolError(f"a moe_lost entry must be [block, [expert, ...]] of non-negative integers, "
+                                f"got {entry!r}"[:300])
+        lost.append((entry[0], list(experts)))
+    return lost

@@ -35,6 +35,7 @@ from swarm.protocol import (
     BAD_REQUEST,
     DEFAULT_LIMITS,
     FORWARD,
+    ProtocolError,
     RemoteStageError,
     StageClient,
     StageReply,
@@ -43,6 +44,7 @@ from swarm.protocol import (
     WireLimits,
     stage_namespace,
 )
+from swarm.protocol.messages import check_moe_lost
 from swarm.routing.balancer import StageBalancer, Ticket
 
 log = logging.getLogger(__name__)
@@ -116,12 +118,13 @@ class RemotePipeline:
 
     async def train(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
         """Forward and backward of one micro-batch through every stage; returns its mean loss."""
-        inputs, steps, servers = [x], [], []
+        inputs, steps, servers, lost = [x], [], [], []
         for stage in range(self.num_stages - 1):
             reply = await self._call(stage, FORWARD, request_id, inputs[stage], backward_follows=True)
             inputs.append(reply.tensors[0])
             steps.append(reply.server_step)
             servers.append(reply.server)
+            lost.append(reply.info.get("moe_lost"))  # experts the forward went without: so will the backward
         last = self.num_stages - 1
         reply = await self._call(last, BACKWARD, request_id, inputs[last], targets=y)
         loss = float(reply.info["loss"])
@@ -129,7 +132,7 @@ class RemotePipeline:
             grad = reply.tensors[0]
             # The server that ran the forward holds its graph: the backward there needs no recomputation.
             reply = await self._call(stage, BACKWARD, request_id, inputs[stage], grad_outputs=grad,
-                                     forward_step=steps[stage], prefer=servers[stage])
+                                     forward_step=steps[stage], prefer=servers[stage], moe_lost=lost[stage])
         return loss
 
     async def evaluate(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
@@ -152,11 +155,12 @@ class RemotePipeline:
         forward_step: int | None = None,
         backward_follows: bool = False,
         prefer: str | None = None,
+        moe_lost: list | None = None,
     ) -> StageReply:
         """One call on some server of `stage` (`prefer`red if it is not much slower), retried on others."""
         request = StageRequest(kind, stage, request_id, inputs, targets=targets, grad_outputs=grad_outputs,
                                wire_dtype=self.wire_dtype, forward_step=forward_step,
-                               backward_follows=backward_follows)
+                               backward_follows=backward_follows, moe_lost=moe_lost)
         balancer = self.balancers[stage]
         size = int(inputs.shape[0])
         deadline = time.monotonic() + self.settings.max_wait
@@ -232,6 +236,11 @@ class RemotePipeline:
             loss = reply.info.get("loss")
             if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
                 return f"a loss of {loss!r} instead of a finite number"
+        if "moe_lost" in reply.info:
+            try:
+                check_moe_lost(reply.info["moe_lost"])
+            except ProtocolError as e:
+                return f"a malformed moe_lost ({e})"
         if not reply.tensors:
             return None
         out, x = reply.tensors[0], request.inputs

@@ -18,6 +18,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm.dht import (
     MAX_STAGES,
     BackgroundLoop,
+    ExpertHostRecord,
     InvalidMultiaddr,
     PeerMetricsRecord,
     RunConfigRecord,
@@ -28,11 +29,14 @@ from swarm.dht import (
     load_identity,
     parse_maddrs,
 )
-from swarm.dht.keys import dht_key, peer_id_of_owner, schema_validator, stage_field
+from swarm.dht.keys import EXPERTS_FIELD, dht_key, peer_id_of_owner, schema_validator, stage_field
+from swarm.dht.schemas import MAX_HOSTED_EXPERTS
 
 RUN_ID = "unit-run"
 GOOD_SERVER = dict(peer_id="QmPeer", stage=1, state="ONLINE", throughput=12.5, step=3, role="server", version="0.1.0",
                    metrics_addr="127.0.0.1:9100")
+GOOD_EXPERT_HOST = dict(peer_id="QmPeer", experts=[0, 3, 5], state="ONLINE", throughput=8.0, step=2, role="expert",
+                        version="0.1.0", metrics_addr="127.0.0.1:9200")
 GOOD_METRICS = dict(peer_id="QmPeer", role="trainer", step=2, samples_per_second=4.0, samples=64, time=1.7e9)
 OWNER = b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC7 test]"
 
@@ -61,6 +65,38 @@ def test_server_record_rejects_wrong_types(field, value):
     with pytest.raises(pydantic.ValidationError):
         ServerRecord(**{**GOOD_SERVER, field: value})
     assert ServerRecord.from_wire({**GOOD_SERVER, field: value}) is None
+
+
+def test_good_expert_host_record_round_trips():
+    record = ExpertHostRecord(**GOOD_EXPERT_HOST)
+    assert record.to_wire() == GOOD_EXPERT_HOST and ExpertHostRecord.from_wire(record.to_wire()) == record
+    minimal = ExpertHostRecord(peer_id="QmPeer", experts=list(range(MAX_HOSTED_EXPERTS)), state="JOINING",
+                               throughput=0.0)
+    assert minimal.role == "expert" and minimal.step == 0 and minimal.metrics_addr is None
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("experts", [1, 2, 1]),  # a set, sent as a list
+        ("experts", [0, -1]),
+        ("experts", [True]),
+        ("experts", [1.0]),
+        ("experts", ["1"]),
+        ("experts", list(range(MAX_HOSTED_EXPERTS + 1))),
+        ("experts", 3),
+        ("experts", None),
+        ("throughput", 8),
+        ("throughput", float("inf")),
+        ("state", "BOGUS"),
+        ("metrics_addr", "127.0.0.1:65536"),
+        ("metrics_addr", "http://127.0.0.1:9200"),
+    ],
+)
+def test_expert_host_record_rejects_wrong_values(field, value):
+    with pytest.raises(pydantic.ValidationError):
+        ExpertHostRecord(**{**GOOD_EXPERT_HOST, field: value})
+    assert ExpertHostRecord.from_wire({**GOOD_EXPERT_HOST, field: value}) is None
 
 
 def test_unknown_fields_are_kept():
@@ -106,6 +142,20 @@ def test_schema_validator_checks_what_peers_store():
     assert not validator.validate(_dht_record("stage1", GOOD_SERVER, subkey=b"no owner marker"))
     assert not validator.validate(_dht_record("config", GOOD_SERVER))  # a server record is no config
     assert not validator.validate(_dht_record(f"stage{MAX_STAGES - 1}", {**GOOD_SERVER, "stage": None}))
+
+
+def test_schema_validator_checks_expert_host_records():
+    validator = schema_validator(RUN_ID)
+    assert EXPERTS_FIELD == "experts"
+    assert validator.validate(_dht_record(EXPERTS_FIELD, GOOD_EXPERT_HOST))
+    older = {k: v for k, v in GOOD_EXPERT_HOST.items() if k not in ("step", "metrics_addr")}
+    assert validator.validate(_dht_record(EXPERTS_FIELD, older))  # optional fields absent: older peer
+    assert validator.validate(_dht_record(EXPERTS_FIELD, {**GOOD_EXPERT_HOST, "added_later": 1}))  # newer peer
+    assert not validator.validate(_dht_record(EXPERTS_FIELD, {**GOOD_EXPERT_HOST, "experts": [2, 2]}))
+    assert not validator.validate(_dht_record(EXPERTS_FIELD, {**GOOD_EXPERT_HOST, "experts": [True]}))
+    assert not validator.validate(_dht_record(EXPERTS_FIELD, GOOD_EXPERT_HOST, subkey=b"no owner marker"))
+    assert not validator.validate(_dht_record(EXPERTS_FIELD, GOOD_SERVER))  # a server record is no expert host
+    assert not validator.validate(_dht_record("stage1", GOOD_EXPERT_HOST))  # nor the other way round
 
 
 def test_schema_validator_survives_pickling_and_leaves_pydantic_alone():

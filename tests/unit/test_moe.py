@@ -242,7 +242,7 @@ def test_an_unchecked_config_with_a_misplaced_moe_block_cannot_build_its_stages(
 def test_moe_config_round_trips_exactly(tmp_path):
     config = RunConfig.load(CONFIGS / "moe.yaml")
     assert config.model.moe == MoEConfig(every=2, num_experts=8, top_k=2, capacity_factor=1.25,
-                                         aux_loss_weight=0.01, expert_hidden=256)
+                                         aux_loss_weight=0.01, expert_hidden=256, expert_servers=True, k_min=1)
     config.save(tmp_path / "again.yaml")
     again = RunConfig.load(tmp_path / "again.yaml")
     assert again == config and again.to_yaml() == config.to_yaml()

@@ -1,0 +1,276 @@
+"""An expert server: hosts experts of a run's MoE blocks, serves their forward and backward, and
+announces them in the DHT (`swarm-peer --role expert --experts auto|LIST`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from swarm.backend import Overloaded
+from swarm.config import RunConfig
+from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, peer_id
+from swarm.experts import ExpertHost
+from swarm.protocol import (
+    BAD_REQUEST,
+    DEFAULT_RECEIVE_TIMEOUT,
+    INTERNAL,
+    NOT_READY,
+    WRONG_STAGE,
+    RequestRejected,
+    StageHandler,
+    StageReply,
+    StageRequest,
+    StageService,
+    experts_namespace,
+    register,
+    stage_wire_limits,
+)
+
+log = logging.getLogger("swarm.expert")
+
+LOOP_CALL_TIMEOUT = 30.0
+
+
+@dataclass
+class ExpertOptions:
+    experts: list[int] | None = None  # None: auto, the `count` experts with the fewest hosts
+    count: int | None = None  # auto: how many experts to host; None: half the experts of a block, at least 1
+    device: str = "cpu"
+    max_queue: int = 64
+    inject_delay: float = 0.0  # seconds added to every request (fault injection)
+    inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
+    receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT
+    metrics_addr: str | None = None
+
+
+def choose_experts(hosts: list[ExpertHostRecord], num_experts: int, count: int) -> list[int]:
+    """The `count` experts with the fewest ONLINE or JOINING hosts, ties to the lower index."""
+    load = Tally(e for record in hosts if record.state != ServerState.OFFLINE.value
+                 for e in set(record.experts) if 0 <= e < num_experts)
+    return sorted(sorted(range(num_experts), key=lambda e: (load[e], e))[:count])
+
+
+class ExpertServer:
+    """Lifecycle: JOINING -> build the experts, register the RPCs -> ONLINE -> OFFLINE."""
+
+    def __init__(self, config: RunConfig, dht: hivemind.DHT, records: SwarmRecords, loop: BackgroundLoop,
+                 options: ExpertOptions | None = None, registry: CollectorRegistry | None = None):
+        if config.model.moe is None or not config.model.moe.expert_servers:
+            raise ValueError(f"run {config.run_id} has no expert servers (model.moe.expert_servers is not set): "
+                             "serve a stage instead (--role server)")
+        self.config, self.dht, self.records, self.loop = config, dht, records, loop
+        self.options = options or ExpertOptions()
+        self.peer_id = peer_id(dht)
+        self.state = ServerState.JOINING
+        self.host: ExpertHost | None = None
+        self.experts: list[int] = []
+        self.throughput = 0.0
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ExpertMetrics(self.registry, self)
+        self._stop = threading.Event()
+        self._announcer: threading.Thread | None = None
+        self._p2p = None
+        self._service: StageService | None = None
+
+    def start(self) -> None:
+        moe = self.config.model.moe
+        experts = self.options.experts
+        if experts is None:
+            count = self.options.count or max(1, moe.num_experts // 2)
+            experts = choose_experts(self.records.lookup_expert_hosts(), moe.num_experts, count)
+        bad = [e for e in experts if not 0 <= e < moe.num_experts]
+        if bad or not experts:
+            raise ValueError(f"--experts must name experts in 0..{moe.num_experts - 1}, got {sorted(experts)}")
+        self.experts = sorted(set(experts))
+        self.announce()
+        self._p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
+        self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue)
+        self.throughput = measure_throughput(self.host, self.config)
+        handler = ExpertRequestHandler(self)
+        self._service = self.loop.run(handler.serve(self._p2p), LOOP_CALL_TIMEOUT)
+        self.state = ServerState.ONLINE
+        self.announce()
+        self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
+        self._announcer.start()
+        log.info("hosting experts %s of MoE blocks %s as %s (%.0f tokens/s measured)", self.experts,
+                 self.config.model.moe_layers(), self.peer_id, self.throughput)
+
+    def record(self) -> ExpertHostRecord:
+        return ExpertHostRecord(peer_id=self.peer_id, experts=self.experts, state=self.state.value,
+                                throughput=float(self.throughput), step=self.host.step if self.host else 0,
+                                metrics_addr=self.options.metrics_addr)
+
+    def announce(self) -> bool:
+        ok = self.records.announce_expert_host(self.record(), ttl=self.config.network.record_ttl)
+        if not ok:
+            log.warning("could not store this expert server's record in the DHT (will retry)")
+        return ok
+
+    def _announce_forever(self) -> None:
+        while not self._stop.wait(self.config.network.announce_period):
+            try:
+                self.announce()
+            except Exception as e:  # a DHT hiccup must not stop the renewals
+                log.warning("announce failed: %s", e)
+
+    def shutdown(self) -> None:
+        """Announce OFFLINE first, so stage servers stop sending tokens, then stop serving."""
+        self._stop.set()
+        if self.experts:
+            self.state = ServerState.OFFLINE
+            try:
+                self.announce()
+            except Exception as e:
+                log.warning("could not announce OFFLINE: %s", e)
+        if self._service is not None and self.loop.is_running:
+            try:
+                self.loop.run(self._service.unregister(self._p2p), LOOP_CALL_TIMEOUT)
+            except Exception as e:
+                log.debug("unregister failed: %s", e)
+        if self.host is not None:
+            self.host.shutdown()
+
+
+class ExpertMetrics:
+    def __init__(self, registry: CollectorRegistry, server: ExpertServer):
+        self.requests = Counter("swarm_expert_requests_total", "Expert requests by kind and outcome",
+                                ["kind", "status"], registry=registry)
+        self.latency = Histogram("swarm_expert_request_seconds", "Time to answer an expert request", ["kind"],
+                                 registry=registry)
+        Gauge("swarm_expert_step", "Optimizer steps of the hosted experts", registry=registry).set_function(
+            lambda: server.host.step if server.host else 0)
+        Gauge("swarm_expert_queue_depth", "Tasks waiting for or in compute", registry=registry).set_function(
+            lambda: server.host.queue_depth if server.host else 0)
+        registry.register(_HostedTokens(server))
+
+
+class _HostedTokens:
+    def __init__(self, server: ExpertServer):
+        self.server = server
+
+    def collect(self):
+        family = CounterMetricFamily("swarm_expert_tokens", "Tokens each hosted expert ran a backward on",
+                                     labels=["layer", "expert"])
+        host = self.server.host
+        if host is not None:
+            for (layer, e), count in list(host.tokens.items()):
+                family.add_metric([str(layer), str(e)], count)
+        yield family
+
+
+class ExpertRequestHandler(StageHandler):
+    """Checks each request against what is hosted here, then runs it on the expert host's worker."""
+
+    def __init__(self, server: ExpertServer):
+        self.server = server
+
+    async def serve(self, p2p: hivemind.p2p.P2P) -> StageService:
+        config, options = self.server.config, self.server.options
+        # A request holds at most top_k slots of each token of a micro-batch, in and (backward) gradient.
+        limits = stage_wire_limits(config.model, config.optimizer.micro_batch_size * config.model.moe.top_k)
+        return await register(p2p, self, experts_namespace(config.run_id), limits=limits,
+                              receive_timeout=options.receive_timeout, admit=self.admit,
+                              max_concurrent=2 * options.max_queue)
+
+    def admit(self, kind: str, meta: dict) -> None:
+        self._check_serving(kind)
+        host = self.server.host
+        if host.queue_depth >= host.max_queue:
+            self._count(kind, NOT_READY)
+            raise RequestRejected(NOT_READY, f"the expert server has {host.queue_depth} tasks queued; try later")
+
+    async def forward(self, request: StageRequest) -> StageReply:
+        started = time.perf_counter()
+        host = await self._admit(request)
+        out = await self._run(request, host.forward, request.stage, request.experts, request.inputs)
+        self._done(request, started)
+        return StageReply([out], server_step=host.step)
+
+    async def backward(self, request: StageRequest) -> StageReply:
+        started = time.perf_counter()
+        host = await self._admit(request)
+        if request.samples is None:
+            self._count(request.kind, BAD_REQUEST)
+            raise RequestRejected(BAD_REQUEST, "an expert backward must say how many samples its micro-batch has")
+        cap = self.server.config.optimizer.micro_batch_size
+        if request.samples > cap:
+            self._count(request.kind, BAD_REQUEST)
+            raise RequestRejected(BAD_REQUEST, f"a micro-batch has at most {cap} samples, got {request.samples}")
+        grad, stats = await self._run(request, host.backward, request.stage, request.experts, request.inputs,
+                                      request.grad_outputs, request.samples)
+        for step in stats:
+            if step["skipped"]:
+                log.warning("an expert skipped a step: non-finite gradient norm")
+        if stats:
+            log.info("experts stepped: step %d (lr %.2e)", host.step, stats[0]["lr"])
+        self._done(request, started)
+        return StageReply([grad], server_step=host.step)
+
+    async def _admit(self, request: StageRequest) -> ExpertHost:
+        self._check_serving(request.kind)
+        if request.experts is None or request.grad_outputs is None and request.kind == "backward":
+            self._count(request.kind, BAD_REQUEST)
+            raise RequestRejected(BAD_REQUEST, "an expert request must name its experts (and a backward carry "
+                                               "grad_outputs)")
+        layers = self.server.host.layers
+        if request.stage not in layers:
+            self._count(request.kind, WRONG_STAGE)
+            raise RequestRejected(WRONG_STAGE, f"block {request.stage} is not a mixture of experts (MoE blocks: "
+                                               f"{layers})")
+        options = self.server.options
+        if options.inject_delay > 0:
+            await asyncio.sleep(options.inject_delay)
+        if options.inject_failure_rate > 0 and random.random() < options.inject_failure_rate:
+            self._count(request.kind, "injected")
+            raise RequestRejected(INTERNAL, "injected failure (--inject-failure-rate)")
+        return self.server.host
+
+    def _check_serving(self, kind: str) -> None:
+        server = self.server
+        if server.state != ServerState.ONLINE or server.host is None:
+            self._count(kind, NOT_READY)
+            raise RequestRejected(NOT_READY, f"expert server is {server.state.value}, not ONLINE")
+
+    async def _run(self, request: StageRequest, fn, *args):
+        try:
+            return await asyncio.wrap_future(self.server.host.submit(fn, *args))
+        except Overloaded as e:
+            self._count(request.kind, NOT_READY)
+            raise RequestRejected(NOT_READY, str(e)) from None
+        except ValueError as e:  # the host's input checks
+            self._count(request.kind, BAD_REQUEST)
+            raise RequestRejected(BAD_REQUEST, str(e)) from None
+
+    def _count(self, kind: str, status: str) -> None:
+        self.server.metrics.requests.labels(kind=kind, status=status).inc()
+
+    def _done(self, request: StageRequest, started: float) -> None:
+        self._count(request.kind, "ok")
+        self.server.metrics.latency.labels(kind=request.kind).observe(time.perf_counter() - started)
+
+
+def measure_throughput(host: ExpertHost, config: RunConfig, repeats: int = 3) -> float:
+    """Tokens per second one hosted expert runs forward and backward on (a copy, so nothing accumulates)."""
+    import copy
+
+    moe = config.model.moe
+    rows = max(1, config.optimizer.micro_batch_size * config.model.seq_len * moe.top_k // moe.num_experts)
+    module = copy.deepcopy(next(iter(host.modules.values())))
+    x = torch.randn(rows, config.model.d_model, device=host.device)
+    timings = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        leaf = x.detach().requires_grad_(True)
+        module(leaf).sum().backward()
+        timings.append(time.perf_counter() - started)
+    return rows / min(timings[1:])

@@ -1,0 +1,159 @@
+"""What an expert server computes: the experts it hosts, in every MoE block, with their optimizers.
+
+No networking here (peer/expert.py serves it). Each hosted expert is built as the reference builds
+it (:func:`swarm.model.make_expert`, its own seeded generator) and has its own
+:class:`~swarm.optim.StageOptimizer`: its own gradient clipping and sample count. A stage server
+sends every micro-batch's backward to every expert of its block, also those it routed no token to
+(zero rows), with the micro-batch's sample count, so every expert reaches ``batch_size`` samples,
+and steps, exactly when the stages do; an expert with no token in a whole batch has no gradient,
+and AdamW leaves it alone, as in the reference.
+
+Every task runs on one worker thread (the experts, their gradients and optimizers are only touched
+there); at most ``max_queue`` wait, more are refused with :class:`~swarm.backend.Overloaded`.
+Inputs are checked before any compute: the block and experts must be hosted here, the rows
+``[n, d_model]`` floats, finite, at most ``max_rows``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from swarm.backend import Overloaded
+from swarm.config import RunConfig
+from swarm.model import make_expert
+from swarm.optim import StageOptimizer
+
+
+class ExpertHost:
+    """The experts `experts` (indices) of every MoE block of the run, on `device`."""
+
+    def __init__(self, config: RunConfig, experts: Sequence[int], device: str | torch.device = "cpu",
+                 max_queue: int = 64, max_rows: int | None = None):
+        moe = config.model.moe
+        if moe is None:
+            raise ValueError("the run has no mixture of experts (model.moe): there is nothing to host")
+        experts = sorted(set(experts))
+        if not experts or not all(0 <= e < moe.num_experts for e in experts):
+            raise ValueError(f"experts to host must be a non-empty subset of 0..{moe.num_experts - 1}, got {experts}")
+        self.config = config
+        self.experts = experts
+        self.layers = config.model.moe_layers()
+        self.device = torch.device(device)
+        self.d_model = config.model.d_model
+        micro = config.optimizer.micro_batch_size
+        # The most rows one request may carry: every slot of every token of a micro-batch.
+        self.max_rows = max_rows if max_rows is not None else moe.top_k * micro * config.model.seq_len
+        self.modules = {(layer, e): make_expert(config.model, layer, e).to(self.device)
+                        for layer in self.layers for e in experts}
+        self.optimizers = {key: StageOptimizer(module, config.optimizer) for key, module in self.modules.items()}
+        self.max_queue = max_queue
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="experts")
+        self._lock = threading.Lock()
+        self._queued = 0
+        self.busy_seconds = 0.0
+        self.tokens = dict.fromkeys(self.modules, 0)  # rows each expert ran a backward on (its load)
+        self.samples = 0  # samples of the backwards taken in, summed over blocks
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken: the experts step together, so the most any of them took."""
+        return max(opt.step_count for opt in self.optimizers.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    def submit(self, fn, *args: Any) -> Future:
+        """Queue `fn(*args)` on the worker thread, or raise Overloaded if the queue is full."""
+        with self._lock:
+            if self._queued >= self.max_queue:
+                raise Overloaded(f"the expert server has {self._queued} tasks queued; try again later")
+            self._queued += 1
+        future = self._executor.submit(self._timed, fn, *args)
+        future.add_done_callback(self._task_done)
+        return future
+
+    def _task_done(self, _: Future) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _timed(self, fn, *args: Any):
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_seconds += time.perf_counter() - started
+
+    def check(self, layer: int, rows: Sequence[tuple[int, int]], inputs: torch.Tensor,
+              grad: torch.Tensor | None = None) -> None:
+        """ValueError unless the request fits what is hosted here (see the module docstring)."""
+        if layer not in self.layers:
+            raise ValueError(f"block {layer} is not a mixture of experts of this run (MoE blocks: {self.layers})")
+        missing = [e for e, _ in rows if (layer, e) not in self.modules]
+        if missing:
+            raise ValueError(f"experts {missing} are not hosted here (this server hosts {self.experts})")
+        if inputs.dim() != 2 or inputs.shape[1] != self.d_model or not inputs.is_floating_point():
+            raise ValueError(f"expert inputs must be floats of shape [rows, {self.d_model}], got "
+                             f"{inputs.dtype} {list(inputs.shape)}")
+        if inputs.shape[0] > self.max_rows:
+            raise ValueError(f"a request carries at most {self.max_rows} rows, got {inputs.shape[0]}")
+        if not torch.isfinite(inputs).all():
+            raise ValueError("expert inputs have non-finite values")
+        if grad is not None:
+            if tuple(grad.shape) != tuple(inputs.shape) or not grad.is_floating_point():
+                raise ValueError(f"the output gradient must be floats of the inputs' shape {list(inputs.shape)}, "
+                                 f"got {grad.dtype} {list(grad.shape)}")
+            if not torch.isfinite(grad).all():
+                raise ValueError("the output gradient has non-finite values")
+
+    @torch.no_grad()
+    def forward(self, layer: int, rows: Sequence[tuple[int, int]], inputs: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for their rows of `inputs`, in the same order; nothing accumulates."""
+        self.check(layer, rows, inputs)
+        x = inputs.to(self.device, torch.float32)
+        chunks = torch.split(x, [count for _, count in rows])
+        outputs = [self.modules[layer, e](chunk) for (e, _), chunk in zip(rows, chunks)]
+        return torch.cat(outputs).cpu() if outputs else x.cpu()
+
+    def backward(self, layer: int, rows: Sequence[tuple[int, int]], inputs: torch.Tensor, grad: torch.Tensor,
+                 samples: int) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """Recompute each expert on its rows, accumulate its parameter gradient (a sum over the
+        micro-batch's `samples` sequences) and count the samples; step an expert whose batch is full.
+
+        Returns the gradient of the inputs, and the stats of the steps taken. Gradients of a request
+        that fails are discarded: it changes nothing.
+        """
+        self.check(layer, rows, inputs, grad)
+        x = inputs.to(self.device, torch.float32)
+        g = grad.to(self.device, torch.float32)
+        counts = [count for _, count in rows]
+        results = []
+        for (e, count), chunk, chunk_grad in zip(rows, torch.split(x, counts), torch.split(g, counts)):
+            module = self.modules[layer, e]
+            if not count:
+                results.append((e, None, chunk))
+                continue
+            leaf = chunk.detach().requires_grad_(True)
+            params = self.optimizers[layer, e].params
+            with torch.enable_grad():
+                grads = torch.autograd.grad(module(leaf), [leaf, *params], chunk_grad)
+            results.append((e, list(grads[1:]), grads[0]))
+        stats = []
+        for e, grads, _ in results:  # all computed: only now does anything accumulate
+            optimizer = self.optimizers[layer, e]
+            optimizer.accumulate([None] * len(optimizer.params) if grads is None else grads, samples)
+            self.tokens[layer, e] += 0 if grads is None else next(c for ex, c in rows if ex == e)
+            if optimizer.ready:
+                stats.append(optimizer.step())
+        self.samples += samples
+        grad_inputs = torch.cat([r[2] for r in results]) if results else x
+        return grad_inputs.detach().cpu(), stats
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

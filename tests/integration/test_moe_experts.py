@@ -1,0 +1,93 @@
+"""Experts on expert servers: a stage server of an MoE block calls them for its tokens.
+
+Real peers on 127.0.0.1: stage servers, expert servers and a trainer in this process, each with its
+own DHT node. Expert 2 is hosted twice, so a replica is exercised in every test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from peer.expert import ExpertOptions, ExpertServer
+from peer.trainer import Trainer, TrainerOptions
+from swarm.config import MoEConfig
+from swarm.reference import ReferenceTrainer
+from tests.helpers import wait_until
+from tests.integration.inproc import (
+    BACKEND_CALL_TIMEOUT,
+    Peer,
+    running_peers,
+    stage_servers,
+    stage_state,
+    tiny_config,
+    train_bounded,
+    wait_until_online,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+TRAIN_TIMEOUT = 90.0
+STEP_TIMEOUT = 10.0
+EXACT = dict(atol=1e-5, rtol=1e-4)
+HOSTED = ([0, 1, 2], [2, 3])  # expert 2 on both
+
+
+def moe_config(run_id: str, **optimizer):
+    config = tiny_config(run_id, 2, **{"batch_size": 12, "micro_batch_size": 4, "lr": 1e-2, "warmup_steps": 1,
+                                       **optimizer})
+    # 4 experts, top 2, capacity 1.0 (some slots dropped), a large aux weight, every block an MoE block
+    config.model.moe = MoEConfig(every=1, num_experts=4, top_k=2, capacity_factor=1.0, aux_loss_weight=0.5,
+                                 expert_servers=True)
+    return config.validate()
+
+
+@contextlib.contextmanager
+def expert_servers(config, peers: Sequence[Peer], hosted: Sequence[list[int]]) -> Iterator[list[ExpertServer]]:
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for peer, experts in zip(peers, hosted, strict=True):
+            server = ExpertServer(config, peer.dht, peer.records, peer.loop, ExpertOptions(experts=experts))
+            stack.callback(server.shutdown)
+            server.start()
+            servers.append(server)
+        yield servers
+
+
+def expert_state(server: ExpertServer, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    host = server.host
+    module = host.modules[layer, expert]
+    return host.submit(lambda: {k: v.clone() for k, v in module.state_dict().items()}).result(BACKEND_CALL_TIMEOUT)
+
+
+def test_one_step_with_experts_on_expert_servers_equals_one_reference_step():
+    config = moe_config("exactexperts")
+    batch = config.optimizer.batch_size
+    with running_peers(config.run_id, 5) as (trainer_peer, *peers), \
+            expert_servers(config, peers[2:], HOSTED) as hosts, \
+            stage_servers(config, peers[:2], [0, 1]) as servers:
+        wait_until_online(trainer_peer.records, [0, 1])
+        trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
+                          TrainerOptions(trainer_index=0, max_samples=batch, in_flight=1))
+        train_bounded(trainer, TRAIN_TIMEOUT)
+        wait_until(lambda: all(s.backend.step >= 1 for s in servers) and all(h.host.step >= 1 for h in hosts),
+                   STEP_TIMEOUT, what="every stage's and expert's first step")
+        reference = ReferenceTrainer(config, trainer_index=0)
+        expected = reference.train_step()
+        assert expected["dropped"] > 0
+        swarm_loss = sum(loss for _, loss, _ in trainer.recent) / (batch // config.optimizer.micro_batch_size)
+        assert swarm_loss == pytest.approx(expected["loss"], rel=1e-5)
+        for stage, server in enumerate(servers):
+            assert server.backend.step == 1 and server.dispatcher is not None
+            torch.testing.assert_close(stage_state(server), reference.stages[stage].state_dict(), **EXACT)
+            assert server.dispatcher.stats.lost_slots.get(stage, 0) == 0
+        experts = config.model.moe.num_experts
+        for host, hosted in zip(hosts, HOSTED):
+            assert host.host.step == 1
+            for layer in (0, 1):
+                for e in hosted:
+                    torch.testing.assert_close(expert_state(host, layer, e),
+                                               reference.experts[layer * experts + e].state_dict(), **EXACT)

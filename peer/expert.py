@@ -10,9 +10,13 @@ import threading
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035  (hivemind's ServicerBase reads typing.AsyncIterator annotations)
 
 import hivemind
 import torch
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import iter_as_aiter
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
@@ -22,23 +26,30 @@ from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecord
 from swarm.experts import ExpertHost
 from swarm.protocol import (
     BAD_REQUEST,
+    DEFAULT_LIMITS,
     DEFAULT_RECEIVE_TIMEOUT,
     INTERNAL,
     NOT_READY,
     WRONG_STAGE,
+    ProtocolError,
     RequestRejected,
     StageHandler,
     StageReply,
     StageRequest,
     StageService,
+    WireLimits,
+    encode_tensor,
     experts_namespace,
     register,
     stage_wire_limits,
 )
+from swarm.protocol.framing import gather_frames, to_frames
+from swarm.protocol.messages import error_frames, raise_if_error
 
 log = logging.getLogger("swarm.expert")
 
 LOOP_CALL_TIMEOUT = 30.0
+STATE_TIMEOUT = 60.0  # for one expert's state to arrive from a host that has it
 
 
 @dataclass
@@ -96,6 +107,10 @@ class ExpertServer:
         self._p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
         self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue)
         self.throughput = measure_throughput(self.host, self.config)
+        self._state_service = ExpertStateService(self)
+        self.loop.run(self._state_service.add_p2p_handlers(self._p2p, namespace=self._state_namespace()),
+                      LOOP_CALL_TIMEOUT)
+        self._download_state()
         handler = ExpertRequestHandler(self)
         self._service = self.loop.run(handler.serve(self._p2p), LOOP_CALL_TIMEOUT)
         self.state = ServerState.ONLINE
@@ -104,6 +119,43 @@ class ExpertServer:
         self._announcer.start()
         log.info("hosting experts %s of MoE blocks %s as %s (%.0f tokens/s measured)", self.experts,
                  self.config.model.moe_layers(), self.peer_id, self.throughput)
+
+    def _state_namespace(self) -> str:
+        return experts_namespace(self.config.run_id) + "/state"
+
+    def _download_state(self) -> None:
+        """Take each hosted expert's state from an ONLINE host of it, so replicas start equal; an expert
+        that no live host has starts from its initial weights (said loudly once the run has trained)."""
+        hosts = [r for r in self.records.lookup_expert_hosts()
+                 if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
+        fresh = []
+        for e in self.experts:
+            donors = sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)
+            for donor in donors:
+                try:
+                    for layer in self.host.layers:
+                        meta, tensors = self.loop.run(self._fetch(donor.peer_id, layer, e), STATE_TIMEOUT + 5)
+                        self.host.submit(self.host.import_expert, layer, e, meta, tensors).result(LOOP_CALL_TIMEOUT)
+                    log.info("expert %d: state of step %d taken from %s", e, meta["step_count"], donor.peer_id)
+                    break
+                except Exception as err:  # a donor that left, or sent something unusable: try the next
+                    log.warning("expert %d: could not take its state from %s (%s)", e, donor.peer_id, err)
+            else:
+                fresh.append(e)
+        steps = [r.step for r in self.records.lookup_all_servers(self.config.stages.num_stages).get(0, [])]
+        if fresh and steps and max(steps) > 0:
+            log.warning("experts %s have no live host to take their state from: they start from their initial "
+                        "weights although the run is at step %d", fresh, max(steps))
+
+    async def _fetch(self, peer: str, layer: int, expert: int) -> tuple[dict, list[torch.Tensor]]:
+        stub = ExpertStateService.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self._state_namespace())
+        frames = to_frames({"layer": layer, "expert": expert}, [], runtime_pb2.ExpertRequest)
+        responses = await stub.rpc_state(iter_as_aiter(frames))
+        try:
+            return await asyncio.wait_for(gather_frames(responses, state_limits(self.host), raise_if_error),
+                                          STATE_TIMEOUT)
+        finally:
+            await responses.aclose()
 
     def record(self) -> ExpertHostRecord:
         return ExpertHostRecord(peer_id=self.peer_id, experts=self.experts, state=self.state.value,
@@ -135,10 +187,56 @@ class ExpertServer:
         if self._service is not None and self.loop.is_running:
             try:
                 self.loop.run(self._service.unregister(self._p2p), LOOP_CALL_TIMEOUT)
+                self.loop.run(self._state_service.remove_p2p_handlers(self._p2p, namespace=self._state_namespace()),
+                              LOOP_CALL_TIMEOUT)
             except Exception as e:
                 log.debug("unregister failed: %s", e)
         if self.host is not None:
             self.host.shutdown()
+
+
+def state_limits(host: ExpertHost) -> WireLimits:
+    """The largest honest state message of one expert: 4 flat float32 tensors of its parameter count."""
+    params = sum(p.numel() for p in next(iter(host.optimizers.values())).params)
+    return WireLimits(max_message_bytes=4 * 4 * params + DEFAULT_LIMITS.max_metadata_bytes, max_tensor_elements=params,
+                      max_tensors=4)
+
+
+class ExpertStateService(ServicerBase):
+    """`rpc_state`: one hosted expert's state (ExpertHost.export_expert), for a host joining it.
+
+    The request is metadata only, {"layer": L, "expert": e}; the reply is the state's numbers and
+    its 4 tensors, or an error reply. Read between two tasks on the host's worker thread."""
+
+    def __init__(self, server: ExpertServer):
+        self.server = server
+
+    async def rpc_state(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for frame in await self._answer(requests):
+            yield frame
+
+    async def _answer(self, requests: AsyncIterator) -> list:
+        limits = WireLimits(max_message_bytes=DEFAULT_LIMITS.max_metadata_bytes, max_tensors=0)
+        try:
+            meta, _ = await asyncio.wait_for(gather_frames(requests, limits), DEFAULT_RECEIVE_TIMEOUT)
+            host = self.server.host
+            if self.server.state != ServerState.ONLINE or host is None:
+                return error_frames(NOT_READY, "not ONLINE")
+            layer, expert = meta.get("layer"), meta.get("expert")
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (layer, expert)) \
+                    or (layer, expert) not in host.modules:
+                return error_frames(BAD_REQUEST, f"expert {expert!r} of block {layer!r} is not hosted here")
+            state, tensors = await asyncio.wrap_future(host.submit(host.export_expert, layer, expert))
+            return list(to_frames({**state, "ok": True}, [encode_tensor(t, "float32") for t in tensors], runtime_pb2.ExpertResponse,
+                                  state_limits(host)))
+        except (ProtocolError, asyncio.TimeoutError) as e:
+            return error_frames(BAD_REQUEST, f"could not read the request: {e}")
+        except Overloaded as e:
+            return error_frames(NOT_READY, str(e))
+        except Exception as e:  # whatever goes wrong, the caller gets an answer
+            log.warning("state request failed", exc_info=True)
+            return error_frames(INTERNAL, f"{type(e).__name__}: {e}")
 
 
 class ExpertMetrics:

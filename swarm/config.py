@@ -44,8 +44,9 @@ class MoEConfig:
     # (swarm-peer --role expert) that the stage server calls, routing around the dead and slow ones.
     expert_servers: bool = False
     # With expert servers: a token goes on with the experts that answered (gates renormalized over them)
-    # if at least k_min of its top-k did, or all it was routed to, if fewer; otherwise the micro-batch
-    # is refused as not ready (the trainer retries later). 0: a token may go on with none (its residual).
+    # as long as at least k_min of its top-k were not lost to failures (slots dropped for capacity do not
+    # count as lost); otherwise the micro-batch is refused as not ready (the trainer retries later).
+    # 0: a token may lose all its experts (its residual carries it).
     k_min: int = 1
 
     def validate(self) -> None:

@@ -155,5 +155,71 @@ class ExpertHost:
         grad_inputs = torch.cat([r[2] for r in results]) if results else x
         return grad_inputs.detach().cpu(), stats
 
+    def export_expert(self, layer: int, expert: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """One expert's whole state, for a host joining it: (numbers, [parameters, AdamW's two moments,
+        the gradient being accumulated]), each flat float32 in parameter order (empty: none yet)."""
+        key = (layer, expert)
+        if key not in self.modules:
+            raise ValueError(f"expert {expert} of block {layer} is not hosted here")
+        optimizer = self.optimizers[key]
+        params = optimizer.params
+        moments = optimizer.moments()
+        flat = [_flat([p.detach() for p in params])]
+        for slot in ("exp_avg", "exp_avg_sq"):
+            flat.append(_flat([moments[f"{i}/{slot}"] for i in range(len(params))]) if moments else _flat([]))
+        grads = [p.grad for p in params]
+        flat.append(_flat([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+                    if any(g is not None for g in grads) else _flat([]))
+        meta = {"layer": layer, "expert": expert, "step_count": optimizer.step_count, "samples": optimizer.samples,
+                "adam_step": float(moments["0/step"]) if moments else 0.0}
+        return meta, flat
+
+    def import_expert(self, layer: int, expert: int, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """Take over an expert's state as :meth:`export_expert` gives it; ValueError (and nothing changed)
+        if it does not fit this expert exactly."""
+        key = (layer, expert)
+        if key not in self.modules:
+            raise ValueError(f"expert {expert} of block {layer} is not hosted here")
+        optimizer = self.optimizers[key]
+        params = optimizer.params
+        total = sum(p.numel() for p in params)
+        if len(tensors) != 4:
+            raise ValueError(f"an expert's state is 4 tensors, got {len(tensors)}")
+        for name, t, sizes in zip(("parameters", "exp_avg", "exp_avg_sq", "gradient"), tensors,
+                                  ((total,), (0, total), (0, total), (0, total))):
+            if t.dtype != torch.float32 or t.dim() != 1 or t.numel() not in sizes:
+                raise ValueError(f"the expert's {name} must be flat float32 of {' or '.join(map(str, sizes))} "
+                                 f"elements, got {t.dtype} {list(t.shape)}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"the expert's {name} have non-finite values")
+        if (tensors[1].numel() == 0) != (tensors[2].numel() == 0):
+            raise ValueError("the expert's state has one AdamW moment without the other")
+        numbers = {name: meta.get(name) for name in ("step_count", "samples")}
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in numbers.values()):
+            raise ValueError(f"step_count and samples must be non-negative integers, got {numbers}")
+        adam_step = meta.get("adam_step")
+        if isinstance(adam_step, bool) or not isinstance(adam_step, (int, float)) or not 0 <= adam_step < 2**53:
+            raise ValueError(f"adam_step must be a non-negative number, got {adam_step!r}")
+        sizes = [p.numel() for p in params]
+        with torch.no_grad():
+            for p, part in zip(params, tensors[0].split(sizes)):
+                p.copy_(part.view_as(p))
+            if tensors[1].numel():
+                moments = {}
+                for i, (p, avg, sq) in enumerate(zip(params, tensors[1].split(sizes), tensors[2].split(sizes))):
+                    moments.update({f"{i}/exp_avg": avg.view_as(p).clone(), f"{i}/exp_avg_sq": sq.view_as(p).clone(),
+                                    f"{i}/step": torch.tensor(float(adam_step))})
+                optimizer.load_moments(moments, numbers["step_count"])
+            optimizer.step_count = numbers["step_count"]
+            for p, part in zip(params, tensors[3].split(sizes) if tensors[3].numel() else [None] * len(params)):
+                p.grad = None if part is None else part.view_as(p).clone()
+            optimizer.samples = numbers["samples"]
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])

@@ -14,10 +14,10 @@ with the stages.
 
 :class:`RemoteExperts` is the :class:`~swarm.model.moe.ExpertRunner` the stage's MoE blocks call
 on the backend's worker thread. A lost expert's slots become UNAVAILABLE: the token goes on with
-the experts that answered, gates renormalized over them (swarm.model.moe.gates), if at least
-``k_min`` of its experts did (or all it was routed to, if fewer), else the micro-batch is refused
-(:class:`ExpertsUnavailable`) for the trainer to retry. Under gradients, the expert outputs are an
-autograd node whose backward is the backward call above.
+the experts that answered, gates renormalized over them (swarm.model.moe.gates), if no more than
+``top_k - k_min`` of its top-k experts were lost (a slot dropped for capacity is routing, not a
+loss), else the micro-batch is refused (:class:`ExpertsUnavailable`) for the trainer to retry.
+Under gradients, the expert outputs are an autograd node whose backward is the backward call above.
 
 Which experts a micro-batch's forward lost is reported in the stage's reply (`moe_lost`), and the
 trainer sends it back with the backward: the backward, which recomputes the forward, leaves those
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.model.moe import Dispatch, RoutingPlan
+from swarm.model.moe import UNAVAILABLE, Dispatch, RoutingPlan
 from swarm.protocol import (
     BACKWARD,
     DEFAULT_LIMITS,
@@ -217,7 +217,6 @@ class RemoteExperts:
     def __call__(self, layer: int, u: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, RoutingPlan]:
         call = getattr(_calls, "current", None) or ExpertCall()
         num_experts = self.dispatcher.num_experts
-        planned = plan.processed.sum(dim=1)
         plan = plan.without(call.lost_in.get(layer, ()))
         n, k = plan.experts.shape
         dispatch = Dispatch.of(plan, num_experts)
@@ -229,12 +228,13 @@ class RemoteExperts:
             self.dispatcher.stats.lost_slots[layer] += int(sum(dispatch.counts[e] for e in lost))
             call.lost_out[layer] = lost
             plan = plan.without(lost)
-        answered = plan.processed.sum(dim=1)
-        short = answered < torch.clamp(planned, max=self.k_min)
+        # Capacity drops are routing, not failures: a token needs k_min of its top-k not lost to the network.
+        missing = (plan.status == UNAVAILABLE).sum(dim=1)
+        short = missing > k - self.k_min
         if bool(short.any()):
             raise ExpertsUnavailable(
-                f"block {layer}: {int(short.sum())} token(s) lost all but {int(answered[short].min())} of their "
-                f"experts (k_min {self.k_min}); experts {lost} did not answer")
+                f"block {layer}: {int(short.sum())} token(s) lost more than {k - self.k_min} of their {k} experts "
+                f"(k_min {self.k_min}); experts {lost} did not answer")
         dispatch = Dispatch.of(plan, num_experts)
         flat = torch.cat([outputs[e] for e, count in enumerate(dispatch.counts) if count] or [rows[:0]])
         flat = flat.to(u.dtype)

@@ -91,3 +91,28 @@ def test_one_step_with_experts_on_expert_servers_equals_one_reference_step():
                 for e in hosted:
                     torch.testing.assert_close(expert_state(host, layer, e),
                                                reference.experts[layer * experts + e].state_dict(), **EXACT)
+
+
+def test_a_joining_expert_server_takes_the_state_of_a_live_host():
+    """After a step, a third host of expert 2 starts from the live hosts' parameters, moments and step."""
+    config = moe_config("joinexperts")
+    batch = config.optimizer.batch_size
+    with running_peers(config.run_id, 6) as (trainer_peer, *peers), \
+            expert_servers(config, peers[2:4], HOSTED) as hosts, \
+            stage_servers(config, peers[:2], [0, 1]) as servers:
+        wait_until_online(trainer_peer.records, [0, 1])
+        trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
+                          TrainerOptions(trainer_index=0, max_samples=batch, in_flight=1))
+        train_bounded(trainer, TRAIN_TIMEOUT)
+        wait_until(lambda: all(h.host.step >= 1 for h in hosts) and all(s.backend.step >= 1 for s in servers),
+                   STEP_TIMEOUT, what="the first step")
+        with expert_servers(config, peers[4:], [[2]]) as (joiner,):
+            assert joiner.host.step == 1
+            for layer in (0, 1):
+                torch.testing.assert_close(expert_state(joiner, layer, 2), expert_state(hosts[0], layer, 2),
+                                           rtol=0, atol=0)
+                theirs = hosts[0].host.optimizers[layer, 2].moments()
+                mine = joiner.host.optimizers[layer, 2].moments()
+                assert mine.keys() == theirs.keys() and len(mine) > 0
+                for key in mine:
+                    torch.testing.assert_close(mine[key].float(), theirs[key].float(), rtol=0, atol=0)

@@ -35,7 +35,7 @@ from swarm.protocol import (
     request_frames,
 )
 from swarm.protocol.framing import encode_metadata, gather_frames, to_frames
-from swarm.protocol.messages import error_frames
+from swarm.protocol.messages import MAX_EXPERT_ENTRIES, MAX_MOE_BLOCKS, check_moe_lost, error_frames
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -417,3 +417,112 @@ def test_a_cancelled_request_gives_its_slot_back():
         assert service.active == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+# ---- expert calls: `experts`, `samples`, `moe_lost` ------------------------------------------------
+
+
+def test_an_expert_backward_round_trips_its_experts_and_samples():
+    inputs, grad = torch.randn(5, 16), torch.randn(5, 16)
+    request = StageRequest(BACKWARD, 1, "mb/experts", inputs, grad_outputs=grad, experts=[(0, 2), (3, 0), (2, 3)],
+                           samples=4)
+    received = _gather(request_frames(request))
+    assert (received.kind, received.stage, received.request_id) == (BACKWARD, 1, "mb/experts")
+    assert received.experts == [(0, 2), (3, 0), (2, 3)] and received.samples == 4 and received.moe_lost is None
+    assert torch.equal(received.inputs, inputs) and torch.equal(received.grad_outputs, grad)
+    plain = _gather(request_frames(StageRequest(FORWARD, 0, "r", torch.ones(2, 3))))
+    assert (plain.experts, plain.samples, plain.moe_lost) == (None, None, None)  # absent stays absent
+
+
+def test_a_forward_to_no_expert_with_no_rows_is_well_formed():
+    received = _gather(request_frames(StageRequest(FORWARD, 0, "r", torch.zeros(0, 4), experts=[(1, 0)])))
+    assert received.experts == [(1, 0)] and received.inputs.shape == (0, 4)
+
+
+def test_moe_lost_round_trips():
+    request = StageRequest(BACKWARD, 0, "r", torch.ones(2, 3), grad_outputs=torch.ones(2, 3),
+                           moe_lost=[(0, [1, 2]), (3, [])])
+    assert _gather(request_frames(request)).moe_lost == [(0, [1, 2]), (3, [])]
+
+
+def _expert_meta(kind=FORWARD, **fields):
+    return dict(kind=kind, stage=0, request_id="r", wire_dtype="float32", **fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "shape", "match"),
+    [
+        (dict(experts=[[0, 2], [1, 2]]), (3, 4), "account for 4 rows"),  # rows over the inputs'
+        (dict(experts=[[0, 1]]), (3, 4), "account for 1 rows"),  # rows under the inputs'
+        (dict(experts=[[0, 1], [0, 2]]), (3, 4), "twice"),
+        (dict(experts=[[-1, 3]]), (3, 4), "non-negative"),
+        (dict(experts=[[0, -3]]), (3, 4), "non-negative"),
+        (dict(experts=[[True, 3]]), (3, 4), "non-negative integers"),
+        (dict(experts=[[0, True], [1, 2]]), (3, 4), "non-negative integers"),
+        (dict(experts=[[0, 3.0]]), (3, 4), "non-negative integers"),
+        (dict(experts=[[0, 1, 2]]), (3, 4), "\\[expert, rows\\]"),
+        (dict(experts=[3]), (3, 4), "\\[expert, rows\\]"),
+        (dict(experts="0:3"), (3, 4), "must be a list"),
+        (dict(experts={"0": 3}), (3, 4), "must be a list"),
+        (dict(experts=3), (3, 4), "must be a list"),
+        (dict(experts=[[0, 4]]), (2, 2, 1), "expected \\[rows, d_model\\]"),
+        (dict(experts=[[0, 2]]), (2,), "expected \\[rows, d_model\\]"),
+        (dict(samples=0), (3, 4), "samples"),
+        (dict(samples=-4), (3, 4), "samples"),
+        (dict(samples=True), (3, 4), "samples"),
+        (dict(samples=2.0), (3, 4), "samples"),
+        (dict(samples="4"), (3, 4), "samples"),
+        (dict(moe_lost="0"), (3, 4), "moe_lost must be a list"),
+        (dict(moe_lost={"0": [1]}), (3, 4), "moe_lost must be a list"),
+        (dict(moe_lost=[0, [1]]), (3, 4), "moe_lost entry"),  # one level of nesting missing
+        (dict(moe_lost=[[0]]), (3, 4), "moe_lost entry"),
+        (dict(moe_lost=[[0, 1]]), (3, 4), "moe_lost entry"),  # experts not a list
+        (dict(moe_lost=[[0, [[1]]]]), (3, 4), "moe_lost entry"),  # one level too many
+        (dict(moe_lost=[[0, [1], 2]]), (3, 4), "moe_lost entry"),
+        (dict(moe_lost=[[-1, [1]]]), (3, 4), "moe_lost entry"),
+        (dict(moe_lost=[[0, [-1]]]), (3, 4), "moe_lost entry"),
+        (dict(moe_lost=[[True, [1]]]), (3, 4), "moe_lost entry"),
+        (dict(moe_lost=[[0, [False]]]), (3, 4), "moe_lost entry"),
+        (dict(moe_lost=[[0, "1"]]), (3, 4), "moe_lost entry"),
+    ],
+)
+def test_malformed_expert_fields_raise_protocol_error(fields, shape, match):
+    frames = to_frames(_expert_meta(**fields), [encode_tensor(torch.ones(shape), "float32")],
+                       runtime_pb2.ExpertRequest)
+    with pytest.raises(ProtocolError, match=match):
+        _gather(frames)
+
+
+def test_expert_fields_are_checked_on_the_sending_side_too():
+    x = torch.ones(3, 4)
+    assert StageRequest(FORWARD, 0, "r", x, experts=[[0, 1], [5, 2]]).experts == [(0, 1), (5, 2)]
+    with pytest.raises(ProtocolError, match="twice"):
+        StageRequest(FORWARD, 0, "r", x, experts=[(2, 1), (2, 2)])
+    with pytest.raises(ProtocolError, match="account for"):
+        StageRequest(FORWARD, 0, "r", x, experts=[(0, 2)])
+    with pytest.raises(ProtocolError, match="samples"):
+        StageRequest(BACKWARD, 0, "r", x, grad_outputs=x, experts=[(0, 3)], samples=0)
+    with pytest.raises(ProtocolError, match="moe_lost"):
+        StageRequest(BACKWARD, 0, "r", x, grad_outputs=x, moe_lost=[(0, [-2])])
+
+
+def test_expert_lists_are_bounded():
+    limit = MAX_EXPERT_ENTRIES
+    many = torch.zeros(limit, 2)
+    ok = StageRequest(FORWARD, 0, "r", many, experts=[(e, 1) for e in range(limit)])
+    assert len(ok.experts) == limit
+    assert len(_gather(request_frames(ok)).experts) == limit  # the most there may be also fits the metadata
+    with pytest.raises(ProtocolError, match=f"at most {limit}"):
+        StageRequest(FORWARD, 0, "r", torch.zeros(limit + 1, 2), experts=[(e, 1) for e in range(limit + 1)])
+    frames = to_frames(_expert_meta(experts=[[e, 0] for e in range(limit + 1)]),
+                       [encode_tensor(torch.zeros(0, 2), "float32")], runtime_pb2.ExpertRequest)
+    with pytest.raises(ProtocolError, match=f"at most {limit}"):
+        _gather(frames)
+
+    x = torch.ones(1, 2)
+    assert len(check_moe_lost([[b, [0]] for b in range(MAX_MOE_BLOCKS)])) == MAX_MOE_BLOCKS
+    with pytest.raises(ProtocolError, match=f"at most {MAX_MOE_BLOCKS}"):
+        StageRequest(FORWARD, 0, "r", x, moe_lost=[(b, [0]) for b in range(MAX_MOE_BLOCKS + 1)])
+    assert check_moe_lost([[0, list(range(limit))]])[0][1] == list(range(limit))
+    with pytest.raises(ProtocolError, match="moe_lost entry"):
+        StageRequest(FORWARD, 0, "r", x, moe_lost=[(0, list(range(limit + 1)))])

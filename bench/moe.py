@@ -25,6 +25,10 @@ import json
 import time
 from pathlib import Path
 
+import moe_churn
+import moe_swarm
+from moe_churn import add_arguments as add_churn_arguments
+
 from swarm.config import RunConfig
 from swarm.model import MoEFeedForward
 from swarm.reference import FINAL_LOSS_WINDOW, ReferenceTrainer
@@ -34,13 +38,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def parameter_counts(trainer: ReferenceTrainer, top_k: int) -> tuple[int, int]:
     """(all parameters, parameters active for one token: experts count top_k per MoE block)."""
-    total = sum(p.numel() for stage in trainer.stages for p in stage.parameters())
+    experts_apart = sum(p.numel() for e in trainer.experts for p in e.parameters())  # model.moe.expert_servers
+    total = sum(p.numel() for stage in trainer.stages for p in stage.parameters()) + experts_apart
     active = total
-    for stage in trainer.stages:
-        for module in stage.modules():
-            if isinstance(module, MoEFeedForward):
-                sizes = [sum(p.numel() for p in e.parameters()) for e in module.experts]
-                active -= sum(sizes) - top_k * max(sizes)  # experts are all one size
+    blocks = [m for stage in trainer.stages for m in stage.modules() if isinstance(m, MoEFeedForward)]
+    for module in blocks:
+        experts = module.experts if module.experts is not None else trainer.experts[:module.num_experts]
+        size = sum(p.numel() for p in experts[0].parameters())  # experts are all one size
+        active -= (module.num_experts - top_k) * size
     return total, active
 
 
@@ -93,14 +98,43 @@ def measure(config: RunConfig, steps: int, eval_batches: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["dense", "swarm", "churn", "all"], default="dense",
+                   help="what to measure (default dense: MoE vs dense reference trainers)")
     p.add_argument("--config", default=str(ROOT / "configs" / "moe.yaml"))
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--eval-batches", type=int, default=20, help="validation micro-batches (the same windows for both)")
+    p.add_argument("--quick", action="store_true", help="swarm: 30 steps; churn: fewer samples, a kill every 12 s")
+    p.add_argument("--steps", type=int, help="dense: steps (default 120); swarm: steps (default 100, 30 with --quick)")
+    p.add_argument("--eval-batches", type=int, default=20, help="dense: validation micro-batches (the same windows "
+                   "for both)")
+    p.add_argument("--expert-servers", type=int, default=2, help="swarm: expert servers of swarm-local (default 2)")
+    add_churn_arguments(p)
+    p.add_argument("--log-dir", help="swarm, churn: keep the programs' logs here (default: a temporary directory)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    r = measure(RunConfig.load(args.config), args.steps, args.eval_batches)
+    parts = ["dense", "swarm", "churn"] if args.part == "all" else [args.part]
+    out = {}
+    for part in parts:
+        logs = args.log_dir if args.log_dir is None or len(parts) == 1 else str(Path(args.log_dir) / part)
+        started = time.monotonic()
+        if part == "dense":
+            out[part] = r = measure(RunConfig.load(args.config), args.steps or 120, args.eval_batches)
+            report_dense(args.config, r)
+        elif part == "swarm":
+            out[part] = r = moe_swarm.measure(args.config, args.steps or (30 if args.quick else 100),
+                                              args.expert_servers, logs)
+            moe_swarm.report(r)
+        else:
+            every, samples = moe_churn.defaults(args)
+            out[part] = r = moe_churn.run(args.config, every, samples, args.in_flight, log_dir=logs)
+            moe_churn.report(r)
+        print(f"({part}: {time.monotonic() - started:.0f} s)\n", flush=True)
+    if args.json:
+        result = out["dense"] if parts == ["dense"] else out  # --part dense writes what it always wrote
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def report_dense(config_path: str, r: dict) -> None:
     c = r["config"]
-    print(f"{args.config}: {c['n_layer']} blocks x d_model {c['d_model']}, MoE blocks {c['moe_layers']} with "
+    print(f"{config_path}: {c['n_layer']} blocks x d_model {c['d_model']}, MoE blocks {c['moe_layers']} with "
           f"top {c['top_k']} of {c['num_experts']} experts (hidden {c['expert_hidden']}) vs dense MLP hidden "
           f"{c['dense_hidden']}; {r['steps']} steps of {c['batch_size']} samples each", flush=True)
     for name in ("moe", "dense"):
@@ -113,8 +147,6 @@ def main() -> None:
               f"train loss {s['initial_loss']:.3f} -> {s['final_loss']:.3f}, val loss {s['val_loss']:.4f}, "
               f"{s['samples_per_second']:.1f} samples/s{extra}", flush=True)
     print(f"  moe / dense: val loss {r['val_loss_ratio']:.3f}, samples/s {r['speed_ratio']:.3f}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -122,10 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
                    help="fault injection (tests, demos): a server fails this fraction of requests")
     p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
-                   help="server: keep this stage's checkpoints here and resume from them "
+                   help="server, expert: keep this stage's (these experts') checkpoints here and resume from them "
                    "(default: $XDG_CACHE_HOME/swarm/checkpoints, or ~/.cache/swarm/checkpoints)")
     p.add_argument("--no-checkpoints", action="store_true",
-                   help="server: keep no checkpoints on this machine (the run's other holders still do)")
+                   help="server, expert: keep no checkpoints on this machine (the run's other holders still do)")
     p.add_argument("--fresh", action="store_true",
                    help="server: start a stage that has no live server from fresh weights even though the run "
                    "has checkpoints or progress (a new run under an old run id)")
@@ -245,11 +245,14 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
 
 
 def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
+    from swarm.checkpoint.store import default_root
+
     from .expert import ExpertOptions, ExpertServer
 
+    checkpoint_dir = None if args.no_checkpoints else (args.checkpoint_dir or default_root())
     options = ExpertOptions(experts=args.experts, count=args.expert_count, device=device,
                             inject_delay=args.inject_delay, inject_failure_rate=args.inject_failure_rate,
-                            metrics_addr=metrics_addr)
+                            metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir)
     server = ExpertServer(config, dht, records, loop, options, registry)
     try:
         server.start()

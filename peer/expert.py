@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator  # noqa: UP035  (hivemind's ServicerBase reads typing.AsyncIterator annotations)
 
 import hivemind
@@ -23,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily
 from swarm.backend import Overloaded
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, peer_id
-from swarm.experts import ExpertHost
+from swarm.experts import ExpertHost, expert_checkpoints, load_experts, save_experts
 from swarm.protocol import (
     BAD_REQUEST,
     DEFAULT_LIMITS,
@@ -62,6 +63,7 @@ class ExpertOptions:
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT
     metrics_addr: str | None = None
+    checkpoint_dir: Path | None = None  # where the hosted experts are saved every checkpoint.every_steps; None: not
 
 
 def choose_experts(hosts: list[ExpertHostRecord], num_experts: int, count: int) -> list[int]:
@@ -92,6 +94,13 @@ class ExpertServer:
         self._announcer: threading.Thread | None = None
         self._p2p = None
         self._service: StageService | None = None
+        self._saved_step = 0  # the step of the experts' last checkpoint (or of the state they started from)
+
+    @property
+    def checkpoints(self) -> Path | None:
+        """Where this server keeps its experts' checkpoints (None: it keeps none)."""
+        root = self.options.checkpoint_dir
+        return None if root is None else Path(root) / self.config.run_id / "experts"
 
     def start(self) -> None:
         moe = self.config.model.moe
@@ -111,6 +120,7 @@ class ExpertServer:
         self.loop.run(self._state_service.add_p2p_handlers(self._p2p, namespace=self._state_namespace()),
                       LOOP_CALL_TIMEOUT)
         self._download_state()
+        self._saved_step = self.host.step
         handler = ExpertRequestHandler(self)
         self._service = self.loop.run(handler.serve(self._p2p), LOOP_CALL_TIMEOUT)
         self.state = ServerState.ONLINE
@@ -142,10 +152,46 @@ class ExpertServer:
                     log.warning("expert %d: could not take its state from %s (%s)", e, donor.peer_id, err)
             else:
                 fresh.append(e)
+        fresh = self._restore(fresh)
         steps = [r.step for r in self.records.lookup_all_servers(self.config.stages.num_stages).get(0, [])]
         if fresh and steps and max(steps) > 0:
             log.warning("experts %s have no live host to take their state from: they start from their initial "
                         "weights although the run is at step %d", fresh, max(steps))
+
+    def _restore(self, experts: list[int]) -> list[int]:
+        """Load `experts` from the newest of this server's checkpoints that holds them; those it cannot."""
+        left = list(experts)
+        for path in reversed(expert_checkpoints(self.checkpoints) if self.checkpoints and left else []):
+            try:
+                states = load_experts(path, self.config.state_hash())
+            except ValueError as err:
+                log.warning("skipping checkpoint %s: %s", path, err)
+                continue
+            for e in list(left):
+                if all((layer, e) in states for layer in self.host.layers):
+                    try:
+                        for layer in self.host.layers:
+                            meta, tensors = states[layer, e]
+                            self.host.submit(self.host.import_expert, layer, e, meta, tensors).result(LOOP_CALL_TIMEOUT)
+                    except ValueError as err:
+                        log.warning("expert %d: checkpoint %s does not fit (%s)", e, path, err)
+                        continue
+                    log.info("expert %d: restored from %s (step %d)", e, path.name, meta["step_count"])
+                    left.remove(e)
+        return left
+
+    def after_steps(self) -> None:
+        """Save the hosted experts every checkpoint.every_steps steps (between two tasks on the host's thread)."""
+        every, step = self.config.checkpoint.every_steps, self.host.step
+        if self.checkpoints is None or step <= self._saved_step or step % every:
+            return
+        self._saved_step = step
+        self.host.submit(self._save).add_done_callback(_log_failure)
+
+    def _save(self) -> Path:
+        host = self.host
+        states = {key: host.export_expert(*key) for key in host.modules}
+        return save_experts(states, self.checkpoints, host.step, self.config.state_hash(), self.config.checkpoint.keep)
 
     async def _fetch(self, peer: str, layer: int, expert: int) -> tuple[dict, list[torch.Tensor]]:
         stub = ExpertStateService.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self._state_namespace())
@@ -192,7 +238,18 @@ class ExpertServer:
             except Exception as e:
                 log.debug("unregister failed: %s", e)
         if self.host is not None:
+            if self.checkpoints is not None and self.host.step > self._saved_step:
+                try:  # the last state, so a restart here loses nothing the run could not replay
+                    self._saved_step = self.host.step
+                    log.info("saved the experts to %s", self.host.submit(self._save).result(LOOP_CALL_TIMEOUT))
+                except Exception as e:
+                    log.warning("could not save the experts at shutdown: %s", e)
             self.host.shutdown()
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("saving the experts failed: %s", future.exception())
 
 
 def state_limits(host: ExpertHost) -> WireLimits:
@@ -228,8 +285,8 @@ class ExpertStateService(ServicerBase):
                     or (layer, expert) not in host.modules:
                 return error_frames(BAD_REQUEST, f"expert {expert!r} of block {layer!r} is not hosted here")
             state, tensors = await asyncio.wrap_future(host.submit(host.export_expert, layer, expert))
-            return list(to_frames({**state, "ok": True}, [encode_tensor(t, "float32") for t in tensors], runtime_pb2.ExpertResponse,
-                                  state_limits(host)))
+            encoded = [encode_tensor(t, "float32") for t in tensors]
+            return list(to_frames({**state, "ok": True}, encoded, runtime_pb2.ExpertResponse, state_limits(host)))
         except (ProtocolError, asyncio.TimeoutError) as e:
             return error_frames(BAD_REQUEST, f"could not read the request: {e}")
         except Overloaded as e:
@@ -311,6 +368,7 @@ class ExpertRequestHandler(StageHandler):
                 log.warning("an expert skipped a step: non-finite gradient norm")
         if stats:
             log.info("experts stepped: step %d (lr %.2e)", host.step, stats[0]["lr"])
+            self.server.after_steps()
         self._done(request, started)
         return StageReply([grad], server_step=host.step)
 

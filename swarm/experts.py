@@ -16,10 +16,14 @@ Inputs are checked before any compute: the block and experts must be hosted here
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,8 +66,9 @@ class ExpertHost:
 
     @property
     def step(self) -> int:
-        """Optimizer steps taken: the experts step together, so the most any of them took."""
-        return max(opt.step_count for opt in self.optimizers.values())
+        """Optimizer steps every hosted expert has taken. The experts of one block step together; a
+        block whose backward comes later (an earlier stage's) steps a moment after the others."""
+        return min(opt.step_count for opt in self.optimizers.values())
 
     @property
     def queue_depth(self) -> int:
@@ -217,6 +222,64 @@ class ExpertHost:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+SLOTS = ("parameters", "exp_avg", "exp_avg_sq", "gradient")  # the tensors of export_expert, in order
+_CHECKPOINT = re.compile(r"experts-step(\d{10})\.safetensors")
+
+
+def save_experts(states: dict[tuple[int, int], tuple[dict[str, Any], list[torch.Tensor]]], directory: Path,
+                 step: int, state_hash: str, keep: int) -> Path:
+    """Write hosted experts' states (export_expert's, by (block, expert)) as one safetensors file
+    ``experts-step{step}.safetensors`` in `directory`, atomically (a temporary file, fsynced, renamed);
+    keep the `keep` newest such files."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{layer}.{expert}.{slot}": t.contiguous()
+               for (layer, expert), (_, flat) in states.items() for slot, t in zip(SLOTS, flat)}
+    numbers = {f"{layer}.{expert}": json.dumps({k: meta[k] for k in ("step_count", "samples", "adam_step")})
+               for (layer, expert), (meta, _) in states.items()}
+    path = directory / f"experts-step{step:010d}.safetensors"
+    temp = directory / f".tmp-{path.name}"
+    save_file(tensors, str(temp), metadata={"state_hash": state_hash, **numbers})
+    with open(temp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    for old in sorted(expert_checkpoints(directory))[:-keep or None]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def expert_checkpoints(directory: Path) -> list[Path]:
+    """The expert checkpoint files in `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _CHECKPOINT.fullmatch(p.name))
+
+
+def load_experts(path: Path, state_hash: str) -> dict[tuple[int, int], tuple[dict[str, Any], list[torch.Tensor]]]:
+    """The expert states in a file save_experts wrote; ValueError if it is of another run config or malformed
+    (the values themselves are checked by ExpertHost.import_expert)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("state_hash") != state_hash:
+                raise ValueError(f"{path} holds experts of another run config")
+            states = {}
+            for key, text in metadata.items():
+                if key == "state_hash":
+                    continue
+                layer, expert = (int(part) for part in key.split("."))
+                meta = json.loads(text)
+                states[layer, expert] = (meta, [f.get_tensor(f"{key}.{slot}") for slot in SLOTS])
+            return states
+    except ValueError:
+        raise
+    except Exception as e:  # a truncated file, a bad header: safetensors raises several types
+        raise ValueError(f"{path} is not a readable expert checkpoint ({type(e).__name__}: {e})") from None
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

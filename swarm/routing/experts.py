@@ -225,7 +225,6 @@ class RemoteExperts:
         outputs = self.run(self.dispatcher.forward(layer, inputs), self.timeout)
         lost = sorted(e for e, count in enumerate(dispatch.counts) if count and e not in outputs)
         if lost:
-            self.dispatcher.stats.lost_slots[layer] += int(sum(dispatch.counts[e] for e in lost))
             call.lost_out[layer] = lost
             plan = plan.without(lost)
         # Capacity drops are routing, not failures: a token needs k_min of its top-k not lost to the network.
@@ -235,6 +234,8 @@ class RemoteExperts:
             raise ExpertsUnavailable(
                 f"block {layer}: {int(short.sum())} token(s) lost more than {k - self.k_min} of their {k} experts "
                 f"(k_min {self.k_min}); experts {lost} did not answer")
+        if lost:  # counted once the micro-batch goes on without them
+            self.dispatcher.stats.lost_slots[layer] += int(sum(dispatch.counts[e] for e in lost))
         dispatch = Dispatch.of(plan, num_experts)
         flat = torch.cat([outputs[e] for e, count in enumerate(dispatch.counts) if count] or [rows[:0]])
         flat = flat.to(u.dtype)

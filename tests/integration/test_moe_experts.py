@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,11 +47,13 @@ def moe_config(run_id: str, **optimizer):
 
 
 @contextlib.contextmanager
-def expert_servers(config, peers: Sequence[Peer], hosted: Sequence[list[int]]) -> Iterator[list[ExpertServer]]:
+def expert_servers(config, peers: Sequence[Peer], hosted: Sequence[list[int]], checkpoint_dir: Path | None = None
+                   ) -> Iterator[list[ExpertServer]]:
     with contextlib.ExitStack() as stack:
         servers = []
         for peer, experts in zip(peers, hosted, strict=True):
-            server = ExpertServer(config, peer.dht, peer.records, peer.loop, ExpertOptions(experts=experts))
+            options = ExpertOptions(experts=experts, checkpoint_dir=checkpoint_dir)
+            server = ExpertServer(config, peer.dht, peer.records, peer.loop, options)
             stack.callback(server.shutdown)
             server.start()
             servers.append(server)
@@ -116,3 +119,32 @@ def test_a_joining_expert_server_takes_the_state_of_a_live_host():
                 assert mine.keys() == theirs.keys() and len(mine) > 0
                 for key in mine:
                     torch.testing.assert_close(mine[key].float(), theirs[key].float(), rtol=0, atol=0)
+
+
+def test_an_expert_server_restores_its_experts_from_its_checkpoint_when_no_host_is_live(tmp_path: Path):
+    config = moe_config("ckptexperts")
+    config.checkpoint.every_steps = 1
+    batch = config.optimizer.batch_size
+    with running_peers(config.run_id, 5) as (trainer_peer, *peers), contextlib.ExitStack() as first_host:
+        (host,) = first_host.enter_context(expert_servers(config, peers[2:3], [[0, 1, 2, 3]], tmp_path))
+        servers = first_host.enter_context(stage_servers(config, peers[:2], [0, 1]))
+        wait_until_online(trainer_peer.records, [0, 1])
+        trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
+                          TrainerOptions(trainer_index=0, max_samples=batch, in_flight=1))
+        train_bounded(trainer, TRAIN_TIMEOUT)
+        wait_until(lambda: host.host.step >= 1 and all(s.backend.step >= 1 for s in servers), STEP_TIMEOUT,
+                   what="the first step")
+        saved = {(layer, e): expert_state(host, layer, e) for layer in (0, 1) for e in range(4)}
+        moments = {key: host.host.optimizers[key].moments() for key in saved}
+        host.shutdown()  # announces OFFLINE; the stage servers stay up
+        files = list((tmp_path / config.run_id / "experts").glob("experts-step*.safetensors"))
+        assert [f.name for f in files] == ["experts-step0000000001.safetensors"]
+        # The only host is gone (its OFFLINE record says so): a new one on another peer restores from the file.
+        with expert_servers(config, peers[3:4], [[1, 3]], tmp_path) as (again,):
+            assert again.host.step == 1
+            for layer in (0, 1):
+                for e in (1, 3):
+                    torch.testing.assert_close(expert_state(again, layer, e), saved[layer, e], rtol=0, atol=0)
+                    restored = again.host.optimizers[layer, e].moments()
+                    for key, value in moments[layer, e].items():
+                        torch.testing.assert_close(restored[key].float(), value.float(), rtol=0, atol=0)

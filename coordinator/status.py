@@ -21,8 +21,8 @@ def build_status(
     The swarm's step is that of its slowest stage (the least of each stage's most advanced ONLINE
     server); loss and samples per second come from the trainers' own reports. The bottleneck stage is
     the one with the least ONLINE throughput (ties go to the lower stage; None without stages), and
-    the volunteers are the distinct peers serving (not OFFLINE) or training. A MoE run (`num_experts`
-    given) adds who hosts each expert: see expert_status.
+    the volunteers are the distinct peers serving a stage or experts (not OFFLINE) or training. An MoE
+    run with expert servers (`num_experts` given) adds who hosts each expert: see expert_status.
     """
     stages = []
     stage_steps = []
@@ -59,7 +59,9 @@ def build_status(
         "stages": stages,
     }
     if num_experts is not None:
+        expert_hosts = list(expert_hosts)
         status.update(expert_status(expert_hosts, num_experts))
+        status["volunteers"] = len(volunteers | {h.peer_id for h in expert_hosts if h.state != "OFFLINE"})
     return status
 
 

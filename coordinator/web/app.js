@@ -113,6 +113,32 @@
     return card;
   }
 
+  // One row per expert: its ONLINE hosts, and a warning when it has none (its tokens go without it).
+  function renderExperts(experts) {
+    const table = el("table");
+    const head = el("tr");
+    head.append(el("th", null, "expert"), el("th", "num", "hosts online"), el("th", null, "hosts"));
+    table.append(el("thead"));
+    table.tHead.append(head);
+    const body = el("tbody");
+    for (const expert of experts) {
+      const online = expert.hosts.filter((host) => host.state === "ONLINE");
+      const row = el("tr", online.length === 0 ? "unhosted" : null);
+      row.dataset.expert = String(expert.expert);
+      const hosts = el("td");
+      for (const host of expert.hosts) {
+        const id = el("code", host.state === "ONLINE" ? null : "state-other", shortPeerId(host.peer_id));
+        id.title = `${host.peer_id} (${host.state})`;
+        hosts.append(id, " ");
+      }
+      if (expert.hosts.length === 0) hosts.append("none: its tokens go on without it");
+      row.append(el("td", null, String(expert.expert)), el("td", "num", String(online.length)), hosts);
+      body.append(row);
+    }
+    table.append(body);
+    return table;
+  }
+
   function render(status) {
     $("run-id").textContent = status.run_id;
     document.title = `swarm · ${status.run_id} · step ${status.step}`;
@@ -124,6 +150,9 @@
     $("samples").textContent = number(status.samples, 0);
     $("stages").replaceChildren(
       ...status.stages.map((stage) => renderStage(stage, stage.stage === status.bottleneck_stage)));
+    const experts = Array.isArray(status.experts) ? status.experts : null;
+    $("experts-section").hidden = experts === null;
+    if (experts !== null) $("experts").replaceChildren(renderExperts(experts));
     if (status.history) {
       const h = status.history;
       setSeries(lossChart, $("loss-chart"), h.time, h.loss);

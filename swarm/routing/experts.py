@@ -110,8 +110,8 @@ class ExpertDispatcher:
                 groups[ticket.peer_id].append((e, ticket))
             if not groups:
                 break
-            replies = await asyncio.gather(*(self._call(layer, FORWARD, peer, items, inputs)
-                                              for peer, items in groups.items()))
+            replies = await self._gather(groups, (self._call(layer, FORWARD, peer, items, inputs)
+                                                  for peer, items in groups.items()))
             for (peer, items), reply in zip(groups.items(), replies):
                 if reply is None:
                     for e, _ in items:
@@ -133,8 +133,8 @@ class ExpertDispatcher:
             if usable:
                 groups[peer] = [(e, self.balancers[e].charge(peer, max(1, int(inputs[e].shape[0])), BACKWARD))
                                 for e in usable]
-        replies = await asyncio.gather(*(self._call(layer, BACKWARD, peer, items, inputs, grads, samples)
-                                          for peer, items in groups.items()))
+        replies = await self._gather(groups, (self._call(layer, BACKWARD, peer, items, inputs, grads, samples)
+                                              for peer, items in groups.items()))
         result: dict[int, torch.Tensor] = {}
         for items, reply in zip(groups.values(), replies):
             if reply is None:
@@ -142,6 +142,16 @@ class ExpertDispatcher:
             for (e, _), grad in zip(items, torch.split(reply, [int(inputs[e].shape[0]) for e, _ in items])):
                 result.setdefault(e, grad)
         return result
+
+    async def _gather(self, groups: dict[str, list[tuple[int, Ticket]]], calls: Iterable) -> list:
+        """Run the calls at once; every ticket goes back to its balancer whatever happens, also when the
+        caller gives up on them (cancelled) or a call raises what it does not expect."""
+        try:
+            return await asyncio.gather(*calls)
+        finally:
+            for items in groups.values():
+                for expert, ticket in items:
+                    self.balancers[expert].release(ticket)  # does nothing for a ticket already reported
 
     async def _call(self, layer: int, kind: str, peer: str, items: Sequence[tuple[int, Ticket]],
                     inputs: dict[int, torch.Tensor], grads: dict[int, torch.Tensor] | None = None,
@@ -222,7 +232,11 @@ class RemoteExperts:
         dispatch = Dispatch.of(plan, num_experts)
         rows = u.detach().float()[dispatch.tokens]
         inputs = dict(enumerate(torch.split(rows, dispatch.counts)))
-        outputs = self.run(self.dispatcher.forward(layer, inputs), self.timeout)
+        try:
+            outputs = self.run(self.dispatcher.forward(layer, inputs), self.timeout)
+        except TimeoutError:  # BackgroundLoop.run gave up: the calls were cancelled, their tickets handed back
+            raise ExpertsUnavailable(f"block {layer}: the expert calls did not finish within {self.timeout:g}s"
+                                     ) from None
         lost = sorted(e for e, count in enumerate(dispatch.counts) if count and e not in outputs)
         if lost:
             call.lost_out[layer] = lost
@@ -257,7 +271,10 @@ class _Backward:
         runner, counts = self.runner, self.dispatch.counts
         inputs = dict(enumerate(torch.split(self.rows.float(), counts)))
         grads = dict(enumerate(torch.split(grad.float(), counts)))
-        result = runner.run(runner.dispatcher.backward(self.layer, inputs, grads, self.samples), runner.timeout)
+        try:
+            result = runner.run(runner.dispatcher.backward(self.layer, inputs, grads, self.samples), runner.timeout)
+        except TimeoutError:
+            result = {}
         missing = [e for e, count in enumerate(counts) if count and e not in result]
         if missing:  # their tokens' outputs stay in the forward, as constants: no gradient through them
             runner.dispatcher.stats.backward_lost[self.layer] += len(missing)

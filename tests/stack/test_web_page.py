@@ -101,3 +101,57 @@ def test_live_page_shows_the_swarm(stack, artifacts):
             assert page.evaluate("() => document.body.dataset.reachable") == "true"
         finally:
             browser.close()
+
+
+MOE_STATUS = {
+    "run_id": "moe", "step": 3, "loss": 4.2, "samples_per_second": 10.0, "samples": 480, "trainers": 1,
+    "volunteers": 5, "bottleneck_stage": 0, "bottleneck_throughput": 5.0,
+    "stages": [{"stage": 0, "servers": [{"peer_id": "QmStage0", "state": "ONLINE", "throughput": 5.0, "step": 3}],
+                "online": 1, "throughput": 5.0}],
+    "experts": [
+        {"expert": 0, "hosts": [{"peer_id": "QmHostAAAAAAAAA", "state": "ONLINE", "throughput": 1.0, "step": 3},
+                                {"peer_id": "QmHostBBBBBBBBB", "state": "JOINING", "throughput": 1.0, "step": 0}]},
+        {"expert": 1, "hosts": []},
+        {"expert": 2, "hosts": [{"peer_id": "<img src=x onerror=alert(1)>", "state": "ONLINE", "throughput": 1.0,
+                                 "step": 3}]},
+    ],
+    "expert_hosts": 2, "unhosted_experts": [1],
+    "history": {"time": [], "loss": [], "samples_per_second": []},
+}
+
+
+@pytest.mark.timeout(120)
+def test_live_page_lists_each_experts_hosts_and_marks_an_expert_without_one(stack, artifacts):
+    """A /status of an MoE run with expert servers (served to the page as is): one row per expert with its
+    hosts, the expert without an ONLINE host marked in words, peer ids shown as text; a dense run's page
+    has no experts section (the swarm of this module is dense)."""
+    import json
+
+    assert CHROMIUM, "no system chromium: run `make test-stack`, which installs it"
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(stack.url + "/")
+            page.wait_for_function("() => Number(document.body.dataset.rendered || 0) >= 1", timeout=PAGE_TIMEOUT_MS)
+            assert page.evaluate("() => document.getElementById('experts-section').hidden") is True
+
+            page.route("**/status", lambda route: route.fulfill(status=200, content_type="application/json",
+                                                                  body=json.dumps(MOE_STATUS)))
+            page.wait_for_selector("#experts-section:not([hidden]) tr[data-expert]", timeout=PAGE_TIMEOUT_MS)
+            rows = page.evaluate("""() => [...document.querySelectorAll('#experts tr[data-expert]')].map((row) => ({
+                expert: row.dataset.expert, unhosted: row.classList.contains('unhosted'), text: row.textContent,
+                images: row.querySelectorAll('img').length}))""")
+            page.screenshot(path=str(artifacts / "web-page-experts.png"), full_page=True)
+            assert [r["expert"] for r in rows] == ["0", "1", "2"]
+            assert [r["unhosted"] for r in rows] == [False, True, False]
+            assert "AAAAAAAA" in rows[0]["text"] and "BBBBBBBB" in rows[0]["text"]
+            assert "none" in rows[1]["text"]
+            assert rows[2]["images"] == 0 and "(1)>" in rows[2]["text"]  # a peer id is text, never markup
+            assert page.text_content("#volunteers") == "5"
+            assert not errors, errors
+        finally:
+            browser.close()

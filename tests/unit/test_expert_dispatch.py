@@ -67,12 +67,15 @@ class FakeClock:
 
 
 class Network:
-    """Simulated expert servers: peer id -> ExpertHost; `failing` peers answer nothing, `corrupt` ones nonsense."""
+    """Simulated expert servers: peer id -> ExpertHost; `failing` peers fail at once, `hanging` ones never
+    answer, `corrupt` ones answer NaN."""
 
     def __init__(self, hosts: dict[str, list[int]]):
         self.hosts = {peer: ExpertHost(CONFIG, experts) for peer, experts in hosts.items()}
         self.failing: set[str] = set()
         self.corrupt: set[str] = set()
+        self.hanging: set[str] = set()  # never answer (until the call is cancelled)
+        self.entered: asyncio.Event | None = None  # set when a hanging peer got a call
         self.requests: list[tuple[str, StageRequest]] = []  # (peer, request as received), in arrival order
 
     def client(self, p2p, peer_id, namespace, *, limits, timeout):
@@ -98,6 +101,9 @@ class FakeClient:
         self.network.requests.append((self.peer, received))
         if self.peer in self.network.failing:
             raise StageUnavailable(f"{self.peer} did not answer")
+        if self.peer in self.network.hanging:
+            self.network.entered.set()
+            await asyncio.Event().wait()
         host = self.network.hosts[self.peer]
         try:
             if received.kind == FORWARD:
@@ -238,6 +244,31 @@ def test_backward_leaves_out_a_banned_host_and_reports_what_no_host_answered(mak
     assert open_tickets(dispatcher) == 0
 
 
+@pytest.mark.parametrize("kind", [FORWARD, BACKWARD])
+def test_a_cancelled_call_hands_its_tickets_back(make_swarm, kind):
+    """RemoteExperts runs the dispatcher under BackgroundLoop.run, which cancels it after its timeout: the
+    tickets of the calls then in flight must be handed back, or the balancer counts their work on those hosts
+    forever (swarm.routing.balancer: "outstanding work cannot leak"; RemotePipeline releases in a finally)."""
+    dispatcher, network = make_swarm({"hostA": [0, 1], "hostB": [2]})
+    network.hanging.add("hostA")
+    inputs = rows_of([2, 1, 1, 0])
+
+    async def cancelled():
+        network.entered = asyncio.Event()
+        if kind == FORWARD:
+            task = asyncio.ensure_future(dispatcher.forward(LAYER, inputs))
+        else:
+            task = asyncio.ensure_future(dispatcher.backward(LAYER, inputs, rows_of([2, 1, 1, 0], seed=1), 2))
+        await asyncio.wait_for(network.entered.wait(), 10)  # hostA holds the call
+        task.cancel()  # what BackgroundLoop.run does when its timeout passes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    assert "hostA" in [peer for peer, _ in network.requests]
+    assert open_tickets(dispatcher) == 0, "a cancelled expert call left its tickets open"
+
+
 def test_update_hosts_ignores_experts_out_of_range(make_swarm):
     dispatcher, _ = make_swarm({})
     dispatcher.update_hosts({"hostA": [1, 4, -1, 0, 1], "hostB": [7], "hostC": [3]})
@@ -316,13 +347,21 @@ def test_k_min_refuses_a_token_left_with_too_few_experts(make_swarm):
         runner_of(dispatcher, k_min=2)(LAYER, hidden(), PLAN)
 
 
-def test_k_min_counts_only_the_slots_a_token_was_routed_to(make_swarm):
-    dispatcher, _ = make_swarm({"hostA": [0, 1, 2, 3]})
-    dropped = RoutingPlan(PLAN.experts, torch.tensor([[PROCESSED, DROPPED]] * 4), 1)
+def test_k_min_counts_only_experts_lost_to_failures_not_slots_dropped_for_capacity(make_swarm):
+    dispatcher, network = make_swarm({"hostA": [0], "hostB": [1, 2, 3]})
+    dropped = RoutingPlan(PLAN.experts, torch.tensor([[PROCESSED, DROPPED]] * 4), 1)  # first choices only
     with expert_call() as call:
-        y, plan = runner_of(dispatcher, k_min=2)(LAYER, hidden(), dropped)  # one slot each, all answered: fine
+        y, plan = runner_of(dispatcher, k_min=2)(LAYER, hidden(), dropped)  # nothing lost: goes on
     assert torch.equal(plan.status, dropped.status) and call.lost_out == {}
     assert not y[:, 1].any() and y[:, 0].abs().sum(dim=1).gt(0).all()
+
+    network.failing.add("hostA")  # tokens 0 and 3 lose expert 0, their one processed slot: one loss each
+    with expert_call() as call:
+        y, plan = runner_of(dispatcher, k_min=1)(LAYER, hidden(), dropped)
+    assert call.lost_out == {LAYER: [0]}
+    assert plan.status.tolist() == [[UNAVAILABLE, DROPPED], [PROCESSED, DROPPED], [PROCESSED, DROPPED],
+                                    [UNAVAILABLE, DROPPED]]
+    assert not y[0].any() and not y[3].any() and y[1, 0].abs().sum() > 0
 
 
 def test_with_k_min_0_a_token_with_no_expert_goes_on_with_output_0(make_swarm):

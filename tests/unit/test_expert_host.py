@@ -100,7 +100,7 @@ def test_backward_matches_autograd_and_every_hosted_expert_steps_after_a_full_ba
     grad2, stats2 = host.backward(layer, [(2, 0), (0, 3)], x2, g2, samples=4)
     torch.testing.assert_close(grad2, leaf2.grad, **CLOSE)
     assert len(stats2) == 2 and not any(s["skipped"] for s in stats2)
-    assert host.step == 1 and host.samples == 8 and host.tokens[layer, 0] == 9
+    assert host.samples == 8 and host.tokens[layer, 0] == 9
     assert [host.optimizers[layer, e].step_count for e in HOSTED] == [1, 1]
     assert all(host.optimizers[layer, e].samples == 0 for e in HOSTED)
     assert all(host.optimizers[0, e].step_count == 0 for e in HOSTED)  # the other block took no backward
@@ -113,6 +113,14 @@ def test_backward_matches_autograd_and_every_hosted_expert_steps_after_a_full_ba
     assert not torch.equal(host.modules[layer, 0].up.weight, before[layer, 0]["up.weight"])
     torch.testing.assert_close(host.modules[layer, 2].state_dict(), before[layer, 2], rtol=0, atol=0)
     torch.testing.assert_close(host.modules[0, 0].state_dict(), before[0, 0], rtol=0, atol=0)
+
+    # the other block's batch, all of it to expert 2: now every hosted expert of every block stepped once
+    for seed in (9, 10):
+        host.backward(0, [(0, 0), (2, 2)], rand(2, D, seed=seed), rand(2, D, seed=seed + 10), samples=4)
+    assert host.step == 1 and host.samples == 16
+    assert all(opt.step_count == 1 and opt.samples == 0 for opt in host.optimizers.values())
+    torch.testing.assert_close(host.modules[0, 0].state_dict(), before[0, 0], rtol=0, atol=0)
+    assert not torch.equal(host.modules[0, 2].up.weight, before[0, 2]["up.weight"])
 
 
 def test_backward_of_several_experts_splits_the_gradient_by_rows(host):

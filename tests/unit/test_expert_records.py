@@ -108,7 +108,8 @@ def test_status_lists_each_experts_hosts():
         {"expert": 3, "hosts": [{"peer_id": "d", "state": "ONLINE", "throughput": 1.0, "step": 0}]},
     ]
     assert doc["expert_hosts"] == 2 and doc["unhosted_experts"] == [2]
-    assert doc["stages"][0]["online"] == 1 and doc["volunteers"] == 1  # the rest is unchanged
+    assert doc["stages"][0]["online"] == 1
+    assert doc["volunteers"] == 4  # the stage server and the expert servers not leaving (a, b, d)
     json.dumps(doc)
 
 

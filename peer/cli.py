@@ -222,12 +222,17 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         loop.stop()
 
 
-def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
+def checkpoint_root(args: argparse.Namespace) -> Path | None:
+    """Where a server keeps its checkpoints: --checkpoint-dir, the user's cache, or nowhere (--no-checkpoints)."""
     from swarm.checkpoint.store import default_root
 
+    return None if args.no_checkpoints else (args.checkpoint_dir or default_root())
+
+
+def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
     from .server import ServerOptions, StageServer
 
-    checkpoint_dir = None if args.no_checkpoints else (args.checkpoint_dir or default_root())
+    checkpoint_dir = checkpoint_root(args)
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
                             inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
                             fresh=args.fresh, metrics_addr=metrics_addr)
@@ -235,25 +240,21 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
         options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
     if args.activation_cache_ttl is not None:
         options.activation_cache_ttl = args.activation_cache_ttl
-    server = StageServer(config, dht, records, loop, options, registry)
-    try:
-        server.start()
-        stop.wait()
-        log.info("stopping: announcing OFFLINE")
-    finally:
-        server.shutdown()
+    serve_until(StageServer(config, dht, records, loop, options, registry), stop)
 
 
 def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
-    from swarm.checkpoint.store import default_root
-
     from .expert import ExpertOptions, ExpertServer
 
-    checkpoint_dir = None if args.no_checkpoints else (args.checkpoint_dir or default_root())
+    checkpoint_dir = checkpoint_root(args)
     options = ExpertOptions(experts=args.experts, count=args.expert_count, device=device,
                             inject_delay=args.inject_delay, inject_failure_rate=args.inject_failure_rate,
                             metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir)
-    server = ExpertServer(config, dht, records, loop, options, registry)
+    serve_until(ExpertServer(config, dht, records, loop, options, registry), stop)
+
+
+def serve_until(server, stop: threading.Event) -> None:
+    """Start a stage or expert server, serve until `stop`, then leave (OFFLINE first) whatever happened."""
     try:
         server.start()
         stop.wait()

@@ -34,7 +34,6 @@ from swarm.protocol import (
     WRONG_STAGE,
     ProtocolError,
     RequestRejected,
-    StageHandler,
     StageReply,
     StageRequest,
     StageService,
@@ -46,6 +45,8 @@ from swarm.protocol import (
 )
 from swarm.protocol.framing import gather_frames, to_frames
 from swarm.protocol.messages import error_frames, raise_if_error
+
+from .handling import CountingHandler
 
 log = logging.getLogger("swarm.expert")
 
@@ -323,11 +324,8 @@ class _HostedTokens:
         yield family
 
 
-class ExpertRequestHandler(StageHandler):
+class ExpertRequestHandler(CountingHandler):
     """Checks each request against what is hosted here, then runs it on the expert host's worker."""
-
-    def __init__(self, server: ExpertServer):
-        self.server = server
 
     async def serve(self, p2p: hivemind.p2p.P2P) -> StageService:
         config, options = self.server.config, self.server.options
@@ -397,22 +395,9 @@ class ExpertRequestHandler(StageHandler):
             self._count(kind, NOT_READY)
             raise RequestRejected(NOT_READY, f"expert server is {server.state.value}, not ONLINE")
 
-    async def _run(self, request: StageRequest, fn, *args):
-        try:
-            return await asyncio.wrap_future(self.server.host.submit(fn, *args))
-        except Overloaded as e:
-            self._count(request.kind, NOT_READY)
-            raise RequestRejected(NOT_READY, str(e)) from None
-        except ValueError as e:  # the host's input checks
-            self._count(request.kind, BAD_REQUEST)
-            raise RequestRejected(BAD_REQUEST, str(e)) from None
-
-    def _count(self, kind: str, status: str) -> None:
-        self.server.metrics.requests.labels(kind=kind, status=status).inc()
-
-    def _done(self, request: StageRequest, started: float) -> None:
-        self._count(request.kind, "ok")
-        self.server.metrics.latency.labels(kind=request.kind).observe(time.perf_counter() - started)
+    @property
+    def worker(self) -> ExpertHost:
+        return self.server.host
 
 
 def measure_throughput(host: ExpertHost, config: RunConfig, repeats: int = 3) -> float:

@@ -33,7 +33,6 @@ from swarm.protocol import (
     NOT_READY,
     WRONG_STAGE,
     RequestRejected,
-    StageHandler,
     StageReply,
     StageRequest,
     StageService,
@@ -41,10 +40,11 @@ from swarm.protocol import (
     stage_namespace,
     stage_wire_limits,
 )
-from swarm.routing.experts import ExpertDispatcher, ExpertsUnavailable, RemoteExperts, expert_call
+from swarm.routing.experts import ExpertDispatcher, RemoteExperts, expert_call
 from swarm.routing.pipeline import PipelineSettings
 from swarm.state import StageState
 
+from .handling import CountingHandler
 from .placement import choose_stage
 
 log = logging.getLogger("swarm.server")
@@ -445,7 +445,7 @@ def result_bytes(result: BackwardResult) -> int:
     return 0 if result.grad_input is None else result.grad_input.untyped_storage().nbytes()
 
 
-class StageRequestHandler(StageHandler):
+class StageRequestHandler(CountingHandler):
     """Checks each request against the server's state, then runs it on the stage backend.
 
     What a caller can make it hold is bounded: requests over the size of the run's micro-batch are
@@ -455,7 +455,7 @@ class StageRequestHandler(StageHandler):
     """
 
     def __init__(self, server: StageServer):
-        self.server = server
+        super().__init__(server)
         self._recent = RecentBackwards(BACKWARD_CACHE_SIZE, server.options.backward_cache_bytes)
 
     async def serve(self, p2p: hivemind.p2p.P2P, namespace: str) -> StageService:
@@ -550,25 +550,9 @@ class StageRequestHandler(StageHandler):
             self._count(kind, WRONG_STAGE)
             raise RequestRejected(WRONG_STAGE, f"this server hosts stage {server.stage}, not {stage}")
 
-    async def _run(self, request: StageRequest, fn, *args):
-        try:
-            return await asyncio.wrap_future(self.server.backend.submit(fn, *args))
-        except Overloaded as e:
-            self._count(request.kind, NOT_READY)
-            raise RequestRejected(NOT_READY, str(e)) from None
-        except ExpertsUnavailable as e:  # too few experts answered: retry later, or on another server
-            self._count(request.kind, NOT_READY)
-            raise RequestRejected(NOT_READY, str(e)) from None
-        except ValueError as e:  # the module's and backend's input checks
-            self._count(request.kind, BAD_REQUEST)
-            raise RequestRejected(BAD_REQUEST, str(e)) from None
-
-    def _count(self, kind: str, status: str) -> None:
-        self.server.metrics.requests.labels(kind=kind, status=status).inc()
-
-    def _done(self, request: StageRequest, started: float) -> None:
-        self._count(request.kind, "ok")
-        self.server.metrics.latency.labels(kind=request.kind).observe(time.perf_counter() - started)
+    @property
+    def worker(self) -> StageBackend:
+        return self.server.backend
 
 
 def _in_call(fn, samples: int | None = None, lost_in=None):

@@ -82,70 +82,28 @@ class BackwardResult:
     cached: bool = False  # the forward's graph was kept: no recomputation
 
 
-class StageBackend:
-    """Runs one stage module and its optimizer on a device, one task at a time."""
+class Worker:
+    """One worker thread that runs tasks in order, at most `max_queue` of them queued (more are refused
+    at once with Overloaded), and how busy it was: what a stage backend and an expert host share."""
 
-    def __init__(
-        self,
-        module: StageModule,
-        optimizer: StageOptimizer,
-        device: str | torch.device = "cpu",
-        max_queue: int = 64,
-        on_step: Callable[[dict[str, Any]], None] | None = None,
-        stepper: StageStepper | None = None,
-        stash_weights: bool = True,
-        compute_dtype: str | torch.dtype = "auto",
-        cache: ActivationCache | None = None,
-    ):
-        self.device = torch.device(device)
-        self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
-        self.module = module.to(self.device)
-        self.optimizer = optimizer
-        self.stepper = optimizer if stepper is None else stepper  # decides when and how the stage steps
+    def __init__(self, name: str, max_queue: int):
+        self.name = name
         self.max_queue = max_queue
-        self.on_step = on_step
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{module.index}")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name.replace(" ", ""))
         self._lock = threading.Lock()
         self._queued = 0
         self.busy_seconds = 0.0  # compute time spent, for throughput estimates
         self._busy_marks: deque[tuple[float, float]] = deque([(time.monotonic(), 0.0)])  # (when, busy_seconds)
-        self.samples_processed = 0
-        # Weight stashing: a copy of the parameters from before the last step, so a micro-batch whose
-        # forward ran before that step gets its gradient from the parameters that forward used. The
-        # last stage runs forward and backward in one call and needs none.
-        self.stash_weights = stash_weights and not module.is_last
-        self._param_names = [name for name, p in module.named_parameters() if p.requires_grad]
-        self._stash: list[torch.Tensor] | None = None
-        self._stash_step: int | None = None  # the step whose parameters _stash holds
-        # Forward graphs kept for their backward (never for the last stage: it runs both in one call)
-        # ... nor for a stage with MoE blocks: their aux loss is a second root of the backward, which a
-        # kept graph does not hold (the backward recomputes the forward instead).
-        self.cache = None if module.is_last or module.moe_layers or cache is None or cache.max_bytes == 0 else cache
-        self.aux_loss_weight = module.config.moe.aux_loss_weight if module.moe_layers else 0.0
-        # Per MoE block of this stage, over the micro-batches trained: tokens each expert processed, and
-        # top-k slots dropped for being over an expert's capacity (metrics; counted once, in the backward).
-        experts = module.config.moe.num_experts if module.moe_layers else 0
-        self.expert_tokens = {layer: [0] * experts for layer in module.moe_layers}
-        self.dropped_slots = dict.fromkeys(module.moe_layers, 0)
-        self._copy_stream = None
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True  # what stays float32 may use tensor cores
-            torch.backends.cudnn.allow_tf32 = True
-            self._copy_stream = torch.cuda.Stream(self.device)
 
     @property
     def queue_depth(self) -> int:
         return self._queued
 
-    @property
-    def step(self) -> int:
-        return self.stepper.step_count
-
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue `fn(*args)` on the worker thread, or raise Overloaded if the queue is full."""
         with self._lock:
             if self._queued >= self.max_queue:
-                raise Overloaded(f"stage {self.module.index} has {self._queued} tasks queued; try again later")
+                raise Overloaded(f"{self.name} has {self._queued} tasks queued; try again later")
             self._queued += 1
         future = self._executor.submit(self._timed, fn, *args)
         future.add_done_callback(self._task_done)
@@ -175,6 +133,64 @@ class StageBackend:
         now, busy = time.monotonic(), self.busy_seconds
         then, busy_then = self._busy_marks[0]
         return min(1.0, (busy - busy_then) / (now - then)) if now > then else 0.0
+
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run `fn` on the worker thread (e.g. to read a consistent state) and wait for it."""
+        return self.submit(fn).result(timeout)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class StageBackend(Worker):
+    """Runs one stage module and its optimizer on a device, one task at a time."""
+
+    def __init__(
+        self,
+        module: StageModule,
+        optimizer: StageOptimizer,
+        device: str | torch.device = "cpu",
+        max_queue: int = 64,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        stepper: StageStepper | None = None,
+        stash_weights: bool = True,
+        compute_dtype: str | torch.dtype = "auto",
+        cache: ActivationCache | None = None,
+    ):
+        self.device = torch.device(device)
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
+        self.module = module.to(self.device)
+        self.optimizer = optimizer
+        self.stepper = optimizer if stepper is None else stepper  # decides when and how the stage steps
+        Worker.__init__(self, f"stage {module.index}", max_queue)
+        self.on_step = on_step
+        self.samples_processed = 0
+        # Weight stashing: a copy of the parameters from before the last step, so a micro-batch whose
+        # forward ran before that step gets its gradient from the parameters that forward used. The
+        # last stage runs forward and backward in one call and needs none.
+        self.stash_weights = stash_weights and not module.is_last
+        self._param_names = [name for name, p in module.named_parameters() if p.requires_grad]
+        self._stash: list[torch.Tensor] | None = None
+        self._stash_step: int | None = None  # the step whose parameters _stash holds
+        # Forward graphs kept for their backward (never for the last stage: it runs both in one call)
+        # ... nor for a stage with MoE blocks: their aux loss is a second root of the backward, which a
+        # kept graph does not hold (the backward recomputes the forward instead).
+        self.cache = None if module.is_last or module.moe_layers or cache is None or cache.max_bytes == 0 else cache
+        self.aux_loss_weight = module.config.moe.aux_loss_weight if module.moe_layers else 0.0
+        # Per MoE block of this stage, over the micro-batches trained: tokens each expert processed, and
+        # top-k slots dropped for being over an expert's capacity (metrics; counted once, in the backward).
+        experts = module.config.moe.num_experts if module.moe_layers else 0
+        self.expert_tokens = {layer: [0] * experts for layer in module.moe_layers}
+        self.dropped_slots = dict.fromkeys(module.moe_layers, 0)
+        self._copy_stream = None
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # what stays float32 may use tensor cores
+            torch.backends.cudnn.allow_tf32 = True
+            self._copy_stream = torch.cuda.Stream(self.device)
+
+    @property
+    def step(self) -> int:
+        return self.stepper.step_count
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Stage output for `x` (the mean loss on the last stage); no gradients are kept."""
@@ -380,12 +396,6 @@ class StageBackend:
         future.add_done_callback(_log_failure)
         return future
 
-    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
-        """Run `fn` on the worker thread (e.g. to read a consistent state_dict) and wait for it."""
-        return self.submit(fn).result(timeout)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _log_failure(future: Future) -> None:

@@ -8,8 +8,9 @@ sends every micro-batch's backward to every expert of its block, also those it r
 and steps, exactly when the stages do; an expert with no token in a whole batch has no gradient,
 and AdamW leaves it alone, as in the reference.
 
-Every task runs on one worker thread (the experts, their gradients and optimizers are only touched
-there); at most ``max_queue`` wait, more are refused with :class:`~swarm.backend.Overloaded`.
+Every task runs on one worker thread (:class:`~swarm.backend.Worker`: the experts, their gradients
+and optimizers are only touched there); at most ``max_queue`` wait, more are refused with
+:class:`~swarm.backend.Overloaded`.
 Inputs are checked before any compute: the block and experts must be hosted here, the rows
 ``[n, d_model]`` floats, finite, at most ``max_rows``.
 """
@@ -19,22 +20,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from swarm.backend import Overloaded
+from swarm.backend import Worker
 from swarm.config import RunConfig
 from swarm.model import make_expert
 from swarm.optim import StageOptimizer
 
 
-class ExpertHost:
+class ExpertHost(Worker):
     """The experts `experts` (indices) of every MoE block of the run, on `device`."""
 
     def __init__(self, config: RunConfig, experts: Sequence[int], device: str | torch.device = "cpu",
@@ -56,11 +54,7 @@ class ExpertHost:
         self.modules = {(layer, e): make_expert(config.model, layer, e).to(self.device)
                         for layer in self.layers for e in experts}
         self.optimizers = {key: StageOptimizer(module, config.optimizer) for key, module in self.modules.items()}
-        self.max_queue = max_queue
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="experts")
-        self._lock = threading.Lock()
-        self._queued = 0
-        self.busy_seconds = 0.0
+        super().__init__("the expert server", max_queue)
         self.tokens = dict.fromkeys(self.modules, 0)  # rows each expert ran a backward on (its load)
         self.samples = 0  # samples of the backwards taken in, summed over blocks
 
@@ -69,31 +63,6 @@ class ExpertHost:
         """Optimizer steps every hosted expert has taken. The experts of one block step together; a
         block whose backward comes later (an earlier stage's) steps a moment after the others."""
         return min(opt.step_count for opt in self.optimizers.values())
-
-    @property
-    def queue_depth(self) -> int:
-        return self._queued
-
-    def submit(self, fn, *args: Any) -> Future:
-        """Queue `fn(*args)` on the worker thread, or raise Overloaded if the queue is full."""
-        with self._lock:
-            if self._queued >= self.max_queue:
-                raise Overloaded(f"the expert server has {self._queued} tasks queued; try again later")
-            self._queued += 1
-        future = self._executor.submit(self._timed, fn, *args)
-        future.add_done_callback(self._task_done)
-        return future
-
-    def _task_done(self, _: Future) -> None:
-        with self._lock:
-            self._queued -= 1
-
-    def _timed(self, fn, *args: Any):
-        started = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.busy_seconds += time.perf_counter() - started
 
     def check(self, layer: int, rows: Sequence[tuple[int, int]], inputs: torch.Tensor,
               grad: torch.Tensor | None = None) -> None:
@@ -219,9 +188,6 @@ class ExpertHost:
             for p, part in zip(params, tensors[3].split(sizes) if tensors[3].numel() else [None] * len(params)):
                 p.grad = None if part is None else part.view_as(p).clone()
             optimizer.samples = numbers["samples"]
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 SLOTS = ("parameters", "exp_avg", "exp_avg_sq", "gradient")  # the tensors of export_expert, in order

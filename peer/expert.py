@@ -95,6 +95,7 @@ class ExpertServer:
         self._announcer: threading.Thread | None = None
         self._p2p = None
         self._service: StageService | None = None
+        self._state_service: ExpertStateService | None = None
         self._saved_step = 0  # the step of the experts' last checkpoint (or of the state they started from)
 
     @property

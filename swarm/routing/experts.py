@@ -84,13 +84,19 @@ class ExpertDispatcher:
         self.balancers = [balancer_factory() for _ in range(num_experts)]
         self.hosted: dict[str, list[int]] = {}  # host peer id -> the experts it hosts, from the latest lookup
         self.stats = ExpertStats()
+        self._background: set[asyncio.Future] = set()  # backwards to hosts nobody waits for, still running
 
     def update_hosts(self, hosts: dict[str, Iterable[int]]) -> None:
-        """Set the ONLINE expert servers: peer id -> expert indices (those out of range are ignored)."""
-        self.hosted = {peer: sorted({e for e in experts if 0 <= e < self.num_experts})
-                       for peer, experts in hosts.items()}
+        """Set the ONLINE expert servers: peer id -> expert indices (those out of range are ignored).
+
+        A host missing from one lookup (a DHT read that came back short, or one that left) stays known,
+        unchosen for forwards but still sent backwards, until its balancers forget it.
+        """
+        fresh = {peer: sorted({e for e in experts if 0 <= e < self.num_experts}) for peer, experts in hosts.items()}
         for e, balancer in enumerate(self.balancers):
-            balancer.update_servers(peer for peer, experts in self.hosted.items() if e in experts)
+            balancer.update_servers(peer for peer, experts in fresh.items() if e in experts)
+        known = {peer for balancer in self.balancers for peer in balancer.servers}
+        self.hosted = {**{peer: experts for peer, experts in self.hosted.items() if peer in known}, **fresh}
 
     def hosts_of(self, expert: int) -> list[str]:
         return self.balancers[expert].listed()
@@ -124,19 +130,36 @@ class ExpertDispatcher:
 
     async def backward(self, layer: int, inputs: dict[int, torch.Tensor], grads: dict[int, torch.Tensor],
                        samples: int) -> dict[int, torch.Tensor]:
-        """Send every usable host the gradients of its experts' rows (every expert of the block, zero
-        rows for those given no token) and `samples`; the input gradient of each expert whose rows
-        some host answered for. `inputs` and `grads` hold an entry for every expert of the block."""
-        groups: dict[str, list[tuple[int, Ticket | None]]] = {}
+        """Send every known host the gradients of its experts' rows (every expert of the block, zero rows
+        for those given no token) and `samples`; the input gradient of each expert whose rows some host
+        answered for. `inputs` and `grads` hold an entry for every expert of the block.
+
+        Hosts that are banned or were missing from the last lookup get theirs too, so a replica that
+        failed a call once (or a lookup missed) does not fall behind its peers, but nobody waits for
+        them: their calls finish in the background, unless an expert given rows has no other host.
+        """
+        groups: dict[str, list[tuple[int, Ticket]]] = {}
+        healthy: set[str] = set()
         for peer, experts in sorted(self.hosted.items()):
-            usable = [e for e in experts if peer in self.balancers[e].available()]
-            if usable:
-                groups[peer] = [(e, self.balancers[e].charge(peer, max(1, int(inputs[e].shape[0])), BACKWARD))
-                                for e in usable]
-        replies = await self._gather(groups, (self._call(layer, BACKWARD, peer, items, inputs, grads, samples)
-                                              for peer, items in groups.items()))
+            known = [e for e in experts if peer in self.balancers[e].servers]
+            if not known:
+                continue
+            groups[peer] = [(e, self.balancers[e].charge(peer, max(1, int(inputs[e].shape[0])), BACKWARD))
+                            for e in known]
+            if any(peer in self.balancers[e].available() for e in known):
+                healthy.add(peer)
+        covered = {e for peer in healthy for e, _ in groups[peer]}
+        waited = {peer: items for peer, items in groups.items()
+                  if peer in healthy or any(inputs[e].shape[0] and e not in covered for e, _ in items)}
+        for peer, items in groups.items():
+            if peer not in waited:
+                task = asyncio.ensure_future(self._call(layer, BACKWARD, peer, items, inputs, grads, samples))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        replies = await self._gather(waited, (self._call(layer, BACKWARD, peer, items, inputs, grads, samples)
+                                              for peer, items in waited.items()))
         result: dict[int, torch.Tensor] = {}
-        for items, reply in zip(groups.values(), replies):
+        for items, reply in zip(waited.values(), replies):
             if reply is None:
                 continue
             for (e, _), grad in zip(items, torch.split(reply, [int(inputs[e].shape[0]) for e, _ in items])):

@@ -228,7 +228,8 @@ def test_backward_goes_to_every_host_with_every_expert_it_hosts_and_the_samples(
     assert open_tickets(dispatcher) == 0
 
 
-def test_backward_leaves_out_a_banned_host_and_reports_what_no_host_answered(make_swarm):
+def test_backward_waits_for_a_banned_host_only_when_an_expert_has_no_other_and_reports_what_nobody_answered(
+        make_swarm):
     dispatcher, network = make_swarm({"hostA": [0, 1], "hostB": [1, 2], "hostC": [3]})
     network.failing.add("hostA")
     inputs = rows_of([1, 2, 1, 1])
@@ -237,11 +238,51 @@ def test_backward_leaves_out_a_banned_host_and_reports_what_no_host_answered(mak
     network.requests.clear()
     network.failing = {"hostC"}  # now hostC fails the backward
     result = asyncio.run(dispatcher.backward(LAYER, inputs, rows_of([1, 2, 1, 1], seed=3), samples=2))
-    assert network.sent(BACKWARD) == [("hostB", [(1, 2), (2, 1)]), ("hostC", [(3, 1)])]  # not hostA
-    assert sorted(result) == [1, 2]  # 0: no usable host; 3: its host failed
+    # hostA is banned, but expert 0 has rows and no other host: it is asked, and answers
+    assert network.sent(BACKWARD) == [("hostA", [(0, 1), (1, 2)]), ("hostB", [(1, 2), (2, 1)]), ("hostC", [(3, 1)])]
+    assert sorted(result) == [0, 1, 2]  # 3: its host failed
     assert dispatcher.balancers[3].available() == [] and dispatcher.stats.failures[LAYER, BACKWARD] == 1
-    assert network.hosts["hostA"].samples == 0 and network.hosts["hostB"].samples == 2
+    assert network.hosts["hostA"].samples == 2 and network.hosts["hostB"].samples == 2
+    assert dispatcher.balancers[0].available() == ["hostA"]  # its success ended its ban
     assert open_tickets(dispatcher) == 0
+
+
+def test_a_banned_replica_gets_the_backward_in_the_background_and_stays_in_step(make_swarm):
+    """A host banned after one failed forward still gets every backward (so it counts the same samples as
+    its peers), but the stage does not wait for it when another host of its experts answers."""
+    dispatcher, network = make_swarm({"hostA": [0, 1], "hostB": [0, 1]})
+    network.failing.add("hostA")
+    inputs = rows_of([2, 1, 0, 0])
+
+    async def step() -> dict[int, torch.Tensor]:
+        await dispatcher.forward(LAYER, inputs)  # hostA fails once: banned for both experts
+        network.failing.clear()
+        network.hanging.add("hostA")  # and is slow now: the backward must not wait for it
+        network.entered = asyncio.Event()
+        result = await asyncio.wait_for(dispatcher.backward(LAYER, inputs, rows_of([2, 1, 0, 0], seed=2), 2), 10)
+        assert len(dispatcher._background) == 1
+        network.hanging.clear()
+        for task in list(dispatcher._background):
+            task.cancel()  # a hanging call stays in flight; what matters is that nobody waited for it
+        await asyncio.gather(*dispatcher._background, return_exceptions=True)
+        return result
+
+    result = asyncio.run(step())
+    assert sorted(result) == [0, 1] and network.hosts["hostB"].samples == 2
+    assert ("hostA", [(0, 2), (1, 1)]) in network.sent(BACKWARD)
+
+
+def test_a_host_missing_from_one_lookup_still_gets_backwards_until_forgotten(make_swarm):
+    dispatcher, network = make_swarm({"hostA": [0, 1], "hostB": [2, 3]})
+    dispatcher.update_hosts({"hostB": [2, 3]})  # a lookup that came back without hostA
+    assert dispatcher.hosts_of(0) == [] and "hostA" in dispatcher.hosted
+    inputs = rows_of([1, 1, 1, 1])
+    result = asyncio.run(dispatcher.backward(LAYER, inputs, rows_of([1, 1, 1, 1], seed=1), samples=2))
+    assert sorted(result) == [0, 1, 2, 3] and network.hosts["hostA"].samples == 2
+    clock = dispatcher.balancers[0].clock
+    clock.now += dispatcher.balancers[0].forget_after
+    dispatcher.update_hosts({"hostB": [2, 3]})
+    assert "hostA" not in dispatcher.hosted
 
 
 @pytest.mark.parametrize("kind", [FORWARD, BACKWARD])
@@ -274,9 +315,9 @@ def test_update_hosts_ignores_experts_out_of_range(make_swarm):
     dispatcher.update_hosts({"hostA": [1, 4, -1, 0, 1], "hostB": [7], "hostC": [3]})
     assert dispatcher.hosted == {"hostA": [0, 1], "hostB": [], "hostC": [3]}
     assert [dispatcher.hosts_of(e) for e in range(E)] == [["hostA"], ["hostA"], [], ["hostC"]]
-    dispatcher.update_hosts({"hostB": [2, 99]})  # the latest lookup replaces the hosts listed
-    assert dispatcher.hosted == {"hostB": [2]}
+    dispatcher.update_hosts({"hostB": [2, 99]})  # the latest lookup lists who is chosen...
     assert [dispatcher.hosts_of(e) for e in range(E)] == [[], [], ["hostB"], []]
+    assert dispatcher.hosted == {"hostA": [0, 1], "hostB": [2], "hostC": [3]}  # ...the others are not forgotten yet
 
 
 # ---- RemoteExperts: the runner of an MoE block ------------------------------------------------------
@@ -441,7 +482,8 @@ def test_a_block_that_lost_an_expert_trains_as_if_routed_without_it(make_swarm):
         out = remote(u, plan=PLAN)
     (out * weights).sum().backward()
     assert call.lost_out == {LAYER: [1]}
-    assert [peer for peer, r in network.requests if r.kind == BACKWARD] == ["hostA", "hostC"]  # hostB is banned
+    # hostB is banned: it is sent the backward too (its experts got no rows), and nobody waits for it
+    assert sorted(peer for peer, r in network.requests if r.kind == BACKWARD) == ["hostA", "hostB", "hostC"]
 
     u_local = u0.clone().requires_grad_(True)
     out_local = local(u_local, plan=PLAN.without([1]))

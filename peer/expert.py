@@ -361,7 +361,7 @@ class ExpertRequestHandler(CountingHandler):
             self._count(request.kind, BAD_REQUEST)
             raise RequestRejected(BAD_REQUEST, f"a micro-batch has at most {cap} samples, got {request.samples}")
         grad, stats = await self._run(request, host.backward, request.stage, request.experts, request.inputs,
-                                      request.grad_outputs, request.samples)
+                                      request.grad_outputs, request.samples, request.stage_step)
         for step in stats:
             if step["skipped"]:
                 log.warning("an expert skipped a step: non-finite gradient norm")

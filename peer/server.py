@@ -505,7 +505,7 @@ class StageRequestHandler(CountingHandler):
         task = self._recent.get(key)
         first = task is None
         if first:
-            call = _in_call(backend.backward, request.inputs.shape[0], request.moe_lost)
+            call = _in_call(backend.backward, request.inputs.shape[0], request.moe_lost, backend)
 
             def fn(*args):  # the result alone: what lost experts cost is counted by the dispatcher
                 return call(*args)[0]
@@ -555,11 +555,11 @@ class StageRequestHandler(CountingHandler):
         return self.server.backend
 
 
-def _in_call(fn, samples: int | None = None, lost_in=None):
+def _in_call(fn, samples: int | None = None, lost_in=None, backend: StageBackend | None = None):
     """`fn` run inside an expert_call context (for MoE blocks on expert servers): returns (its result,
-    {block: experts lost})."""
+    {block: experts lost}). With `backend`, its step when the task runs goes to the experts' backward."""
     def run(*args):
-        with expert_call(samples, lost_in) as call:
+        with expert_call(samples, lost_in, None if backend is None else backend.step) as call:
             return fn(*args), call.lost_out
     return run
 

@@ -96,9 +96,13 @@ class ExpertHost(Worker):
         return torch.cat(outputs).cpu() if outputs else x.cpu()
 
     def backward(self, layer: int, rows: Sequence[tuple[int, int]], inputs: torch.Tensor, grad: torch.Tensor,
-                 samples: int) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+                 samples: int, stage_step: int | None = None) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         """Recompute each expert on its rows, accumulate its parameter gradient (a sum over the
         micro-batch's `samples` sequences) and count the samples; step an expert whose batch is full.
+
+        An expert whose step is behind `stage_step` (the calling stage's) missed some of the batch's
+        micro-batches: it first steps on what it has, so its batches end where the stage's do again
+        (once per request: a stage cannot make it skip ahead).
 
         Returns the gradient of the inputs, and the stats of the steps taken. Gradients of a request
         that fails are discarded: it changes nothing.
@@ -121,6 +125,8 @@ class ExpertHost(Worker):
         stats = []
         for e, grads, _ in results:  # all computed: only now does anything accumulate
             optimizer = self.optimizers[layer, e]
+            if stage_step is not None and optimizer.step_count < stage_step and optimizer.samples > 0:
+                stats.append(optimizer.step())
             optimizer.accumulate([None] * len(optimizer.params) if grads is None else grads, samples)
             self.tokens[layer, e] += 0 if grads is None else next(c for ex, c in rows if ex == e)
             if optimizer.ready:

@@ -18,7 +18,8 @@ Expert servers (model.moe.expert_servers) take the same messages under their own
 (`experts_namespace`): `stage` is then the MoE block's index, `inputs` the tokens [rows, d_model]
 of each expert in turn, and `experts` says which: `[[expert, rows], ...]`, the rows adding up to
 the tensor's. A backward carries `grad_outputs` of the same shape and `samples`, the sequences of
-the micro-batch (an expert counts them toward its batch even when it got no token of it).
+the micro-batch (an expert counts them toward its batch even when it got no token of it), and
+may carry `stage_step`, the calling stage's step (an expert behind it ends its batch there).
 An MoE stage's forward reply may name the experts that did not answer, `moe_lost`
 (`[[block, [expert, ...]], ...]`); the trainer sends it back with that micro-batch's backward, so
 the backward leaves out exactly the experts the forward did.
@@ -73,6 +74,7 @@ class StageRequest:
     backward_follows: bool = False  # forward: the caller will send the backward of this micro-batch
     experts: list[tuple[int, int]] | None = None  # expert calls: (expert, rows of inputs) in order
     samples: int | None = None  # expert backward: sequences of the micro-batch the tokens come from
+    stage_step: int | None = None  # expert backward: the calling stage's optimizer step
     moe_lost: list[tuple[int, list[int]]] | None = None  # MoE stage backward: experts its forward went without
     caller: str | None = None  # the peer the request came from (set by the receiving side, never sent)
 
@@ -101,6 +103,8 @@ class StageRequest:
             self.experts = _expert_rows(self.experts, self.inputs)
         if self.samples is not None and (not _is_int(self.samples) or self.samples < 1):
             raise ProtocolError(f"samples must be a positive integer, got {self.samples!r}")
+        if self.stage_step is not None and (not _is_int(self.stage_step) or self.stage_step < 0):
+            raise ProtocolError(f"stage_step must be a non-negative integer, got {self.stage_step!r}")
         if self.moe_lost is not None:
             self.moe_lost = check_moe_lost(self.moe_lost)
 
@@ -122,7 +126,7 @@ class StageRequest:
             meta["forward_step"] = self.forward_step
         if self.backward_follows:
             meta["backward_follows"] = True
-        for name in ("experts", "samples", "moe_lost"):
+        for name in ("experts", "samples", "stage_step", "moe_lost"):
             if getattr(self, name) is not None:
                 meta[name] = getattr(self, name)
         return meta
@@ -175,6 +179,7 @@ def parse_request(meta: dict, tensors: list[torch.Tensor]) -> StageRequest:
         backward_follows=meta.get("backward_follows", False),
         experts=meta.get("experts"),
         samples=meta.get("samples"),
+        stage_step=meta.get("stage_step"),
         moe_lost=meta.get("moe_lost"),
     )
 

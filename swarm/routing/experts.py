@@ -129,7 +129,7 @@ class ExpertDispatcher:
         return outputs
 
     async def backward(self, layer: int, inputs: dict[int, torch.Tensor], grads: dict[int, torch.Tensor],
-                       samples: int) -> dict[int, torch.Tensor]:
+                       samples: int, stage_step: int | None = None) -> dict[int, torch.Tensor]:
         """Send every known host the gradients of its experts' rows (every expert of the block, zero rows
         for those given no token) and `samples`; the input gradient of each expert whose rows some host
         answered for. `inputs` and `grads` hold an entry for every expert of the block.
@@ -153,11 +153,12 @@ class ExpertDispatcher:
                   if peer in healthy or any(inputs[e].shape[0] and e not in covered for e, _ in items)}
         for peer, items in groups.items():
             if peer not in waited:
-                task = asyncio.ensure_future(self._call(layer, BACKWARD, peer, items, inputs, grads, samples))
+                task = asyncio.ensure_future(self._call(layer, BACKWARD, peer, items, inputs, grads, samples,
+                                                        stage_step))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
-        replies = await self._gather(waited, (self._call(layer, BACKWARD, peer, items, inputs, grads, samples)
-                                              for peer, items in waited.items()))
+        replies = await self._gather(waited, (self._call(layer, BACKWARD, peer, items, inputs, grads, samples,
+                                                         stage_step) for peer, items in waited.items()))
         result: dict[int, torch.Tensor] = {}
         for items, reply in zip(waited.values(), replies):
             if reply is None:
@@ -178,14 +179,14 @@ class ExpertDispatcher:
 
     async def _call(self, layer: int, kind: str, peer: str, items: Sequence[tuple[int, Ticket]],
                     inputs: dict[int, torch.Tensor], grads: dict[int, torch.Tensor] | None = None,
-                    samples: int | None = None) -> torch.Tensor | None:
+                    samples: int | None = None, stage_step: int | None = None) -> torch.Tensor | None:
         """One request to `peer` for the experts of `items`; its one output tensor, or None if it failed
         (every ticket is handed back either way, failures banning the host for those experts)."""
         rows = [(e, int(inputs[e].shape[0])) for e, _ in items]
         x = torch.cat([inputs[e] for e, _ in items])
         grad = None if grads is None else torch.cat([grads[e] for e, _ in items])
         request = StageRequest(kind, layer, uuid.uuid4().hex, x, grad_outputs=grad, wire_dtype=self.wire_dtype,
-                               experts=rows, samples=samples)
+                               experts=rows, samples=samples, stage_step=stage_step)
         settings = self.settings
         timeout = max(self.balancers[e].timeout(t, settings.timeout_multiplier, settings.timeout_floor,
                                                 settings.request_timeout) for e, t in items)
@@ -218,6 +219,7 @@ class ExpertCall:
     """What a stage request tells its MoE blocks, and what they tell it back."""
 
     samples: int | None = None  # sequences of a micro-batch being trained; None: forward only
+    stage_step: int | None = None  # the stage's optimizer step, for the experts' backward
     lost_in: dict[int, list[int]] = field(default_factory=dict)  # per block: experts the forward went without
     lost_out: dict[int, list[int]] = field(default_factory=dict)  # per block: experts lost by this request
 
@@ -226,10 +228,10 @@ _calls = threading.local()
 
 
 @contextmanager
-def expert_call(samples: int | None = None, lost_in: Sequence[tuple[int, list[int]]] | None = None
-                ) -> Iterator[ExpertCall]:
+def expert_call(samples: int | None = None, lost_in: Sequence[tuple[int, list[int]]] | None = None,
+                stage_step: int | None = None) -> Iterator[ExpertCall]:
     """The context of one stage request on this thread, for the MoE blocks it runs."""
-    call = ExpertCall(samples, {layer: list(experts) for layer, experts in (lost_in or ())})
+    call = ExpertCall(samples, stage_step, {layer: list(experts) for layer, experts in (lost_in or ())})
     previous = getattr(_calls, "current", None)
     _calls.current = call
     try:
@@ -278,7 +280,8 @@ class RemoteExperts:
         flat = flat.to(u.dtype)
         if call.samples is not None and torch.is_grad_enabled() and u.requires_grad:
             kept = u[dispatch.tokens]
-            flat = _ExpertOutputs.apply(kept, flat, _Backward(self, layer, dispatch, kept.detach(), call.samples))
+            backward = _Backward(self, layer, dispatch, kept.detach(), call.samples, call.stage_step)
+            flat = _ExpertOutputs.apply(kept, flat, backward)
         return dispatch.scatter(flat, n, k), plan
 
 
@@ -289,13 +292,15 @@ class _Backward:
     dispatch: Dispatch
     rows: torch.Tensor
     samples: int
+    stage_step: int | None = None
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         runner, counts = self.runner, self.dispatch.counts
         inputs = dict(enumerate(torch.split(self.rows.float(), counts)))
         grads = dict(enumerate(torch.split(grad.float(), counts)))
         try:
-            result = runner.run(runner.dispatcher.backward(self.layer, inputs, grads, self.samples), runner.timeout)
+            result = runner.run(runner.dispatcher.backward(self.layer, inputs, grads, self.samples, self.stage_step),
+                                runner.timeout)
         except TimeoutError:
             result = {}
         missing = [e for e, count in enumerate(counts) if count and e not in result]

@@ -203,3 +203,25 @@ def test_a_host_of_experts_out_of_range_is_refused(experts):
 def test_a_run_without_moe_has_nothing_to_host():
     with pytest.raises(ValueError, match="no mixture of experts"):
         ExpertHost(run_config(moe=False), [0])
+
+
+def test_an_expert_behind_the_stage_ends_its_batch_where_the_stage_did(host):
+    """It missed the batch's second micro-batch (a failed call): the next backward, from a stage at step 1,
+    makes it step first on the 4 samples it has, then count the new micro-batch toward batch 2."""
+    rows = [(0, 3), (2, 0)]
+    x, g = rand(3, D, seed=1), rand(3, D, seed=2)
+    reference = make_expert(CONFIG.model, 0, 0)
+    optimizer = StageOptimizer(reference, CONFIG.optimizer)
+    (reference(x) * g).sum().backward()
+    optimizer.add_samples(4)
+    optimizer.step()
+
+    host.backward(0, rows, x, g, samples=4, stage_step=0)
+    assert host.optimizers[0, 0].step_count == 0  # in step with the stage: nothing more
+    _, stats = host.backward(0, rows, rand(3, D, seed=3), rand(3, D, seed=4), samples=4, stage_step=1)
+    assert [s["samples"] for s in stats] == [4, 4]  # experts 0 and 2 of block 0 stepped on what they had
+    assert host.optimizers[0, 0].step_count == 1 and host.optimizers[0, 0].samples == 4
+    torch.testing.assert_close(host.modules[0, 0].state_dict(), reference.state_dict(), **CLOSE)
+    # a stage far ahead cannot make it skip: one step per request at most, and none without samples
+    _, stats = host.backward(0, [(0, 0), (2, 0)], x[:0], g[:0], samples=4, stage_step=50)
+    assert host.optimizers[0, 0].step_count == 2 and len(stats) == 2

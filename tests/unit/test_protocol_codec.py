@@ -425,8 +425,9 @@ def test_a_cancelled_request_gives_its_slot_back():
 def test_an_expert_backward_round_trips_its_experts_and_samples():
     inputs, grad = torch.randn(5, 16), torch.randn(5, 16)
     request = StageRequest(BACKWARD, 1, "mb/experts", inputs, grad_outputs=grad, experts=[(0, 2), (3, 0), (2, 3)],
-                           samples=4)
+                           samples=4, stage_step=7)
     received = _gather(request_frames(request))
+    assert received.stage_step == 7
     assert (received.kind, received.stage, received.request_id) == (BACKWARD, 1, "mb/experts")
     assert received.experts == [(0, 2), (3, 0), (2, 3)] and received.samples == 4 and received.moe_lost is None
     assert torch.equal(received.inputs, inputs) and torch.equal(received.grad_outputs, grad)
@@ -472,6 +473,9 @@ def _expert_meta(kind=FORWARD, **fields):
         (dict(samples=True), (3, 4), "samples"),
         (dict(samples=2.0), (3, 4), "samples"),
         (dict(samples="4"), (3, 4), "samples"),
+        (dict(stage_step=-1), (3, 4), "stage_step"),
+        (dict(stage_step=True), (3, 4), "stage_step"),
+        (dict(stage_step=1.0), (3, 4), "stage_step"),
         (dict(moe_lost="0"), (3, 4), "moe_lost must be a list"),
         (dict(moe_lost={"0": [1]}), (3, 4), "moe_lost must be a list"),
         (dict(moe_lost=[0, [1]]), (3, 4), "moe_lost entry"),  # one level of nesting missing

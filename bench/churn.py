@@ -33,6 +33,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from coordinator.launcher import Child, end_all
+from coordinator.local_swarm import free_port
 from peer.trainer import Trainer, TrainerOptions
 from swarm.config import RunConfig
 from swarm.data import eval_batches, load_tokenizer, load_tokens
@@ -54,27 +55,39 @@ class Swarm:
 
     def __init__(self, config: RunConfig, config_path: Path, log_dir: Path, servers_per_stage: int):
         self.config, self.log_dir = config, log_dir
-        self.coordinator = Child("coordinator", "coordinator.cli", ["--config", str(config_path), "--host-maddrs",
-                                                                    LOCAL], log_dir)
-        self.maddr = self.coordinator.wait_for_output(r"initial peers: (\S+)", START_TIMEOUT,
-                                                      threading.Event()).group(1)
         self.servers: list[list[Child]] = [[] for _ in range(config.stages.num_stages)]  # oldest first
+        self.metrics_ports: dict[str, int] = {}  # server name -> its /metrics port
         self.started = 0
-        for stage in range(config.stages.num_stages):
-            for _ in range(servers_per_stage):
-                self.add_server(stage)
-        self.loop = BackgroundLoop("bench-loop").start()
-        identity = load_identity(None)
-        self.dht, _, _ = join_run([self.maddr], identity, self.loop, host_maddrs=[LOCAL])
-        self.records = SwarmRecords(self.dht, config.run_id, identity)
-        self._wait_online(servers_per_stage)
+        self.coordinator, self.dht, self.loop = None, None, BackgroundLoop("bench-loop")
+        try:
+            self.coordinator = Child("coordinator", "coordinator.cli", ["--config", str(config_path),
+                                                                        "--host-maddrs", LOCAL], log_dir)
+            self.maddr = self.coordinator.wait_for_output(r"initial peers: (\S+)", START_TIMEOUT,
+                                                          threading.Event()).group(1)
+            for stage in range(config.stages.num_stages):
+                for _ in range(servers_per_stage):
+                    self.add_server(stage)
+            self.loop.start()
+            identity = load_identity(None)
+            self.dht, _, _ = join_run([self.maddr], identity, self.loop, host_maddrs=[LOCAL])
+            self.records = SwarmRecords(self.dht, config.run_id, identity)
+            self._wait_online(servers_per_stage)
+        except BaseException:  # a start that fails leaves nothing running
+            self.close()
+            raise
 
     def add_server(self, stage: int) -> None:
-        name = f"server-{stage}-{self.started}"
+        """Start a server of `stage`, with a /metrics port and a checkpoint directory of its own in the run's
+        log directory: with the default (~/.cache/swarm/checkpoints, shared by every run of this run id on
+        this machine) a run would resume from what an earlier run, or a test, left there."""
+        name, port = f"server-{stage}-{self.started}", free_port()
         self.started += 1
-        self.servers[stage].append(Child(name, "peer.cli", ["--initial-peers", self.maddr, "--host-maddrs", LOCAL,
-                                                            "--role", "server", "--stage", str(stage),
-                                                            "--device", "cpu"], self.log_dir))
+        self.metrics_ports[name] = port
+        self.servers[stage].append(Child(name, "peer.cli", [
+            "--initial-peers", self.maddr, "--host-maddrs", LOCAL, "--role", "server", "--stage", str(stage),
+            "--device", "cpu", "--metrics-port", str(port),
+            "--checkpoint-dir", str(self.log_dir / "checkpoints" / name),
+        ], self.log_dir))
 
     def may_kill(self, stage: int) -> bool:
         """Whether every server of the stage serves: killing one then leaves another holding its state."""
@@ -112,8 +125,9 @@ class Swarm:
     def close(self) -> None:
         # Servers before the coordinator, so they can still announce OFFLINE through the DHT.
         end_all([c for stage in self.servers for c in stage])
-        end_all([self.coordinator])
-        self.dht.shutdown()
+        end_all([self.coordinator] if self.coordinator is not None else [])
+        if self.dht is not None:
+            self.dht.shutdown()
         self.loop.stop()
 
 

@@ -1,4 +1,16 @@
-"""MoE vs dense, with the same parameters active per token and the same samples: the reference trainer, side by side.
+"""MoE benchmarks on configs/moe.yaml, in parts (--part, default dense):
+
+dense  MoE vs dense, with the same parameters active per token and the same samples: the reference
+       trainer, side by side (below).
+swarm  the MoE swarm (experts on expert servers, swarm-local) vs the MoE reference trainer: validation
+       loss after the same steps (goal: swarm / reference <= 1.03) and samples/s of each
+       (bench/moe_swarm.py says how).
+churn  training with one of 4 expert servers SIGKILLed (and replaced) every 30 s vs undisturbed:
+       samples/s (goal: churn / no churn >= 0.8), trainer crashes (goal 0), failed and lost expert
+       calls (bench/moe_churn.py says how; also runnable by itself).
+all    the three, one after the other.
+
+dense:
 
     moe    the config as given (configs/moe.yaml: 8 experts of hidden 256, top 2, in blocks 1 and 3)
     dense  the same config without model.moe: every block has the dense MLP (configs/moe.yaml's dense
@@ -13,8 +25,22 @@ training samples/s; for MoE also its aux loss (summed over its MoE blocks; 1 per
 balanced) and the share of top-k slots dropped by capacity. The MoE loss is the cross-entropy alone,
 comparable with the dense one; the aux term is only in its objective.
 
-    .venv/bin/python bench/moe.py                     # configs/moe.yaml, 120 steps (25-70 s on 2 cores)
+Run times measured on 2 cores (the swarm and churn parts print their own run time; "others" is
+what other programs on the machine took meanwhile, which both print):
+
+    .venv/bin/python bench/moe.py                     # dense: 120 steps (25-70 s)
     .venv/bin/python bench/moe.py --steps 30 --json /tmp/moe-bench.json
+    .venv/bin/python bench/moe.py --part swarm        # 100 steps: 110-123 s (184 s on a busy machine)
+    .venv/bin/python bench/moe.py --part swarm --quick          # 30 steps: 125 s on a busy machine
+    .venv/bin/python bench/moe.py --part churn --quick          # 2000 samples per run, a kill every 12 s:
+                                                                # 387-418 s
+    .venv/bin/python bench/moe.py --part churn        # 4800 samples per run, a kill every 30 s: 753 s
+                                                      # (833 s on a busy machine)
+    .venv/bin/python bench/moe.py --part all          # the three: about 16 minutes
+
+--part all --quick runs dense at 120 steps, swarm and churn quick (about 10 minutes). --log-dir keeps
+the swarm and churn programs' logs (one folder per part with --part all); --json writes every
+part's figures (--part dense: what it always wrote).
 """
 
 from __future__ import annotations
@@ -126,7 +152,8 @@ def main() -> None:
             every, samples = moe_churn.defaults(args)
             out[part] = r = moe_churn.run(args.config, every, samples, args.in_flight, log_dir=logs)
             moe_churn.report(r)
-        print(f"({part}: {time.monotonic() - started:.0f} s)\n", flush=True)
+        if parts != ["dense"]:  # --part dense prints what it always printed
+            print(f"({part}: {time.monotonic() - started:.0f} s)\n", flush=True)
     if args.json:
         result = out["dense"] if parts == ["dense"] else out  # --part dense writes what it always wrote
         Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -184,8 +184,10 @@ class LocalSwarm:
     def _start_expert_servers(self, maddr: str) -> None:
         for i, experts in enumerate(deal_experts(self.config.model.moe.num_experts if self.expert_servers else 0,
                                                  self.expert_servers)):
-            self._child(f"expert-{i}", "peer.cli", maddr, "--role", "expert", "--experts",
-                        ",".join(map(str, experts)), "--device", "cpu", "--metrics-port", str(free_port()))
+            name = f"expert-{i}"
+            self._child(name, "peer.cli", maddr, "--role", "expert", "--experts", ",".join(map(str, experts)),
+                        "--device", "cpu", "--metrics-port", str(free_port()), "--checkpoint-dir",
+                        str(self.checkpoint_dir / name))
 
     def _averaging_stats(self) -> dict[str, list[float | None]]:
         """Per stage, from its servers' /metrics: the share of samples that came while a round ran (one

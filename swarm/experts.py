@@ -197,14 +197,15 @@ class ExpertHost(Worker):
 
 
 SLOTS = ("parameters", "exp_avg", "exp_avg_sq", "gradient")  # the tensors of export_expert, in order
-_CHECKPOINT = re.compile(r"experts-step(\d{10})\.safetensors")
+_CHECKPOINT = re.compile(r"experts-step(\d{10})-([\d.]+)\.safetensors")
 
 
 def save_experts(states: dict[tuple[int, int], tuple[dict[str, Any], list[torch.Tensor]]], directory: Path,
                  step: int, state_hash: str, keep: int) -> Path:
     """Write hosted experts' states (export_expert's, by (block, expert)) as one safetensors file
-    ``experts-step{step}.safetensors`` in `directory`, atomically (a temporary file, fsynced, renamed);
-    keep the `keep` newest such files."""
+    ``experts-step{step}-{e.e...}.safetensors`` in `directory`, named by the experts it holds (servers
+    of other experts may share the directory), atomically (a temporary file of this process, fsynced,
+    renamed); keep the `keep` newest files of these experts."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -212,22 +213,25 @@ def save_experts(states: dict[tuple[int, int], tuple[dict[str, Any], list[torch.
                for (layer, expert), (_, flat) in states.items() for slot, t in zip(SLOTS, flat)}
     numbers = {f"{layer}.{expert}": json.dumps({k: meta[k] for k in ("step_count", "samples", "adam_step")})
                for (layer, expert), (meta, _) in states.items()}
-    path = directory / f"experts-step{step:010d}.safetensors"
-    temp = directory / f".tmp-{path.name}"
+    hosted = ".".join(map(str, sorted({expert for _, expert in states})))
+    path = directory / f"experts-step{step:010d}-{hosted}.safetensors"
+    temp = directory / f".tmp-{os.getpid()}-{path.name}"
     save_file(tensors, str(temp), metadata={"state_hash": state_hash, **numbers})
     with open(temp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(temp, path)
-    for old in sorted(expert_checkpoints(directory))[:-keep or None]:
+    ours = [p for p in expert_checkpoints(directory) if _CHECKPOINT.fullmatch(p.name).group(2) == hosted]
+    for old in ours[:-keep or None]:
         old.unlink(missing_ok=True)
     return path
 
 
 def expert_checkpoints(directory: Path) -> list[Path]:
-    """The expert checkpoint files in `directory`, oldest first."""
+    """The expert checkpoint files in `directory`, oldest step first."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _CHECKPOINT.fullmatch(p.name))
+    return sorted((p for p in directory.iterdir() if _CHECKPOINT.fullmatch(p.name)),
+                  key=lambda p: (_CHECKPOINT.fullmatch(p.name).group(1), p.name))
 
 
 def load_experts(path: Path, state_hash: str) -> dict[tuple[int, int], tuple[dict[str, Any], list[torch.Tensor]]]:

@@ -109,7 +109,11 @@ class ExpertDispatcher:
         while pending:
             groups: dict[str, list[tuple[int, Ticket]]] = defaultdict(list)
             for e in sorted(pending):
-                ticket = self.balancers[e].choose(int(inputs[e].shape[0]), FORWARD, exclude=tried[e])
+                balancer, size = self.balancers[e], int(inputs[e].shape[0])
+                ticket = balancer.choose(size, FORWARD, exclude=tried[e])
+                if ticket is None:  # every host banned: try the one whose ban ends first, once (as stages do)
+                    peer = balancer.soonest_unbanned(exclude=tried[e])
+                    ticket = None if peer is None else balancer.charge(peer, size, FORWARD)
                 if ticket is None:  # no host left to try: lost for this micro-batch
                     pending.discard(e)
                     continue
@@ -137,11 +141,14 @@ class ExpertDispatcher:
         Hosts that are banned or were missing from the last lookup get theirs too, so a replica that
         failed a call once (or a lookup missed) does not fall behind its peers, but nobody waits for
         them: their calls finish in the background, unless an expert given rows has no other host.
+        A host both banned and gone from the lookup (its record expired: it left) gets none.
         """
         groups: dict[str, list[tuple[int, Ticket]]] = {}
         healthy: set[str] = set()
+        now = self.balancers[0].clock()
         for peer, experts in sorted(self.hosted.items()):
-            known = [e for e in experts if peer in self.balancers[e].servers]
+            known = [e for e in experts if peer in self.balancers[e].servers
+                     and not _gone(self.balancers[e].servers[peer], now)]
             if not known:
                 continue
             groups[peer] = [(e, self.balancers[e].charge(peer, max(1, int(inputs[e].shape[0])), BACKWARD))
@@ -154,7 +161,7 @@ class ExpertDispatcher:
         for peer, items in groups.items():
             if peer not in waited:
                 task = asyncio.ensure_future(self._call(layer, BACKWARD, peer, items, inputs, grads, samples,
-                                                        stage_step))
+                                                        stage_step, quiet=True))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         replies = await self._gather(waited, (self._call(layer, BACKWARD, peer, items, inputs, grads, samples,
@@ -179,9 +186,11 @@ class ExpertDispatcher:
 
     async def _call(self, layer: int, kind: str, peer: str, items: Sequence[tuple[int, Ticket]],
                     inputs: dict[int, torch.Tensor], grads: dict[int, torch.Tensor] | None = None,
-                    samples: int | None = None, stage_step: int | None = None) -> torch.Tensor | None:
+                    samples: int | None = None, stage_step: int | None = None, quiet: bool = False
+                    ) -> torch.Tensor | None:
         """One request to `peer` for the experts of `items`; its one output tensor, or None if it failed
-        (every ticket is handed back either way, failures banning the host for those experts)."""
+        (every ticket is handed back either way, failures banning the host for those experts). A `quiet`
+        call's failure (to a banned host, expected) is logged at debug level only."""
         rows = [(e, int(inputs[e].shape[0])) for e, _ in items]
         x = torch.cat([inputs[e] for e, _ in items])
         grad = None if grads is None else torch.cat([grads[e] for e, _ in items])
@@ -205,13 +214,19 @@ class ExpertDispatcher:
             for expert, ticket in items:
                 self.balancers[expert].report_failure(ticket)
                 self.balancers[expert].release(ticket)
-            log.warning("expert %s of block %d on %s failed (%s)", kind, layer, peer[-8:], e)
+            log.log(logging.DEBUG if quiet else logging.WARNING, "expert %s of block %d on %s failed (%s)", kind,
+                    layer, peer[-8:], e)
             return None
         self.stats.latency.append((layer, kind, asyncio.get_running_loop().time() - started))
         for expert, ticket in items:
             self.balancers[expert].report_success(ticket)
             self.balancers[expert].release(ticket)
         return out
+
+
+def _gone(state, now: float) -> bool:
+    """A host banned and missing from the latest lookup: it left, or died and its record expired."""
+    return state.missing_since is not None and state.banned_until > now
 
 
 @dataclass

@@ -528,3 +528,28 @@ def test_a_refused_request_bans_the_host_like_a_failure(make_swarm):
     assert sorted(outputs) == [0] and dispatcher.balancers[0].available() == ["hostB"]
     assert dispatcher.stats.failures[LAYER, FORWARD] == 1
     assert [peer for peer, _ in network.requests] == ["hostA", "hostB"]
+
+
+def test_an_expert_whose_only_host_is_banned_still_tries_it_once_per_forward(make_swarm):
+    """One failed call must not cost a sole host's experts every micro-batch of its ban (as stages are retried)."""
+    dispatcher, network = make_swarm({"hostA": [0, 1]})
+    network.failing.add("hostA")
+    inputs = rows_of([1, 1, 0, 0])
+    assert asyncio.run(dispatcher.forward(LAYER, inputs)) == {}
+    assert dispatcher.balancers[0].available() == []  # banned
+    network.failing.clear()
+    network.requests.clear()
+    assert sorted(asyncio.run(dispatcher.forward(LAYER, inputs))) == [0, 1]
+    assert network.sent(FORWARD) == [("hostA", [(0, 1), (1, 1)])]  # one try, not one per expert
+    assert dispatcher.balancers[0].available() == ["hostA"] and open_tickets(dispatcher) == 0
+
+
+def test_a_host_banned_and_gone_from_the_lookup_gets_no_backward(make_swarm):
+    dispatcher, network = make_swarm({"hostA": [0, 1], "hostB": [0, 1]})
+    network.failing.add("hostA")
+    asyncio.run(dispatcher.forward(LAYER, rows_of([3, 0, 0, 0])))  # hostA fails: banned for expert 0
+    asyncio.run(dispatcher.forward(LAYER, rows_of([0, 3, 0, 0])))  # ... and for expert 1
+    dispatcher.update_hosts({"hostB": [0, 1]})  # its record expired
+    network.requests.clear()
+    result = asyncio.run(dispatcher.backward(LAYER, rows_of([1, 1, 0, 0]), rows_of([1, 1, 0, 0], seed=1), 2))
+    assert sorted(result) == [0, 1] and [peer for peer, _ in network.requests] == ["hostB"]

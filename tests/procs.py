@@ -181,7 +181,7 @@ class Proc:
 
 
 class ProcSet:
-    """Programs started for one test (or module); stop_all() ends them."""
+    """Programs started for one test (or module); stop_all() ends them, last started first."""
 
     def __init__(self, workdir: Path):
         self.workdir = Path(workdir)
@@ -199,14 +199,8 @@ class ProcSet:
         return proc
 
     def stop_all(self) -> None:
-        """SIGTERM every program at once and wait for them, then the first one started (usually the
-        coordinator, through which the others reach the DHT to announce that they leave)."""
-        for batch in (self.procs[:0:-1], self.procs[:1]):
-            for proc in batch:
-                if proc.popen.returncode is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in batch:
-                proc.stop()
+        for proc in reversed(self.procs):
+            proc.stop()
 
 
 def kill_all() -> list[Proc]:

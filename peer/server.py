@@ -14,8 +14,7 @@ from pathlib import Path
 
 import hivemind
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
 
 from swarm.activations import DEFAULT_TTL, ActivationCache, default_cache_bytes
 from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, StateDownloadError, averaging_prefix
@@ -46,6 +45,7 @@ from swarm.state import StageState
 
 from .handling import CountingHandler
 from .placement import choose_stage
+from .server_metrics import ServerMetrics
 
 log = logging.getLogger("swarm.server")
 
@@ -82,118 +82,6 @@ class ServerOptions:
 
 class StageStateMissing(RuntimeError):
     """The stage has no live server and no checkpoint could be loaded, yet the run has made progress."""
-
-
-class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry, backend_ref: StageServer):
-        self.requests = Counter("swarm_server_requests_total", "Requests by kind and outcome", ["kind", "status"],
-                                registry=registry)
-        self.latency = Histogram("swarm_server_request_seconds", "Time to answer a request", ["kind"],
-                                 registry=registry)
-        self.samples = Counter("swarm_server_samples_total", "Samples whose backward this server ran",
-                               registry=registry)
-        Gauge("swarm_server_queue_depth", "Tasks waiting for or in compute", registry=registry).set_function(
-            lambda: backend_ref.backend.queue_depth if backend_ref.backend else 0)
-        Gauge("swarm_server_step", "Optimizer steps of this stage replica", registry=registry).set_function(
-            lambda: backend_ref.backend.step if backend_ref.backend else 0)
-        Gauge("swarm_server_utilization_ratio", "Share of the last 30 s the stage's compute thread was busy "
-              "(requests, and applying steps)", registry=registry).set_function(
-            lambda: backend_ref.backend.utilization() if backend_ref.backend else 0.0)
-        self.throughput = Gauge("swarm_server_throughput_samples_per_second", "Announced throughput",
-                                registry=registry)
-        self.staleness = Histogram(
-            "swarm_server_backward_staleness_steps",
-            "Optimizer steps this stage took between a micro-batch's forward and its backward (0: exact)",
-            buckets=(0, 1, 2, 4, 8, 16), registry=registry)
-        self.stashed = Counter("swarm_server_stashed_samples", "Samples whose gradient was computed on the "
-                               "parameters from before the stage's last step, which their forward used",
-                               registry=registry)
-        self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
-                               registry=registry)
-        self.expert_latency = Histogram("swarm_moe_expert_call_seconds", "Time for an expert server to answer a "
-                                        "request of this stage", ["layer", "kind"], registry=registry)
-        registry.register(ActivationCacheCollector(backend_ref))
-        registry.register(ExpertCollector(backend_ref))
-        registry.register(ExpertCallCollector(backend_ref))
-
-
-class ExpertCollector:
-    """Per MoE block of the stage: tokens routed to each expert, and slots dropped over capacity."""
-
-    def __init__(self, server: StageServer):
-        self.server = server
-
-    def collect(self):
-        tokens = CounterMetricFamily("swarm_moe_expert_tokens", "Tokens of trained micro-batches each expert "
-                                     "processed (its load)", labels=["layer", "expert"])
-        dropped = CounterMetricFamily("swarm_moe_dropped_slots", "Top-k slots of trained micro-batches dropped "
-                                      "for being over an expert's capacity (the token kept its residual)",
-                                      labels=["layer"])
-        backend = self.server.backend
-        if backend is not None:
-            for layer, counts in list(backend.expert_tokens.items()):
-                for expert, count in enumerate(counts):
-                    tokens.add_metric([str(layer), str(expert)], count)
-                dropped.add_metric([str(layer)], backend.dropped_slots[layer])
-        yield from (tokens, dropped)
-
-
-class ExpertCallCollector:
-    """Per MoE block whose experts live on expert servers: calls to them, failures, and what was lost."""
-
-    def __init__(self, server: StageServer):
-        self.server = server
-
-    def collect(self):
-        calls = CounterMetricFamily("swarm_moe_expert_calls", "Requests sent to expert servers",
-                                    labels=["layer", "kind"])
-        failures = CounterMetricFamily("swarm_moe_expert_call_failures", "Requests to expert servers that failed "
-                                       "or timed out (each banned the host for those experts)",
-                                       labels=["layer", "kind"])
-        lost = CounterMetricFamily("swarm_moe_unavailable_slots", "Top-k slots whose expert no host answered in "
-                                   "time: the token went on without it", labels=["layer"])
-        backward_lost = CounterMetricFamily("swarm_moe_backward_lost_experts", "Experts whose tokens got no "
-                                            "gradient in a backward: no host took it", labels=["layer"])
-        latency = self.server.metrics.expert_latency
-        dispatcher = self.server.dispatcher
-        if dispatcher is not None:
-            stats = dispatcher.stats
-            for (layer, kind), count in list(stats.calls.items()):
-                calls.add_metric([str(layer), kind], count)
-                failures.add_metric([str(layer), kind], stats.failures.get((layer, kind), 0))
-            for layer in self.server.backend.module.moe_layers:
-                lost.add_metric([str(layer)], stats.lost_slots.get(layer, 0))
-                backward_lost.add_metric([str(layer)], stats.backward_lost.get(layer, 0))
-            while stats.latency:  # observed here, off the hot path
-                layer, kind, seconds = stats.latency.pop()
-                latency.labels(layer=str(layer), kind=kind).observe(seconds)
-        yield from (calls, failures, lost, backward_lost)
-
-
-class ActivationCacheCollector:
-    """The activation cache's counters, read when Prometheus scrapes (the cache itself stays lock-free)."""
-
-    def __init__(self, server: StageServer):
-        self.server = server
-
-    def collect(self):
-        backend = self.server.backend
-        cache = backend.cache if backend is not None else None
-        values = (0, 0, 0, 0, 0) if cache is None else (cache.hits, cache.misses, cache.evictions,
-                                                         cache.bytes_held, len(cache))
-        for name, doc, value in zip(("hits", "misses", "evictions"), (
-                "Backwards served from the forward's kept graph",
-                "Backwards that recomputed the forward (graph evicted, expired, never kept, or stale)",
-                "Kept forward graphs dropped before their backward came (for room or age)"), values):
-            family = CounterMetricFamily(f"swarm_activation_cache_{name}", doc)
-            family.add_metric([], value)
-            yield family
-        held = GaugeMetricFamily("swarm_activation_cache_bytes", "Activation memory held by kept forward graphs")
-        held.add_metric([], values[3])
-        yield held
-        entries = GaugeMetricFamily("swarm_activation_cache_entries", "Forward graphs kept for their backward")
-        entries.add_metric([], values[4])
-        yield entries
 
 
 class StageServer:

@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import gc
 import os
+import signal
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
@@ -49,6 +50,20 @@ def peer_id_of(maddr: Multiaddr) -> PeerID:
     return PeerID.from_base58(maddr["p2p"])
 
 
+class _DHTProcess(hivemind.DHT):
+    """hivemind's DHT, whose process ends on SIGTERM.
+
+    The process is forked, so it inherits the Python signal handlers of its parent: a program that
+    handles SIGTERM by setting a flag (swarm-local) would leave a DHT process that SIGTERM, and so
+    hivemind's own shutdown ("terminating it the hard way"), can no longer stop, and the program
+    waits for it forever at exit.
+    """
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        super().run()
+
+
 def start_dht(
     run_id: str | None,
     identity: Identity,
@@ -69,7 +84,7 @@ def start_dht(
     announce = parse_maddrs(announce_maddrs, "announce multiaddr")
     collect_before_fork()
     with _identity_file(identity) as identity_path:
-        dht = hivemind.DHT(
+        dht = _DHTProcess(
             initial_peers=[str(maddr) for maddr in initial],
             start=True,
             await_ready=False,  # we wait ourselves, bounded (hivemind would wait forever)

@@ -113,6 +113,27 @@ def test_taken_port_is_a_clear_error():
             start_dht(RUN_ID, load_identity(None), host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"])
 
 
+def test_the_dht_process_ends_on_sigterm_even_where_its_parent_only_sets_a_flag_on_it():
+    # swarm-local handles SIGTERM by setting an event; its forked DHT process used to inherit that, so
+    # hivemind's shutdown could not stop it and swarm-local waited for it forever at exit
+    import os
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        dht = start_dht(RUN_ID, load_identity(None))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        os.kill(dht.pid, signal.SIGTERM)
+        dht.join(JOIN_TIMEOUT)
+        assert not dht.is_alive(), "the DHT process outlived SIGTERM"
+    finally:
+        if dht.is_alive():
+            dht.kill()
+        dht.shutdown()
+
+
 @pytest.fixture(scope="module")
 def swarm():
     loop = BackgroundLoop("test-dht-loop").start()

@@ -35,12 +35,13 @@ GOALS = {16: 0.6, 128: 0.85}
 SHAPES = {"single": (1, 1), "replicated": (2, 2)}  # (servers per stage, trainers)
 
 
-def run_swarm(config: RunConfig, shape: str, steps: int, log_root: Path) -> dict:
+def run_swarm(config: RunConfig, shape: str, steps: int, log_root: Path, repeat: int = 0) -> dict:
     servers, trainers = SHAPES[shape]
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
         path = Path(tmp) / "run.yaml"
         config.save(path)
-        logs = log_root / f"b{config.optimizer.batch_size}-{shape}"
+        # (a directory per repeat: each run's checkpoints are in it, and a run would resume from the last one's)
+        logs = log_root / f"b{config.optimizer.batch_size}-{shape}-{repeat}"
         summary = LocalSwarm(str(path), config, servers_per_stage=servers, trainers=trainers, log_dir=str(logs),
                              metrics_port=None, stop=threading.Event()).run(steps)
     print(f"  batch {config.optimizer.batch_size}, {shape}: {summary['samples_per_second']:.1f} samples/s "
@@ -58,7 +59,7 @@ def measure(config_path: str, batch_size: int, repeats: int, steps: int, log_roo
     for repeat in range(repeats):
         order = list(SHAPES) if repeat % 2 == 0 else list(reversed(SHAPES))
         for shape in order:
-            speeds[shape].append(run_swarm(config, shape, steps, log_root)["samples_per_second"])
+            speeds[shape].append(run_swarm(config, shape, steps, log_root, repeat)["samples_per_second"])
     single, replicated = statistics.median(speeds["single"]), statistics.median(speeds["replicated"])
     return {"config": config_path, "batch_size": batch_size, "steps": steps, "speeds": speeds,
             "single": single, "replicated": replicated, "ratio": replicated / single, "goal": GOALS.get(batch_size)}

@@ -254,8 +254,10 @@ class StageServer:
         if self.keeper is not None and not stats["skipped"]:
             self.keeper.after_step(stats["step"])
         level = logging.INFO if stats["step"] % STEP_LOG_EVERY == 0 or stats["skipped"] else logging.DEBUG
-        log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples, %d of them one step late)",
-                self.stage, stats["step"], stats["lr"], stats["grad_norm"], stats["samples"], stats.get("late", 0))
+        own = stats.get("own_samples", stats["samples"])
+        log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples; of this server's %d, %d one step "
+                "late)", self.stage, stats["step"], stats["lr"], stats["grad_norm"], stats["samples"], own,
+                stats.get("own_late", 0))
 
     def shutdown(self) -> None:
         """Announce OFFLINE first, so trainers stop sending work, then stop serving."""

@@ -54,7 +54,11 @@ class AveragerInternals(DecentralizedAverager):
         runner = registered.result() if registered is not None and registered.done() else None
         container = getattr(runner, "tensor_part_container", None)
         self.after_all_reduce(getattr(container, "failed_size", 0), getattr(container, "total_size", 0))
-        return gathered
+        reducer = getattr(runner, "tensor_part_reducer", None)
+        weights = getattr(reducer, "sender_weights", None) or ()
+        counted = {peer: weight for peer, weight in zip(getattr(runner, "sender_peer_ids", ()), weights)
+                   if weight is not None}
+        return self.with_counted_weights(gathered, counted)
 
     def _group_only(self, group_info: Any) -> dict[Any, Any]:
         """Each member's gather data, each with the round's group id, and no all-reduce (a sharded round
@@ -90,6 +94,12 @@ class AveragerInternals(DecentralizedAverager):
         """In the child, after a round's all-reduce: `failed_size` of `total_size` elements came back
         unaveraged (a member failed partway). Raise to fail the round."""
 
+    def with_counted_weights(self, gathered: dict[Any, Any], counted: dict[Any, float]) -> dict[Any, Any]:
+        """In the child, after a round's all-reduce: the round's result, given the weight this member's
+        reducer counted each sender's contribution with (by peer id; a weight can be set after the group
+        formed, so the gather data cannot carry it). Returns `gathered` unchanged by default."""
+        return gathered
+
     # --- private parts, by name --------------------------------------------------------------------
 
     def state_sources_key(self) -> str:
@@ -122,6 +132,10 @@ class ReducerPolicy:
     def sanitize(self, part: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
         raise NotImplementedError
 
+    def counted_weight(self, weight: float) -> float:
+        """The weight a contribution claiming `weight` counts with, whatever its values."""
+        raise NotImplementedError
+
     def aggregate(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         raise NotImplementedError
 
@@ -150,7 +164,15 @@ class PolicyPartReducer(TensorPartReducer):
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, policy: ReducerPolicy):
         self.policy = policy
+        # what each sender's weight counted as, from its first part (hivemind sends one weight with each)
+        self.sender_weights: list[float | None] = [None] * num_senders
         super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        if 0 <= sender_index < len(self.sender_weights) and self.sender_weights[sender_index] is None:
+            self.sender_weights[sender_index] = self.policy.counted_weight(weight)
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
 
     def reset_accumulators(self) -> None:
         super().reset_accumulators()

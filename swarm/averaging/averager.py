@@ -5,6 +5,8 @@ the same step hold a full batch between them (collective progress, :mod:`swarm.a
 each closes its batch: it hands the batch's gradient to an averaging round and goes on serving. The
 round runs on a thread of its own, beside compute: every server of the stage joins it, even one
 with no samples (weight 0), and the all-reduce yields ``sum of all gradient sums / all samples``.
+The round's group forms ahead, while the batch fills (hivemind's matchmaking with a trigger), so the
+all-reduce starts as soon as every member has closed its batch.
 Meanwhile the compute thread keeps answering forwards and backwards on the parameters of step t,
 and their gradients count towards step t+2 (one step of delay: they are applied to the parameters
 of step t+1; weight stashing keeps each consistent with the parameters its forward used). When the
@@ -30,10 +32,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
 import torch
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
@@ -70,7 +74,22 @@ DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubl
 DOWNLOAD_RETRY_PAUSE_MAX = 30.0
 CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
 
+AWAITING_TRIGGER = AveragingStage.AWAITING_TRIGGER
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
+
+
+@dataclass(frozen=True)
+class _Armed:
+    """A round whose group began to form ahead: for `step`, of `size` servers."""
+
+    step: int
+    size: int
+    control: StepControl
+
+    def fits(self, view: StageView, size: int) -> bool:
+        """Whether it is the round of `view`'s step and size, still forming or formed. (A server of the stage
+        that came or went since makes each member that sees it form the group anew.)"""
+        return self.step == view.step and self.size == size and not self.control.done()
 
 
 class StageAverager(ShardedRounds):
@@ -108,6 +127,8 @@ class StageAverager(ShardedRounds):
         self._download_pause = DOWNLOAD_RETRY_PAUSE
         self._next_download = 0.0  # monotonic time before which no catch-up is tried
         self._channel: ProgressChannel | None = None
+        self._armed: _Armed | None = None  # the group of the next round, forming ahead (averaging thread)
+        self._arm_queued = False
         # gradients of samples that came after the stage's batch was full: they count towards the next step
         self._held: list[torch.Tensor | None] | None = None
         self.held_samples = 0
@@ -221,7 +242,7 @@ class StageAverager(ShardedRounds):
             self._tracker.nudge()
             return None
         if view.group_size == 1:  # nobody else at this step or behind it
-            return self._apply(self._mean(grads, samples), samples, LOCAL, [self.peer_id], self._late_in_round)
+            return self._apply(self._mean(grads, samples), samples, LOCAL, [self.peer_id], samples)
         self._start_job(self._average, view, grads, samples)
         self._tracker.nudge()  # the others count our new samples towards the step after this round's
         return None
@@ -289,6 +310,7 @@ class StageAverager(ShardedRounds):
             self._channel = channel
         self._tracker.start(self._channel)
         self._share_state()
+        self._arm_soon()
 
     def shutdown(self) -> None:
         """Leave the stage's averaging: others stop counting this server at once. Idempotent."""
@@ -298,6 +320,7 @@ class StageAverager(ShardedRounds):
         self._tracker.stop(leave=True)
         self._close_channel()
         self._close_mailbox()
+        self._disarm()
         self._jobs.shutdown(wait=False, cancel_futures=True)  # a job under way ends soon: it watches _closing
         self._process.close()
 
@@ -305,6 +328,12 @@ class StageAverager(ShardedRounds):
         """The replica's state was replaced from elsewhere (a checkpoint) before start(): take note of it."""
         with self._state_lock:
             self._params_changed()
+
+    @property
+    def group_formed_ahead(self) -> bool:
+        """Whether the group of the round for this server's step has formed, waiting for the batch."""
+        armed = self._armed
+        return armed is not None and armed.step == self.step_count and armed.control.stage == AWAITING_TRIGGER
 
     @property
     def busy(self) -> bool:
@@ -327,9 +356,10 @@ class StageAverager(ShardedRounds):
         failure: AveragingError | None = None
         with self._in_round():
             try:
+                control = self._armed_for(view)
                 self._load_buffers(grads, samples)
-                gathered, start_latency = self._meet(view, samples, {})
-                total, late = total_samples(gathered, view.step, self.max_member_samples)
+                gathered, start_latency = self._run_round(control, samples)
+                total, _ = total_samples(gathered, view.step, self.max_member_samples)
                 mean = self._read_buffers()
             except AveragingError as e:
                 failure = e
@@ -339,14 +369,14 @@ class StageAverager(ShardedRounds):
                         self.stage, view.step + 1, failure, samples)
             if samples == 0:  # nothing of our own to step on: wait to catch up
                 return self._end_round
-            return functools.partial(self._apply, self._mean(grads, samples), samples, FAILED, [self.peer_id],
-                                     self._late_in_round)
+            return functools.partial(self._apply, self._mean(grads, samples), samples, FAILED, [self.peer_id], samples)
         group = len(gathered)
         self.metrics.group_size.set(group)
         self.metrics.bytes_sent.inc(self._bytes_per_round * 2 * (group - 1) / group)
         log.debug("stage %d: averaged %d samples over %d servers in %.3fs (group formed after %.3fs)", self.stage,
                   total, group, time.monotonic() - started, start_latency)
-        return functools.partial(self._apply, mean, total, SUCCEEDED, [peer.to_base58() for peer in gathered], late)
+        return functools.partial(self._apply, mean, total, SUCCEEDED, [peer.to_base58() for peer in gathered],
+                                 samples)
 
     @contextlib.contextmanager
     def _in_round(self) -> Iterator[None]:
@@ -360,20 +390,81 @@ class StageAverager(ShardedRounds):
             self.metrics.round_seconds.observe(time.monotonic() - started)
 
     def _meet(self, view: StageView, samples: int, extra: dict[str, Any]) -> tuple[dict[Any, Any], float]:
-        """Form this round's group with the servers at our step (an all-reduce too, unless sharded): each
-        member's gather data (ours: step, samples, late samples and `extra`), and the round's start latency."""
-        self._process.prepare_round(view.step, view.group_size)
-        gathered, start_latency = self._process.average(
-            float(samples), {"step": view.step, "samples": samples, "late": self._late_in_round, **extra},
-            self._closing, lambda: self.view().group_size == 1)
+        """Form this round's group with the servers at our step now (a sharded round, whose gather data
+        says what each member holds): each member's gather data (ours: step, samples, late samples and
+        `extra`), and the round's start latency."""
+        control = self._process.arm(view.step, view.group_size,
+                                    {"step": view.step, "samples": samples, "late": self._late_in_round, **extra})
+        return self._run_round(control, samples)
+
+    def _run_round(self, control: StepControl, samples: int) -> tuple[dict[Any, Any], float]:
+        gathered, start_latency = self._process.run_round(control, float(samples), self._closing,
+                                                          lambda: self.view().group_size == 1)
         self.metrics.round_start_seconds.observe(start_latency)
         return gathered, start_latency
 
+    # forming groups ahead (averaging thread)
+    def _arm_ahead(self) -> None:
+        """Begin forming the group of the round for this server's step now, so that it has formed by the
+        time the batch is full: the round then starts as soon as every member has closed its batch."""
+        self._arm_queued = False
+        if self._closing.is_set() or self.solo or self._averaging:  # (averaging: the next round is armed at close)
+            return
+        view = self.view()
+        armed = self._armed
+        if armed is not None and armed.fits(view, self._group_target(view)):
+            return
+        self._disarm()
+        if view.needs_state or view.group_size < 2:  # a download comes first, or nobody to meet yet
+            return
+        try:
+            control = self._process.arm(view.step, view.group_size, {"step": view.step})
+        except AveragingError as e:
+            log.debug("stage %d: could not form the group for step %d ahead: %s", self.stage, view.step + 1, e)
+            self._check_process()
+            return
+        self._armed = armed = _Armed(view.step, self._group_target(view), control)
+        # a group that did not form in time is formed anew (not one this server gave up on: it is no longer armed)
+        control.add_done_callback(lambda _: self._armed is armed and not control.triggered and self._arm_soon())
+        log.debug("stage %d: forming the group of %d for step %d ahead", self.stage, armed.size, view.step + 1)
+
+    def _armed_for(self, view: StageView) -> StepControl:
+        """The round for `view`'s step: the one armed ahead if it fits, else one armed now."""
+        armed, self._armed = self._armed, None
+        if armed is not None and armed.fits(view, self._group_target(view)):
+            self.metrics.armed_rounds["ahead"].inc()
+            return armed.control
+        if armed is not None:
+            log.debug("stage %d: the group formed ahead for step %d of %d does not fit step %d of %d: %s",
+                      self.stage, armed.step + 1, armed.size, view.step + 1, self._group_target(view),
+                      "it failed" if armed.control.done() else "cancelled")
+            armed.control.cancel()
+        self.metrics.armed_rounds["now"].inc()
+        return self._process.arm(view.step, view.group_size, {"step": view.step})
+
+    def _group_target(self, view: StageView) -> int:
+        return max(2, min(view.group_size, self.config.target_group_size))
+
+    def _disarm(self) -> None:
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            log.debug("stage %d: no longer forming the group of %d for step %d", self.stage, armed.size, armed.step + 1)
+            with contextlib.suppress(Exception):  # (a process that is gone has nothing to cancel)
+                armed.control.cancel()
+
+    def _arm_soon(self) -> None:
+        if self._zero is None and self._request_step is not None and not self._closing.is_set() \
+                and not self._arm_queued:
+            self._arm_queued = True
+            with contextlib.suppress(RuntimeError):  # (shut down meanwhile)
+                self._jobs.submit(self._arm_ahead)
+
     def _apply(self, mean: list[torch.Tensor | None], samples: int, outcome: str, members: list[str],
-               late: int) -> dict[str, Any]:
+               own: int) -> dict[str, Any]:
         """Step on the stage's mean gradient (compute thread): the same math on every member of the round.
 
-        `late`: how many of the `samples` came while the round before ran.
+        `own`: how many of the `samples` were this server's (``own_late`` of them came while the round
+        before ran).
         """
         with self._state_lock:
             stats = self.optimizer.step_with(mean, samples)
@@ -383,7 +474,8 @@ class StageAverager(ShardedRounds):
             self._params_changed()
         self.metrics.rounds[outcome].inc()
         self._after_step()
-        return {**stats, "averaging": outcome, "group_size": len(members), "late": late}
+        return {**stats, "averaging": outcome, "group_size": len(members), "own_samples": own,
+                "own_late": min(self._late_in_round, own)}
 
     def _end_round(self) -> None:
         with self._state_lock:
@@ -399,6 +491,7 @@ class StageAverager(ShardedRounds):
         self._count_state_bytes()
         self._share_state()
         self._tracker.nudge()
+        self._arm_soon()
 
     def _count_state_bytes(self) -> None:
         shards = self.optimizer.shards
@@ -444,6 +537,7 @@ class StageAverager(ShardedRounds):
     # state
     def _catch_up(self, view: StageView) -> Callable[[], None]:
         """Download the stage's state (averaging thread); what it returns adopts it on the compute thread."""
+        self._disarm()  # (a round at this step would wait for a group this server no longer joins)
         why = ("behind its stage" if view.behind else
                "its state differs from a better-ranked replica's at the same step (another round, or a round "
                "that lost a member partway)")
@@ -558,6 +652,7 @@ class StageAverager(ShardedRounds):
         if self.solo or self._closing.is_set() or self._process.is_alive():
             return
         self.solo = True
+        self._disarm()
         self._tracker.stop(leave=True)
         self._close_channel()
         code = self._process.exitcode
@@ -569,6 +664,9 @@ class StageAverager(ShardedRounds):
 
     def _on_progress(self) -> None:
         self._check_process()
+        armed = self._armed
+        if self._job is None and (armed is None or armed.size != self._group_target(self.view())):
+            self._arm_soon()  # (a server of the stage came or went: form the group of the next round anew)
         if self._request_step is None or (self._requested is not None and not self._requested.done()):
             return
         if self.ready:

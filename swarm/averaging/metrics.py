@@ -33,8 +33,8 @@ class AveragingMetrics:
         self.in_round = Gauge("swarm_averaging_round_in_progress", "1 while this server takes part in an "
                               "averaging round", ["stage"], registry=registry).labels(stage=label)
         self.round_start_seconds = Histogram(
-            "swarm_averaging_round_start_seconds", "Time from this server handing its batch to a round until the "
-            "round's group formed and the all-reduce began", ["stage"], buckets=START_BUCKETS,
+            "swarm_averaging_round_start_seconds", "Time from this server handing its batch to a round until its "
+            "part of the all-reduce began (at once when the group formed ahead)", ["stage"], buckets=START_BUCKETS,
             registry=registry).labels(stage=label)
         self.compute_seconds = Counter(
             "swarm_averaging_compute_seconds", "Time the stage's compute thread spent on averaging's behalf "
@@ -60,4 +60,8 @@ class AveragingMetrics:
         self.chunks_reinitialized = Counter(
             "swarm_zero_chunks_reinitialized", "Chunks of the optimizer state whose every owner left: their moments "
             "started again from zero", ["stage"], registry=registry).labels(stage=label)
+        armed = Counter("swarm_averaging_groups_armed", "Rounds by when their group began to form: ahead (while "
+                        "the batch filled, so the round starts as soon as every member closed its batch) or now "
+                        "(when this server closed its batch)", ["stage", "when"], registry=registry)
+        self.armed_rounds = {when: armed.labels(stage=label, when=when) for when in ("ahead", "now")}
         self.downloads = {outcome: downloads.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED)}

@@ -10,6 +10,10 @@ it. What this wrapper adds:
 - ``prepare_round``: the group key carries the step, so only servers at the same step ever meet,
   and the target group size is the number of servers expected, so a round starts as soon as all
   of them have joined instead of waiting out ``min_matchmaking_time``;
+- ``arm`` / ``run_round``: a round's group forms ahead, while the batch fills, and its all-reduce
+  waits for the batch (hivemind's require_trigger); each member's weight (its samples) is set when
+  it closes its batch, and what the round averaged over is read from the weights the reducers
+  counted, since the gather data has left before then;
 - signals: hivemind ignores SIGINT in the parent for good when it starts its child; we keep the
   parent's handler, and the child dies with its parent (no orphaned averagers).
 """
@@ -29,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -234,20 +238,31 @@ class AveragingProcess(AveragerInternals):
         except Exception as e:  # the caller gets it
             future.set_exception(e)
 
-    def average(self, weight: float, gather: dict, stop: threading.Event,
-                nobody_left: Callable[[], bool]) -> tuple[dict[Any, Any], float]:
-        """One round: the buffers become the group's weighted mean.
-
-        Returns each member's `gather`, and the seconds from this call until the group was formed
-        (the all-reduce began). Raises RoundFailed after at most the matchmaking and all-reduce
-        timeouts (plus a request_timeout), soon after `stop` is set, or when `nobody_left()` while
-        still matchmaking.
-        """
-        config = self.config
+    def arm(self, step: int, group_size: int, gather: dict) -> StepControl:
+        """Begin forming the round for `step` with `group_size` servers, in the background: the group
+        forms while the batch fills, and the all-reduce waits for :meth:`run_round`. Every member's
+        `gather` travels at matchmaking, so it can only say what is known now (the step)."""
+        self.prepare_round(step, group_size)
         if not self.is_alive():
             raise RoundFailed("the averaging process is not running")
+        # No retries: hivemind's child learns of a cancel through a pipe, and a cancelled round it retries
+        # (it has not heard yet) lives on until its deadline, holding the matchmaking lock and joining the
+        # peers' groups as a member that never takes part; seen to fail a stage's rounds for minutes. A
+        # failed round is handled here instead (a step alone, then a download of the better state).
+        return self.step(gather=gather, weight=0.0, timeout=self.config.matchmaking_timeout, require_trigger=True,
+                         allow_retries=False, wait=False)
+
+    def run_round(self, control: StepControl, weight: float, stop: threading.Event,
+                  nobody_left: Callable[[], bool]) -> tuple[dict[Any, Any], float]:
+        """Let an armed round (:meth:`arm`) average the buffers, weighted by `weight`, and wait for it.
+
+        Returns each member's gather data and the seconds from this call until this member's
+        all-reduce began (its group formed, if it had not yet). Raises RoundFailed after at most the
+        matchmaking and all-reduce timeouts (plus a request_timeout), soon after `stop` is set, or when
+        `nobody_left()` while still matchmaking.
+        """
+        config = self.config
         started = time.monotonic()
-        control = self.step(gather=gather, weight=weight, timeout=config.matchmaking_timeout, wait=False)
         limit = config.matchmaking_timeout + config.allreduce_timeout + config.request_timeout
         deadline = started + limit
 
@@ -255,6 +270,8 @@ class AveragingProcess(AveragerInternals):
             return stop.is_set() or (control.stage == AveragingStage.LOOKING_FOR_GROUP and nobody_left())
 
         try:
+            control.weight = weight
+            control.allow_allreduce()
             formed = _wait_until_formed(control, deadline, give_up) - started
             gathered = _wait(control, deadline - time.monotonic(), give_up)
         except GaveUp:
@@ -269,6 +286,14 @@ class AveragingProcess(AveragerInternals):
         if not gathered:
             raise RoundFailed("no group formed")
         return gathered, formed
+
+    def with_counted_weights(self, gathered: dict[Any, Any], counted: dict[Any, float]) -> dict[Any, Any]:
+        # in the child: a member's samples are the weight its contribution counted with (the gather data,
+        # sent before the batch was closed, cannot say); one this reducer never heard from counts 0
+        for peer, info in gathered.items():
+            if isinstance(info, dict) and "samples" not in info:
+                info["samples"] = int(round(counted.get(peer, 0.0)))
+        return gathered
 
     def download_state(self, timeout: float, stop: threading.Event, exclude: Sequence[str] = (),
                        max_bytes: int = 0) -> tuple[Any, list[torch.Tensor], str] | None:

@@ -44,17 +44,28 @@ class RobustPolicy(ReducerPolicy):
     def sanitize(self, part: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
         return sanitize(part, weight, self.max_weight)
 
+    def counted_weight(self, weight: float) -> float:
+        return counted_weight(weight, self.max_weight)
+
     def aggregate(self, parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         return aggregate(parts, weights, self.method, self.clip_factor)
 
 
 def sanitize(part: torch.Tensor, weight: float, max_weight: float) -> tuple[torch.Tensor, float]:
     """A contribution as a reducer counts it: weight capped to [0, max_weight], 0 if anything is not finite."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+    weight = counted_weight(weight, max_weight)
+    if weight == 0.0:
         return part, 0.0
     if not bool(torch.isfinite(part).all()):
         return torch.zeros_like(part), 0.0
-    return part, min(float(weight), max_weight)
+    return part, weight
+
+
+def counted_weight(weight: float, max_weight: float) -> float:
+    """A claimed weight as counted: capped to [0, max_weight], 0 if it is not a finite number."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        return 0.0
+    return min(float(weight), max_weight)
 
 
 def aggregate(parts: list[torch.Tensor], weights: list[float], method: str = "centered_clip",

@@ -49,11 +49,12 @@ class ShardedRounds:
                         self.stage, view.step + 1, failure, samples)
             return functools.partial(self._retry_later, grads, samples)
         outcome = SUCCEEDED if len(plan.members) > 1 else LOCAL
-        return functools.partial(self._apply_sharded, result, plan, outcome, late)
+        return functools.partial(self._apply_sharded, result, plan, outcome, late, samples)
 
-    def _apply_sharded(self, result: RoundResult, plan: Plan, outcome: str, late: int) -> dict[str, Any]:
+    def _apply_sharded(self, result: RoundResult, plan: Plan, outcome: str, late: int, own: int) -> dict[str, Any]:
         """Apply a sharded round's update (compute thread): the same on every member; keep the moments of
-        the chunks this server owns now."""
+        the chunks this server owns now. `late` of the round's samples came while the round before ran;
+        `own` were this server's."""
         shards = self.optimizer.shards
         self._round_pause = ROUND_RETRY_PAUSE
         with self._state_lock:
@@ -80,7 +81,8 @@ class ShardedRounds:
         self.metrics.group_size.set(len(plan.members))
         self.metrics.rounds[outcome].inc()
         self._after_step()
-        return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late}
+        return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late,
+                "own_samples": own, "own_late": min(self._late_in_round, own)}
 
     def _check_alone(self, step: int, held: frozenset[int]) -> None:
         """A server that sees no other may step alone only on moments it holds whole, or once it has been alone

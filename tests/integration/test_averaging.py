@@ -166,6 +166,46 @@ def test_one_round_equals_one_optimizer_on_all_samples_weighted_by_count(pair):
         torch.testing.assert_close(after_a["params"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def armed(server: StageServer, when: str) -> float:
+    labels = {"stage": str(STAGE), "when": when}
+    return server.registry.get_sample_value("swarm_averaging_groups_armed_total", labels) or 0.0
+
+
+def test_the_next_round_s_group_forms_while_its_batch_fills_and_counts_what_each_member_brings(pair):
+    config, _, (a, b) = pair
+    for attempt in range(ATTEMPTS):  # (a round hivemind loses partway steps each alone, on what it had: again)
+        wait_until_peers_see_each_other([a, b])
+        # with no sample in yet, the group of the round for the next step has formed on both
+        wait_until(lambda: a.averager.group_formed_ahead and b.averager.group_formed_ahead, ROUND_TIMEOUT,
+                   interval=0.1, what="the next round's group formed ahead on both servers")
+        ahead = [armed(s, "ahead") for s in (a, b)]
+        steps = [record_steps(s) for s in (a, b)]
+        # the weights (samples) are set once the batch is full, after the group formed: 4 here, 8 there
+        seed = 30 + 10 * attempt
+        whole = averaged_round([a, b], [[micro_batch(config, seed)],
+                                        [micro_batch(config, seed + 1), micro_batch(config, seed + 2)]])
+        assert [armed(s, "ahead") for s in (a, b)] == [n + 1 for n in ahead]
+        if whole:
+            break
+    else:
+        pytest.fail(f"{ATTEMPTS} rounds in a row lost a member partway")
+    assert [(x[0]["samples"], x[0]["own_samples"]) for x in steps] == [(12, 4), (12, 8)]
+
+
+def record_steps(server: StageServer) -> list[dict]:
+    """The stats of every optimizer step `server` takes from now on (its logging kept)."""
+    steps: list[dict] = []
+    log_step = server.backend.on_step
+
+    def on_step(stats: dict) -> None:
+        steps.append(stats)
+        if log_step is not None:
+            log_step(stats)
+
+    server.backend.on_step = on_step
+    return steps
+
+
 def test_joining_server_gets_the_stage_state_before_online_then_averages(pair):
     config, peers, (a, b) = pair
     if a.backend.step == 0:  # the stage must hold a state that fresh weights would not match

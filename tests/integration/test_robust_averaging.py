@@ -61,7 +61,7 @@ def make_liar(averager, poison) -> None:
     """The averager claims CLAIMED_SAMPLES and puts `poison(buffer)` into each of its rounds."""
     load = averager._load_buffers
     process: AveragingProcess = averager._process
-    average = process.average
+    run_round = process.run_round
 
     def poisoned_load(grads, samples):
         load(grads, samples)
@@ -69,10 +69,10 @@ def make_liar(averager, poison) -> None:
             for buffer in buffers:
                 poison[0](buffer)
 
-    def lying_average(weight, gather, *args, **kwargs):
-        return average(float(CLAIMED_SAMPLES), {**gather, "samples": CLAIMED_SAMPLES}, *args, **kwargs)
+    def lying_round(control, weight, *args, **kwargs):  # (the weight is what the others count as its samples)
+        return run_round(control, float(CLAIMED_SAMPLES), *args, **kwargs)
 
-    averager._load_buffers, process.average = poisoned_load, lying_average
+    averager._load_buffers, process.run_round = poisoned_load, lying_round
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

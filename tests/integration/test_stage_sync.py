@@ -145,6 +145,12 @@ def record_steps(server: StageServer) -> list[dict]:
     return steps
 
 
+def stage_steps(*replicas: list[dict]) -> list[dict]:
+    """Each step of a stage: its samples, and how many of them came one step late (what its replicas'
+    own samples that came late add up to; a replica knows only its own)."""
+    return [{"samples": steps[0]["samples"], "late": sum(x["own_late"] for x in steps)} for steps in zip(*replicas)]
+
+
 def reference_val_loss(config: RunConfig, stage_steps: list[list[dict]]) -> float:
     """Val loss of a ReferenceTrainer whose every stage took the steps its swarm replicas took: as many,
     each of as many samples, of which as many came one step late (their gradient taken on the stage's
@@ -220,7 +226,9 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         samples_per_step = [x["samples"] for x in steps_a]
         assert samples_per_step == [x["samples"] for x in steps_b]
         assert min(samples_per_step) >= BATCH
-        on_time = [x["samples"] - x["late"] for x in steps_a]
+        # what each replica brought to each step adds up to the step
+        assert [x["own_samples"] + y["own_samples"] for x, y in zip(steps_a, steps_b)] == samples_per_step
+        on_time = [x["samples"] - x["late"] for x in stage_steps(steps_a, steps_b)]
         # a push takes milliseconds, but on two loaded cores a replica has been seen to add two
         # micro-batches before the other's arrived
         assert max(on_time) <= BATCH + 2 * MICRO * (STAGES.count(stage) - 1), (samples_per_step, on_time)
@@ -236,7 +244,8 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         module.load_state_dict(states[STAGES.index(stage)]["params"])
     swarm_loss = swarm_model.evaluate()
     # each stage as its replicas stepped (the stages' rounds may split the same samples differently)
-    reference_loss = reference_val_loss(copy.deepcopy(config), [steps[STAGES.index(stage)] for stage in (0, 1)])
+    reference_loss = reference_val_loss(copy.deepcopy(config), [
+        stage_steps(*[x for x, s in zip(steps, STAGES) if s == stage]) for stage in (0, 1)])
 
     assert swarm_loss < LEARNED * initial_loss and reference_loss < LEARNED * initial_loss, \
         (initial_loss, swarm_loss, reference_loss)

@@ -288,11 +288,13 @@ def test_an_all_reduce_that_lost_part_of_the_vector_is_a_failed_round(monkeypatc
 
     def registered(failed: int) -> None:
         runner = Future()
-        runner.set_result(SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=failed, total_size=40)))
+        runner.set_result(SimpleNamespace(tensor_part_container=SimpleNamespace(failed_size=failed, total_size=40),
+                                          tensor_part_reducer=SimpleNamespace(sender_weights=[7.0]),
+                                          sender_peer_ids=["peer"]))
         process._running_groups = {b"g": runner}
 
-    registered(0)
-    assert asyncio.run(process._aggregate_with_group(group, 0)) == {"peer": {"step": 1}}
+    registered(0)  # (a round armed ahead: a member's samples are the weight its reducer counted)
+    assert asyncio.run(process._aggregate_with_group(group, 0)) == {"peer": {"step": 1, "samples": 7}}
     registered(10)
     with pytest.raises(PartialRound, match="75.0%"):
         asyncio.run(process._aggregate_with_group(group, 0))

@@ -89,8 +89,11 @@ def test_the_policy_reducer_runs_hivemind_s_part_protocol():
     parts[1][2] = torch.full((6,), math.nan)  # ...and sends NaN in part 1
     weights = [4.0, 8.0, 1e9]
 
+    made = []
+
     async def run() -> list[torch.Tensor]:
-        reducer = PolicyPartReducer([torch.Size([6]), torch.Size([6])], 3, policy)
+        reducer = PolicyPartReducer([torch.Size([6]), torch.Size([6])], 3, policy)  # (needs the running loop)
+        made.append(reducer)
 
         async def sender(index: int) -> list[torch.Tensor]:
             return [await reducer.accumulate_part(index, part, parts[part][index], weights[index]) for part in (0, 1)]
@@ -100,6 +103,8 @@ def test_the_policy_reducer_runs_hivemind_s_part_protocol():
         return [results[i] for i in range(3)]
 
     results = asyncio.run(asyncio.wait_for(run(), 10))
+    # what each sender's samples counted as (the round's sample count when weights are set after matchmaking)
+    assert made[0].sender_weights == [4.0, 8.0, 16.0]
     for part in (0, 1):
         counted = [policy.sanitize(parts[part][i], weights[i]) for i in range(3)]
         expected = policy.aggregate([p for p, _ in counted], [w for _, w in counted])

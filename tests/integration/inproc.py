@@ -119,3 +119,17 @@ def accumulated(server: StageServer) -> tuple[int, int]:
         return backend.optimizer.samples, sum(p.grad is not None for p in backend.module.parameters())
 
     return backend.call(read, BACKEND_CALL_TIMEOUT)
+
+
+def record_steps(server: StageServer) -> list[dict]:
+    """Every optimizer step's stats of `server` from now on, via the backend's on_step hook (its logging kept)."""
+    steps: list[dict] = []
+    log_step = server.backend.on_step
+
+    def on_step(stats: dict) -> None:
+        steps.append(stats)
+        if log_step is not None:
+            log_step(stats)
+
+    server.backend.on_step = on_step
+    return steps

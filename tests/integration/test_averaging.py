@@ -24,7 +24,7 @@ from swarm.dht import ServerRecord, ServerState, visible_maddrs
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from tests.helpers import wait_until
-from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers, tiny_config
+from tests.integration.inproc import BACKEND_CALL_TIMEOUT, record_steps, running_peers, stage_servers, tiny_config
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -191,19 +191,6 @@ def test_the_next_round_s_group_forms_while_its_batch_fills_and_counts_what_each
         pytest.fail(f"{ATTEMPTS} rounds in a row lost a member partway")
     assert [(x[0]["samples"], x[0]["own_samples"]) for x in steps] == [(12, 4), (12, 8)]
 
-
-def record_steps(server: StageServer) -> list[dict]:
-    """The stats of every optimizer step `server` takes from now on (its logging kept)."""
-    steps: list[dict] = []
-    log_step = server.backend.on_step
-
-    def on_step(stats: dict) -> None:
-        steps.append(stats)
-        if log_step is not None:
-            log_step(stats)
-
-    server.backend.on_step = on_step
-    return steps
 
 
 def test_joining_server_gets_the_stage_state_before_online_then_averages(pair):

@@ -18,6 +18,7 @@ from swarm.reference import ReferenceTrainer
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     BACKEND_CALL_TIMEOUT,
+    record_steps,
     running_peers,
     stage_servers,
     stage_state,
@@ -43,19 +44,6 @@ MOMENTS = dict(atol=1e-8, rtol=1e-4)
 BF16 = 0.01
 BF16_UPDATE = 0.15
 
-
-def record_steps(server: StageServer) -> list[dict]:
-    """Every optimizer step's stats of `server`, via the backend's on_step hook (its logging kept)."""
-    steps: list[dict] = []
-    log_step = server.backend.on_step
-
-    def on_step(stats: dict) -> None:
-        steps.append(stats)
-        if log_step is not None:
-            log_step(stats)
-
-    server.backend.on_step = on_step
-    return steps
 
 
 def optimizer_state(server: StageServer) -> dict:

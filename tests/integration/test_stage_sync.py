@@ -22,7 +22,7 @@ from swarm.config import AveragingConfig, RunConfig
 from swarm.dht import ServerState
 from swarm.reference import ReferenceTrainer
 from tests.helpers import wait_until
-from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers, tiny_config
+from tests.integration.inproc import BACKEND_CALL_TIMEOUT, record_steps, running_peers, stage_servers, tiny_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -131,18 +131,6 @@ def snapshot(server: StageServer) -> dict:
 def samples_served(server: StageServer) -> float:
     return server.registry.get_sample_value("swarm_server_samples_total") or 0.0
 
-
-def record_steps(server: StageServer) -> list[dict]:
-    """Every optimizer step's stats of `server`, via the backend's on_step hook (its logging kept)."""
-    steps: list[dict] = []
-    log_step = server.backend.on_step
-
-    def on_step(stats: dict) -> None:
-        steps.append(stats)
-        log_step(stats)
-
-    server.backend.on_step = on_step
-    return steps
 
 
 def stage_steps(*replicas: list[dict]) -> list[dict]:

@@ -145,6 +145,7 @@ def test_a_slow_server_gets_few_micro_batches_and_does_not_slow_training(
 
 
 ONE_IN_FLIGHT_SAMPLES = 240  # trained after the slow server's first answer: 30 micro-batches of 8
+CLEAN_WINDOW_ATTEMPTS = 3
 
 
 @pytest.mark.timeout(150)
@@ -155,9 +156,20 @@ def test_with_one_micro_batch_in_flight_a_measured_slow_server_gets_no_work(
     # least accumulated virtual time would have sent it a share and made the trainer wait on it.
     coordinator, normal, trainer = one_stage_with_a_trainer(procs, tiny_config_path, tmp_path, in_flight=1)
     slow = add_slow_server(procs, coordinator)
-    normal_before, slow_before = ok_requests(normal), ok_requests(slow)
-    wait_for_samples(trainer, trainer_samples(trainer) + ONE_IN_FLIGHT_SAMPLES)
-    to_normal, to_slow = ok_requests(normal) - normal_before, ok_requests(slow) - slow_before
+    # A call to the normal server that fails bans it for a while, and the slow one then rightly gets the
+    # work; on loaded cores a libp2p stream between healthy peers now and then ends early (see README,
+    # Averaging within a stage). So the claim is checked over a window in which no call failed.
+    for _ in range(CLEAN_WINDOW_ATTEMPTS):
+        trainer.proc.wait_until(lambda: trainer.metric("swarm_trainer_banned_servers") == 0, PROGRESS_TIMEOUT,
+                                "the trainer to have no server banned")
+        failures = trainer.metric("swarm_trainer_call_failures_total") or 0.0
+        normal_before, slow_before = ok_requests(normal), ok_requests(slow)
+        wait_for_samples(trainer, trainer_samples(trainer) + ONE_IN_FLIGHT_SAMPLES)
+        to_normal, to_slow = ok_requests(normal) - normal_before, ok_requests(slow) - slow_before
+        if (trainer.metric("swarm_trainer_call_failures_total") or 0.0) == failures:
+            break
+    else:
+        pytest.fail(f"a call failed in each of {CLEAN_WINDOW_ATTEMPTS} windows: {trainer.proc.describe()}")
     assert to_slow == 0 and to_normal >= ONE_IN_FLIGHT_SAMPLES / 8, (to_normal, to_slow)
     assert trainer.metric("swarm_trainer_failed_micro_batches_total") == 0.0, trainer.proc.describe()
 

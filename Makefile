@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-stack test-image lint reference bench clean
+.PHONY: demo test test-swarms test-stack test-image lint reference bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests/unit tests/integration
+	$(PY) -m pytest -q -m "not swarms" tests/unit tests/integration
+
+# Whole swarms of separate programs that run for a minute each (resuming a dead stage and a whole
+# swarm from checkpoints; MoE swarms losing an expert server), kept out of `make test` for its time.
+test-swarms: $(STAMP)
+	$(PY) -m pytest -q -m swarms tests/integration
 
 # Slower suites with real outside programs (installed by docker/install-test-tools.sh, as root):
 # a real Prometheus, promtool, Grafana's dashboard schema and a headless Chromium against a local swarm...

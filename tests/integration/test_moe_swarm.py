@@ -18,7 +18,7 @@ import pytest
 from swarm.config import MoEConfig, RunConfig
 from tests.procs import REPO_ROOT, Coordinator, Peer, ProcSet, free_port, http_get, start_coordinator, start_peer
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.swarms]  # make test-swarms
 
 START_TIMEOUT = 150.0  # exec to "serving stage K" / "hosting experts" (imports, join, build)
 FIRST_LOSS_TIMEOUT = 90.0

@@ -27,6 +27,8 @@ from swarm.optim import StageOptimizer
 from swarm.state import StageState, StateInfo
 from tests.procs import Coordinator, Peer, ProcSet, free_port, start_coordinator, start_peer
 
+pytestmark = pytest.mark.swarms  # make test-swarms
+
 EVERY = 4  # steps between checkpoints
 TRAINED = 10  # steps before the first kill
 TRAIN_TIMEOUT = 120.0  # to TRAINED steps on 2 shared cores

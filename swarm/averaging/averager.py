@@ -32,15 +32,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
+from swarm.averaging.ahead import Armed, GroupsAhead
 from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.codecs import installed_compression
 from swarm.averaging.collective import Hyper, Mailbox
@@ -74,25 +74,10 @@ DOWNLOAD_RETRY_PAUSE = 0.5  # first pause between state download attempts; doubl
 DOWNLOAD_RETRY_PAUSE_MAX = 30.0
 CHANNEL_CALL_TIMEOUT = 10.0  # registering or removing the progress handler
 
-AWAITING_TRIGGER = AveragingStage.AWAITING_TRIGGER
 RequestStep = Callable[[], Future | None]  # asks the backend's worker thread to call step() soon
 
 
-@dataclass(frozen=True)
-class _Armed:
-    """A round whose group began to form ahead: for `step`, of `size` servers."""
-
-    step: int
-    size: int
-    control: StepControl
-
-    def fits(self, view: StageView, size: int) -> bool:
-        """Whether it is the round of `view`'s step and size, still forming or formed. (A server of the stage
-        that came or went since makes each member that sees it form the group anew.)"""
-        return self.step == view.step and self.size == size and not self.control.done()
-
-
-class StageAverager(ShardedRounds):
+class StageAverager(GroupsAhead, ShardedRounds):
     """A :class:`~swarm.averaging.stepper.StageStepper` for a stage that several servers serve.
 
     Create it on the main thread (it forks hivemind's averaging process), load the stage's state
@@ -127,7 +112,7 @@ class StageAverager(ShardedRounds):
         self._download_pause = DOWNLOAD_RETRY_PAUSE
         self._next_download = 0.0  # monotonic time before which no catch-up is tried
         self._channel: ProgressChannel | None = None
-        self._armed: _Armed | None = None  # the group of the next round, forming ahead (averaging thread)
+        self._armed: Armed | None = None  # the group of the next round, forming ahead (averaging thread)
         self._arm_queued = False
         # gradients of samples that came after the stage's batch was full: they count towards the next step
         self._held: list[torch.Tensor | None] | None = None
@@ -330,12 +315,6 @@ class StageAverager(ShardedRounds):
             self._params_changed()
 
     @property
-    def group_formed_ahead(self) -> bool:
-        """Whether the group of the round for this server's step has formed, waiting for the batch."""
-        armed = self._armed
-        return armed is not None and armed.step == self.step_count and armed.control.stage == AWAITING_TRIGGER
-
-    @property
     def busy(self) -> bool:
         """Whether a round or a download is under way beside compute."""
         return self._job is not None
@@ -402,62 +381,6 @@ class StageAverager(ShardedRounds):
                                                           lambda: self.view().group_size == 1)
         self.metrics.round_start_seconds.observe(start_latency)
         return gathered, start_latency
-
-    # forming groups ahead (averaging thread)
-    def _arm_ahead(self) -> None:
-        """Begin forming the group of the round for this server's step now, so that it has formed by the
-        time the batch is full: the round then starts as soon as every member has closed its batch."""
-        self._arm_queued = False
-        if self._closing.is_set() or self.solo or self._averaging:  # (averaging: the next round is armed at close)
-            return
-        view = self.view()
-        armed = self._armed
-        if armed is not None and armed.fits(view, self._group_target(view)):
-            return
-        self._disarm()
-        if view.needs_state or view.group_size < 2:  # a download comes first, or nobody to meet yet
-            return
-        try:
-            control = self._process.arm(view.step, view.group_size, {"step": view.step})
-        except AveragingError as e:
-            log.debug("stage %d: could not form the group for step %d ahead: %s", self.stage, view.step + 1, e)
-            self._check_process()
-            return
-        self._armed = armed = _Armed(view.step, self._group_target(view), control)
-        # a group that did not form in time is formed anew (not one this server gave up on: it is no longer armed)
-        control.add_done_callback(lambda _: self._armed is armed and not control.triggered and self._arm_soon())
-        log.debug("stage %d: forming the group of %d for step %d ahead", self.stage, armed.size, view.step + 1)
-
-    def _armed_for(self, view: StageView) -> StepControl:
-        """The round for `view`'s step: the one armed ahead if it fits, else one armed now."""
-        armed, self._armed = self._armed, None
-        if armed is not None and armed.fits(view, self._group_target(view)):
-            self.metrics.armed_rounds["ahead"].inc()
-            return armed.control
-        if armed is not None:
-            log.debug("stage %d: the group formed ahead for step %d of %d does not fit step %d of %d: %s",
-                      self.stage, armed.step + 1, armed.size, view.step + 1, self._group_target(view),
-                      "it failed" if armed.control.done() else "cancelled")
-            armed.control.cancel()
-        self.metrics.armed_rounds["now"].inc()
-        return self._process.arm(view.step, view.group_size, {"step": view.step})
-
-    def _group_target(self, view: StageView) -> int:
-        return max(2, min(view.group_size, self.config.target_group_size))
-
-    def _disarm(self) -> None:
-        armed, self._armed = self._armed, None
-        if armed is not None:
-            log.debug("stage %d: no longer forming the group of %d for step %d", self.stage, armed.size, armed.step + 1)
-            with contextlib.suppress(Exception):  # (a process that is gone has nothing to cancel)
-                armed.control.cancel()
-
-    def _arm_soon(self) -> None:
-        if self._zero is None and self._request_step is not None and not self._closing.is_set() \
-                and not self._arm_queued:
-            self._arm_queued = True
-            with contextlib.suppress(RuntimeError):  # (shut down meanwhile)
-                self._jobs.submit(self._arm_ahead)
 
     def _apply(self, mean: list[torch.Tensor | None], samples: int, outcome: str, members: list[str],
                own: int) -> dict[str, Any]:

@@ -180,6 +180,12 @@ def test_the_averager_still_builds_its_runner_by_module_name_and_the_runner_its_
     assert "runner = AllReduceRunner(" in AVERAGER
     assert assigns(AllReduceRunner, "tensor_part_reducer")
     assert "tensor_part_reducer.accumulate_part(" in class_source(AllReduceRunner)
+    # PolicyPartReducer records each sender's weight by index; the round maps indices to sender_peer_ids
+    from hivemind.averaging.partition import TensorPartReducer
+
+    assert assigns(AllReduceRunner, "sender_peer_ids")
+    assert list(inspect.signature(TensorPartReducer.accumulate_part).parameters) == [
+        "self", "sender_index", "part_index", "tensor_part", "weight"]
 
 
 def test_the_reducer_still_sums_into_an_accumulator_and_divides_once():

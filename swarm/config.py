@@ -218,6 +218,7 @@ class AveragingConfig:
     state_download_timeout: float = 60.0  # a joining or lagging server downloading its stage's state
     min_matchmaking_time: float = 5.0  # a round's leader waits this long for servers still missing
     request_timeout: float = 3.0  # one matchmaking request, and one progress read or write in the DHT
+    direct_matchmaking: bool = True  # also send matchmaking declarations straight to the stage's servers
     next_chunk_timeout: float = 10.0  # a peer silent this long in an all-reduce or download is dropped
     shutdown_timeout: float = 5.0  # the averaging process gets this long to leave cleanly
     progress_period: float = 1.0  # how often a server publishes its samples and reads its stage's

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P
@@ -111,6 +112,14 @@ class AveragerInternals(DecentralizedAverager):
         matchmaking = self._matchmaking
         matchmaking.group_key_manager.group_bits = group_bits
         matchmaking.target_group_size = matchmaking.group_key_manager.target_group_size = group_size
+
+    def key_manager(self) -> GroupKeyManager:
+        """In the child: the matchmaking's group key manager (which declares and finds averagers)."""
+        return self._matchmaking.group_key_manager
+
+    def use_key_manager(self, manager: GroupKeyManager) -> None:
+        """In the child, between rounds: have matchmaking declare and find averagers through `manager`."""
+        self._matchmaking.group_key_manager = manager
 
     def averaged_tensors(self) -> Sequence[torch.Tensor]:
         """The shared-memory buffers the all-reduce averages (hold lock_averaged_tensors)."""

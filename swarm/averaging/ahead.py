@@ -60,7 +60,7 @@ class GroupsAhead:
         if view.needs_state or view.group_size < 2:  # a download comes first, or nobody to meet yet
             return
         try:
-            control = self._process.arm(view.step, view.group_size, {"step": view.step})
+            control = self._process.arm(view.step, view.group_size, {"step": view.step}, view.members)
         except AveragingError as e:
             log.debug("stage %d: could not form the group for step %d ahead: %s", self.stage, view.step + 1, e)
             self._check_process()
@@ -82,7 +82,7 @@ class GroupsAhead:
                       "it failed" if armed.control.done() else "cancelled")
             armed.control.cancel()
         self.metrics.armed_rounds["now"].inc()
-        return self._process.arm(view.step, view.group_size, {"step": view.step})
+        return self._process.arm(view.step, view.group_size, {"step": view.step}, view.members)
 
     def _group_target(self, view: StageView) -> int:
         return max(2, min(view.group_size, self.config.target_group_size))

@@ -373,7 +373,8 @@ class StageAverager(GroupsAhead, ShardedRounds):
         says what each member holds): each member's gather data (ours: step, samples, late samples and
         `extra`), and the round's start latency."""
         control = self._process.arm(view.step, view.group_size,
-                                    {"step": view.step, "samples": samples, "late": self._late_in_round, **extra})
+                                    {"step": view.step, "samples": samples, "late": self._late_in_round, **extra},
+                                    view.members)
         return self._run_round(control, samples)
 
     def _run_round(self, control: StepControl, samples: int) -> tuple[dict[Any, Any], float]:

@@ -29,23 +29,25 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
-from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
+from swarm.averaging.direct import Declarations, DirectKeyManager
 from swarm.averaging.errors import AveragingError
 from swarm.averaging.robust import RobustPolicy
 from swarm.config import AveragingConfig
 from swarm.dht.node import collect_before_fork
 from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket
+from swarm.protocol.framing import DEFAULT_LIMITS, decode_metadata, encode_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class AveragingProcess(AveragerInternals):
         self.config = config
         self._policy = RobustPolicy(max_weight, config.aggregation, config.clip_factor)
         self._all_reduce = all_reduce  # False: sharded rounds, where a round only forms the group
+        # declarations sent straight to this member (used in the child)
+        self._declarations = Declarations(f"{prefix}", config.matchmaking_timeout + config.min_matchmaking_time)
         super().__init__(
             buffers,
             dht,
@@ -225,24 +229,63 @@ class AveragingProcess(AveragerInternals):
         metadata, tensors = self._state_source()
         return metadata, tensors, [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
 
-    def prepare_round(self, step: int, group_size: int) -> None:
-        """Meet only servers at `step`; start the all-reduce as soon as `group_size` have joined."""
+    def prepare_round(self, step: int, group_size: int, members: Sequence[str] = ()) -> None:
+        """Meet only servers at `step`; start the all-reduce as soon as `group_size` have joined. `members`
+        (peer ids) are the others expected: matchmaking declarations go straight to them (direct.py)."""
         size = max(2, min(group_size, self.config.target_group_size))
-        self._call("_set_round", self.config.request_timeout, group_bits=step_bits(step), group_size=size)
+        self._call("_set_round", self.config.request_timeout, group_bits=step_bits(step), group_size=size,
+                   members=list(members))
 
-    async def _set_round(self, group_bits: str, group_size: int, future: MPFuture) -> None:
+    async def _set_round(self, group_bits: str, group_size: int, members: list[str], future: MPFuture) -> None:
         # runs in the child, between rounds (the parent waits for each round before the next)
         try:
+            if self.config.direct_matchmaking:
+                self._declarations.expect(_peer_ids(members))
+                manager = self.key_manager()
+                if not isinstance(manager, DirectKeyManager):
+                    self.use_key_manager(DirectKeyManager(manager, self._declarations, self._send_declaration,
+                                                          self.config.request_timeout))
             self.set_group(group_bits, group_size)
             future.set_result(None)
         except Exception as e:  # the caller gets it
             future.set_exception(e)
 
-    def arm(self, step: int, group_size: int, gather: dict) -> StepControl:
-        """Begin forming the round for `step` with `group_size` servers, in the background: the group
-        forms while the batch fills, and the all-reduce waits for :meth:`run_round`. Every member's
-        `gather` travels at matchmaking, so it can only say what is known now (the step)."""
-        self.prepare_round(step, group_size)
+    async def add_p2p_handlers(self, p2p: Any, wrapper: Any = None, *, namespace: str | None = None) -> None:
+        # in the child, as it starts: hivemind's handlers, and ours for declarations sent straight to us
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace)
+        if self.config.direct_matchmaking:
+            await p2p.add_protobuf_handler(declarations_handler(self.prefix), self._take_declaration,
+                                           runtime_pb2.ExpertRequest)
+
+    async def _take_declaration(self, request: runtime_pb2.ExpertRequest,
+                                context: P2PContext) -> runtime_pb2.ExpertResponse:
+        taken = False
+        try:
+            meta = decode_metadata(request.metadata, DEFAULT_LIMITS)
+            taken = self._declarations.take(context.remote_id, meta.get("key"), meta.get("expiration"),
+                                            meta.get("looking"))
+        except Exception as e:  # noqa: BLE001 - a malformed declaration is dropped; the handler keeps serving
+            logger.debug("dropped a matchmaking declaration from %s: %s", context.remote_id, e)
+        return runtime_pb2.ExpertResponse(metadata=encode_metadata({"ok": taken}))
+
+    async def _send_declaration(self, peers: Iterable[PeerID], key: str, expiration: float, looking: bool) -> None:
+        request = runtime_pb2.ExpertRequest(
+            metadata=encode_metadata({"key": key, "expiration": expiration, "looking": looking}))
+        await asyncio.gather(*(self._declare_to(peer, request) for peer in peers))
+
+    async def _declare_to(self, peer: PeerID, request: runtime_pb2.ExpertRequest) -> None:
+        try:
+            await asyncio.wait_for(self.child_p2p().call_protobuf_handler(
+                peer, declarations_handler(self.prefix), request, runtime_pb2.ExpertResponse),
+                self.config.request_timeout)
+        except Exception as e:  # noqa: BLE001 - a server gone or slow: the DHT still carries the declaration
+            logger.debug("sending a matchmaking declaration to %s failed: %s", peer, e)
+
+    def arm(self, step: int, group_size: int, gather: dict, members: Sequence[str] = ()) -> StepControl:
+        """Begin forming the round for `step` with `group_size` servers (`members`: the others expected), in
+        the background: the group forms while the batch fills, and the all-reduce waits for :meth:`run_round`.
+        Every member's `gather` travels at matchmaking, so it can only say what is known now (the step)."""
+        self.prepare_round(step, group_size, members)
         if not self.is_alive():
             raise RoundFailed("the averaging process is not running")
         # No retries: hivemind's child learns of a cancel through a pipe, and a cancelled round it retries
@@ -420,6 +463,18 @@ def _wait_until_formed(control: Any, deadline: float, give_up: Callable[[], bool
             raise TimeoutError
         time.sleep(FORMED_POLL)
     return time.monotonic()
+
+
+def _peer_ids(members: Sequence[str]) -> Iterator[PeerID]:
+    for member in members:
+        try:
+            yield PeerID.from_base58(member)
+        except Exception as e:  # noqa: BLE001 - the records were checked; a bad id only loses the shortcut
+            logger.debug("not a peer id: %r (%s)", member, e)
+
+
+def declarations_handler(prefix: str) -> str:
+    return f"{prefix}.declare_direct"
 
 
 def step_bits(step: int) -> str:

@@ -138,6 +138,7 @@ class StageView:
     behind: bool  # some server is ahead of where this one's round (if any) takes it
     diverged: bool
     closed: bool = False  # another server closed the batch this one's samples make (its round for it began)
+    members: tuple[str, ...] = ()  # the peer ids of the others that group_size counts
 
     @property
     def needs_state(self) -> bool:
@@ -152,6 +153,7 @@ def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: floa
         step=own.step,
         samples=own.samples + sum(r.samples for r in others if r.next_batch == own.next_batch),
         group_size=1 + sum(r.step <= own.step for r in others),
+        members=tuple(r.peer_id for r in others if r.step <= own.step),
         behind=any(r.step > own.step + own.averaging for r in others),
         closed=any(r.step + r.averaging >= own.next_batch for r in others),
         diverged=any((r.priority, r.peer_id) > (own.priority, own.peer_id)

@@ -1,0 +1,59 @@
+"""Matchmaking declarations sent straight to the stage's servers form a round's group without the DHT.
+
+Both tests blind hivemind's DHT read of group keys (the averaging processes fork after the patch and
+inherit it): with direct declarations a round still forms its group and averages; without them, the
+same blinded swarm forms no group at all, which shows the blinding bites.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hivemind.averaging.key_manager import GroupKeyManager
+
+from tests.helpers import wait_until
+from tests.integration.inproc import running_peers, stage_servers
+from tests.integration.test_averaging import (
+    ROUND_TIMEOUT,
+    STAGE,
+    averaged_round,
+    make_config,
+    micro_batch,
+    rounds,
+    wait_until_peers_see_each_other,
+)
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture
+def dht_blind_to_groups(monkeypatch):
+    async def nobody(self, group_key, only_active):
+        return []
+
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", nobody)
+
+
+def test_with_the_dht_blind_to_groups_direct_declarations_still_form_the_round(dht_blind_to_groups):
+    config = make_config("direct-on")
+    with running_peers(config.run_id, 2) as peers, stage_servers(config, peers, [STAGE, STAGE]) as (a, b):
+        wait_until_peers_see_each_other([a, b])
+        wait_until(lambda: a.averager.group_formed_ahead and b.averager.group_formed_ahead, ROUND_TIMEOUT,
+                   interval=0.1, what="the next round's group formed ahead on both servers, through declarations")
+        batches = [[micro_batch(config, 1)], [micro_batch(config, 2), micro_batch(config, 3)]]
+        averaged_round([a, b], batches)
+        assert [rounds(s, "succeeded") for s in (a, b)] == [1.0, 1.0]
+        assert [rounds(s, "failed") for s in (a, b)] == [0.0, 0.0]
+
+
+def test_with_the_dht_blind_to_groups_and_no_direct_declarations_no_group_forms(dht_blind_to_groups):
+    config = make_config("direct-off")
+    config.averaging = dataclasses.replace(config.averaging, direct_matchmaking=False)
+    config.validate()
+    with running_peers(config.run_id, 2) as peers, stage_servers(config, peers, [STAGE, STAGE]) as (a, b):
+        wait_until_peers_see_each_other([a, b])
+        batches = [[micro_batch(config, 1)], [micro_batch(config, 2), micro_batch(config, 3)]]
+        averaged_round([a, b], batches)  # each steps alone when its round finds nobody; then they agree
+        assert [rounds(s, "succeeded") for s in (a, b)] == [0.0, 0.0]
+        assert [rounds(s, "failed") for s in (a, b)] == [1.0, 1.0]

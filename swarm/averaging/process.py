@@ -99,7 +99,7 @@ class AveragingProcess(AveragerInternals):
         self._policy = RobustPolicy(max_weight, config.aggregation, config.clip_factor)
         self._all_reduce = all_reduce  # False: sharded rounds, where a round only forms the group
         # declarations sent straight to this member (used in the child)
-        self._declarations = Declarations(f"{prefix}", config.matchmaking_timeout + config.min_matchmaking_time)
+        self._declarations = Declarations(prefix, config.matchmaking_timeout + config.min_matchmaking_time)
         super().__init__(
             buffers,
             dht,

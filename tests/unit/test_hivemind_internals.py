@@ -80,6 +80,20 @@ def test_matchmaking_keeps_the_group_key_and_size_we_set():
     assert 'f"{self._matchmaking.group_key_manager.prefix}.all_averagers"' in AVERAGER
 
 
+def test_matchmaking_still_declares_and_finds_averagers_only_through_its_key_manager():
+    # direct.py's DirectKeyManager replaces the manager (use_key_manager) and overrides these two methods
+    from hivemind.averaging.matchmaking import PotentialLeaders
+
+    leaders = class_source(PotentialLeaders)
+    assert "key_manager.get_averagers(key_manager.current_key, only_active=True)" in leaders
+    assert "await key_manager.declare_averager(" in leaders and "looking_for_group=False" in leaders
+    assert "self.group_key_manager" in class_source(Matchmaking)
+    assert not re.search(r"\bdht\.(get|store)\(", leaders + class_source(Matchmaking))  # (no other way in)
+    assert list(inspect.signature(GroupKeyManager.declare_averager).parameters) == [
+        "self", "group_key", "peer_id", "expiration_time", "looking_for_group"]
+    assert list(inspect.signature(GroupKeyManager.get_averagers).parameters) == ["self", "group_key", "only_active"]
+
+
 def test_a_round_runner_still_counts_the_part_of_the_vector_that_failed():
     assert assigns(AllReduceRunner, "tensor_part_container")
     container = TensorPartContainer([torch.zeros(8)], peer_fractions=(1.0,))

@@ -50,6 +50,11 @@ class StateRejected(ValueError):
     """A state from elsewhere does not fit this replica, or its content is not believable."""
 
 
+class StateIncomplete(StateRejected):
+    """Fewer tensors came than the state names: the download's stream ended early (on loaded cores a
+    libp2p stream between healthy peers sometimes does), or the sender cut it."""
+
+
 @dataclass(frozen=True)
 class StateInfo:
     """What a state says about itself."""
@@ -238,6 +243,8 @@ def unflatten(metadata: Any, tensors: Sequence[Any]) -> tuple[StateInfo, dict[st
     keys = metadata.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
         raise StateRejected("the state's list of tensor names is malformed")
+    if len(keys) > len(tensors):
+        raise StateIncomplete(f"the state names {len(keys)} tensors but only {len(tensors)} came")
     if len(keys) != len(tensors):
         raise StateRejected(f"the state names {len(keys)} tensors but has {len(tensors)}")
     return info, dict(zip(keys, tensors))

@@ -6,7 +6,9 @@ is checked here for what only the stage can vouch for: its step must not lie bey
 the stage's servers publish in their (signed) progress records, and its parameters must be those
 most servers at its step publish (their fingerprints). StageState.check then holds it to this
 replica's names, shapes and dtypes, and finite values. A refused state is logged with its reason
-and its sender is not asked again for REFUSED_PEER_SECONDS.
+and its sender is not asked again for REFUSED_PEER_SECONDS; one that came incomplete (its stream
+ended early, which happens between healthy peers here) only for INCOMPLETE_PEER_SECONDS, since the
+sender may well be the only one that holds the stage's state.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from swarm.averaging.progress import (
     param_fingerprint,
     step_bound,
 )
-from swarm.state import StageState, StateInfo, StateRejected, unflatten
+from swarm.state import StageState, StateIncomplete, StateInfo, StateRejected, unflatten
 
 log = logging.getLogger(__name__)
 
 REFUSED_PEER_SECONDS = 300.0  # a peer whose state failed its checks is not asked again for this long
+INCOMPLETE_PEER_SECONDS = 5.0  # nor one whose state came incomplete, for this long
 
 Loaded = tuple[Any, list[torch.Tensor], str]  # (metadata, tensors, the peer that sent them)
 
@@ -78,6 +81,11 @@ class StateIntake:
         """Count and log a refused state, skip its sender for a while; the error to raise."""
         peer = loaded[2]
         self.metrics.downloads[FAILED].inc()
+        if isinstance(problem, StateIncomplete):
+            self._refused[peer] = time.monotonic() + INCOMPLETE_PEER_SECONDS
+            log.warning("stage %d: the state %s sent came incomplete (%s); will ask again", self.state.stage, peer,
+                        problem)
+            return problem
         self.metrics.rejected_states.inc()
         self._refused[peer] = time.monotonic() + REFUSED_PEER_SECONDS
         log.warning("stage %d: refused the state %s sent: %s", self.state.stage, peer, problem)

@@ -66,8 +66,22 @@ def expert_state(server: ExpertServer, layer: int, expert: int) -> dict[str, tor
     return host.submit(lambda: {k: v.clone() for k, v in module.state_dict().items()}).result(BACKEND_CALL_TIMEOUT)
 
 
+ATTEMPTS = 3  # runs of a scenario whose claim holds only if no expert call failed on the way
+
+
 def test_one_step_with_experts_on_expert_servers_equals_one_reference_step():
-    config = moe_config("exactexperts")
+    # An expert call that fails (on loaded cores a libp2p stream between healthy peers now and then ends
+    # early) loses that expert for its micro-batch, by design, and the step then rightly differs from the
+    # reference's: such a run proves nothing about exactness, and the scenario runs again on a fresh run.
+    for attempt in range(ATTEMPTS):
+        if one_step_with_expert_servers(f"exactexperts{attempt}"):
+            return
+    pytest.fail(f"an expert call failed in each of {ATTEMPTS} runs")
+
+
+def one_step_with_expert_servers(run_id: str) -> bool:
+    """One step of a swarm with expert servers equals one reference step; False if an expert call failed."""
+    config = moe_config(run_id)
     batch = config.optimizer.batch_size
     with running_peers(config.run_id, 5) as (trainer_peer, *peers), \
             expert_servers(config, peers[2:], HOSTED) as hosts, \
@@ -78,6 +92,8 @@ def test_one_step_with_experts_on_expert_servers_equals_one_reference_step():
         train_bounded(trainer, TRAIN_TIMEOUT)
         wait_until(lambda: all(s.backend.step >= 1 for s in servers) and all(h.host.step >= 1 for h in hosts),
                    STEP_TIMEOUT, what="every stage's and expert's first step")
+        if any(sum(s.dispatcher.stats.failures.values()) for s in servers):
+            return False
         reference = ReferenceTrainer(config, trainer_index=0)
         expected = reference.train_step()
         assert expected["dropped"] > 0
@@ -94,6 +110,7 @@ def test_one_step_with_experts_on_expert_servers_equals_one_reference_step():
                 for e in hosted:
                     torch.testing.assert_close(expert_state(host, layer, e),
                                                reference.experts[layer * experts + e].state_dict(), **EXACT)
+    return True
 
 
 def test_a_joining_expert_server_takes_the_state_of_a_live_host():

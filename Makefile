@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-swarms test-stack test-image lint reference bench clean
+.PHONY: demo test test-swarms test-repeat test-stack test-image lint reference bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 # swarm from checkpoints; MoE swarms losing an expert server), kept out of `make test` for its time.
 test-swarms: $(STAMP)
 	$(PY) -m pytest -q -m swarms tests/integration
+
+# The integration tests of `make test` ten times in a row, every run's output kept (not in CI: it is how a
+# flaky test is found; about 85 minutes here).
+test-repeat: $(STAMP)
+	tests/repeat_integration.sh 10
 
 # Slower suites with real outside programs (installed by docker/install-test-tools.sh, as root):
 # a real Prometheus, promtool, Grafana's dashboard schema and a headless Chromium against a local swarm...

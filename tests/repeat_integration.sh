@@ -1,0 +1,22 @@
+#!/bin/bash
+# Run the integration tests of `make test` N times in a row (default 10), keeping every run's whole
+# output, and print a line per run and the pass count. Not part of CI: it is how a flaky test is found.
+#
+#   tests/repeat_integration.sh [N] [output directory]     (make test-repeat)
+set -u
+runs=${1:-10}
+out=${2:-$(mktemp -d /tmp/swarm-repeat-XXXXXX)}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+passed=0
+for i in $(seq 1 "$runs"); do
+  start=$(date +%s)
+  timeout 1200 .venv/bin/python -m pytest -q -m "not swarms" tests/integration --durations=15 \
+    -p no:cacheprovider > "$out/run$i.out" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] && passed=$((passed + 1))
+  echo "run $i: exit $rc in $(( $(date +%s) - start ))s: $(grep -E '(passed|failed)' "$out/run$i.out" | tail -1)" \
+    | tee -a "$out/summary"
+done
+echo "$passed/$runs runs passed whole; outputs in $out" | tee -a "$out/summary"
+[ "$passed" -eq "$runs" ]

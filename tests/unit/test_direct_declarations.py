@@ -183,7 +183,7 @@ def test_the_dht_s_averagers_are_merged_in():
         keys = manager(dht, table)
         table.take(A, KEY, soon(), True)
         first = await keys.get_averagers(KEY, only_active=True)  # answered at once from the declaration
-        await asyncio.sleep(0.1)  # the DHT read lands
+        await asyncio.wait_for(keys._lookups[KEY], 1.0)  # the DHT read lands
         second = await keys.get_averagers(KEY, only_active=True)
         return first, second
 

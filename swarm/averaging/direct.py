@@ -77,9 +77,7 @@ class Declarations:
         if key not in self._table and len(self._table) >= MAX_KEYS:  # the key that lives shortest goes
             del self._table[min(self._table, key=lambda k: max(e for e, _ in self._table[k].values()))]
         entries = self._table.setdefault(key, {})
-        known = entries.get(sender)
-        # as in the DHT, the later expiration wins; at one expiration, "no longer looking" wins
-        if known is None or (expiration, not looking) > (known[0], not known[1]):
+        if _supersedes((expiration, looking), entries.get(sender)):
             entries[sender] = (expiration, looking)
             self.changed.set()
         self.taken += 1
@@ -105,11 +103,15 @@ def merged(*sources: dict[PeerID, Entry], only_active: bool) -> list[tuple[PeerI
     entry that expires last wins (as in the DHT), then those no longer looking are left out if `only_active`."""
     best: dict[PeerID, Entry] = {}
     for source in sources:
-        for peer, (expiration, looking) in source.items():
-            known = best.get(peer)
-            if known is None or (expiration, not looking) > (known[0], not known[1]):
-                best[peer] = (expiration, looking)
+        for peer, entry in source.items():
+            if _supersedes(entry, best.get(peer)):
+                best[peer] = entry
     return [(peer, expiration) for peer, (expiration, looking) in best.items() if looking or not only_active]
+
+
+def _supersedes(entry: Entry, known: Entry | None) -> bool:
+    """As in the DHT, the later expiration wins; at one expiration, "no longer looking" wins."""
+    return known is None or (entry[0], not entry[1]) > (known[0], not known[1])
 
 
 class DirectKeyManager(GroupKeyManager):

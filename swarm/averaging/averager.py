@@ -204,9 +204,15 @@ class StageAverager(GroupsAhead, ShardedRounds):
                 apply = job.result()  # what to apply, here on the compute thread
             except Exception:  # a bug: the batch it had is lost, training goes on
                 log.exception("stage %d: an averaging job failed", self.stage)
-                self._end_round()
-                return None
-            return apply()
+                apply = self._end_round
+            stats = apply()
+            if stats is None and self.optimizer.samples > 0 and self._request_step is not None \
+                    and not self._closing.is_set() and self.ready:
+                # A job that made no step of ours (a round we joined with no samples, a download): the
+                # samples that came meanwhile may fill a batch already, and a server training alone
+                # hears of no progress that would ask again.
+                self._requested = self._request_step()
+            return stats
         if self._channel is None:
             self._refresh()  # decide on what the others publish now, not a period ago
         view = self.view()
@@ -216,6 +222,10 @@ class StageAverager(GroupsAhead, ShardedRounds):
         if not self._full(view) or not self._may_average():
             return None
         sharded = self._zero is not None  # (even alone: only the chunks' owners hold their moments)
+        if view.group_size == 1 and not sharded and self.optimizer.samples == 0:
+            # a batch that servers ahead closed, none of it ours, and nobody here to meet: no step on
+            # nothing (Adam's moments would still move the weights); the catch-up brings the stage's state
+            return None
         with self._state_lock:  # the batch goes to the round; held samples start the next one
             grads, samples = self.optimizer.take_gradients()
             self._late_in_round, self._late = self._late, 0

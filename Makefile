@@ -20,12 +20,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not swarms" tests/unit tests/integration
 
 # Whole swarms of separate programs that run for a minute each (resuming a dead stage and a whole
-# swarm from checkpoints; MoE swarms losing an expert server), kept out of `make test` for its time.
+# swarm from checkpoints; MoE swarms losing an expert server; routing around slow, killed and missing
+# servers), kept out of `make test` for its time.
 test-swarms: $(STAMP)
 	$(PY) -m pytest -q -m swarms tests/integration
 
-# The integration tests of `make test` ten times in a row, every run's output kept (not in CI: it is how a
-# flaky test is found; about 85 minutes here).
+# The integration tests of `make test` and the routing-fault swarms ten times in a row, every run's output
+# kept (not in CI: it is how a flaky test is found; about 85 minutes here).
 test-repeat: $(STAMP)
 	tests/repeat_integration.sh 10
 

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Run the integration tests of `make test` N times in a row (default 10), keeping every run's whole
-# output, and print a line per run and the pass count. Not part of CI: it is how a flaky test is found.
+# Run the integration tests of `make test`, and the routing-fault swarms of `make test-swarms` (marker
+# `repeated`), N times in a row (default 10), keeping every run's whole output, and print a line per
+# run and the pass count. Not part of CI: it is how a flaky test is found.
 #
 #   tests/repeat_integration.sh [N] [output directory]     (make test-repeat)
 set -u
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 passed=0
 for i in $(seq 1 "$runs"); do
   start=$(date +%s)
-  timeout 1200 .venv/bin/python -m pytest -q -m "not swarms" tests/integration --durations=15 \
+  timeout 1200 .venv/bin/python -m pytest -q -m "not swarms or repeated" tests/integration --durations=15 \
     -p no:cacheprovider > "$out/run$i.out" 2>&1
   rc=$?
   [ $rc -eq 0 ] && passed=$((passed + 1))

@@ -24,6 +24,9 @@ IN_FLIGHT_TIMEOUT = 30.0  # a victim serving to a request of the wanted kind in 
 WAITING_TIMEOUT = 30.0  # a stage's last server killed to the trainer reporting it waits (record_ttl + refresh)
 LOSS_TIMEOUT = 90.0  # for the loss in /status to fall below a target
 
+# A minute or two of separate programs in all: make test-swarms, and make test-repeat's loop (not make test)
+pytestmark = [pytest.mark.swarms, pytest.mark.repeated]
+
 SAMPLES = "swarm_trainer_samples_total"
 REQUESTS = "swarm_server_requests_total"
 

@@ -9,6 +9,8 @@ upgrade breaks a named test instead of a running swarm.
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +25,7 @@ from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
-from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 
 class AveragerInternals(DecentralizedAverager):
@@ -224,3 +226,22 @@ def private_key_from(loaded: rsa.RSAPrivateKey) -> RSAPrivateKey:
 def schema_count(validator: SchemaValidator) -> int:
     """How many schemas a SchemaValidator checks (more than one once merged with another)."""
     return len(validator._schemas)
+
+
+def _own_mpfuture_locks() -> None:
+    """In a forked child: new locks for the MPFuture state that is each process's own.
+
+    hivemind guards its per-process allocator of future states (SharedBytes) and its per-process
+    backend start with locks created at import, so every forked child shares its parent's. A child
+    killed while it held one (the averaging process makes two futures a round; a crash or a SIGKILL
+    can come at any time) left it held for good, and the parent's next future, of any DHT call, then
+    waited forever (seen: a test run hung in SharedBytes.next after a child was killed). The state
+    these locks guard is re-made in each process anyway (both check the pid), so a child's own lock
+    loses nothing. hivemind's lock for writes to another process's pipe (MPFuture._update_lock) does
+    guard shared state, and stays shared.
+    """
+    SharedBytes._lock = mp.Lock()
+    MPFuture._initialization_lock = mp.Lock()
+
+
+os.register_at_fork(after_in_child=_own_mpfuture_locks)

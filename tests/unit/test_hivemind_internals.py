@@ -3,7 +3,11 @@ what it assumes. A hivemind upgrade that changes one fails here, by name."""
 
 import asyncio
 import inspect
+import multiprocessing as mp
+import os
 import re
+import signal
+import time
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from pydantic.v1 import BaseModel, StrictInt
 
 from swarm import hivemind_internals
@@ -225,3 +230,30 @@ def test_an_rsa_public_key_still_keeps_its_cryptography_key_where_we_read_it():
     assert RSAPublicKey.from_bytes(key.get_public_key().to_bytes())._public_key.public_numbers() == \
         key._private_key.public_key().public_numbers()
     assert der.startswith(b"0\x82")  # a DER SEQUENCE
+
+
+def _hold_forever(lock_name: str, holding) -> None:
+    lock = SharedBytes._lock if lock_name == "allocator" else MPFuture._initialization_lock
+    lock.acquire()
+    holding.set()
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("lock_name", ["allocator", "initialization"])
+def test_a_child_killed_while_it_holds_an_mpfuture_lock_leaves_the_parent_able_to_make_futures(lock_name):
+    assert hivemind_internals  # (imported: its fork hook is registered)
+    context = mp.get_context("fork")
+    holding = context.Event()
+    child = context.Process(target=_hold_forever, args=(lock_name, holding), daemon=True)
+    child.start()
+    try:
+        assert holding.wait(10), "the child never took the lock"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    lock = SharedBytes._lock if lock_name == "allocator" else MPFuture._initialization_lock
+    assert lock.acquire(timeout=5), "the parent's lock is still held by a dead child"
+    lock.release()
+    future = MPFuture()  # takes both locks
+    future.set_result(1)
+    assert future.result(timeout=5) == 1

@@ -26,7 +26,7 @@ test-swarms: $(STAMP)
 	$(PY) -m pytest -q -m swarms tests/integration
 
 # The integration tests of `make test` and the routing-fault swarms ten times in a row, every run's output
-# kept (not in CI: it is how a flaky test is found; about 85 minutes here).
+# kept (not in CI: it is how a flaky test is found; about 75 minutes here).
 test-repeat: $(STAMP)
 	tests/repeat_integration.sh 10
 

@@ -7,7 +7,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import time
 
 import pytest
 import torch
@@ -232,11 +231,14 @@ def test_an_rsa_public_key_still_keeps_its_cryptography_key_where_we_read_it():
     assert der.startswith(b"0\x82")  # a DER SEQUENCE
 
 
-def _hold_forever(lock_name: str, holding) -> None:
-    lock = SharedBytes._lock if lock_name == "allocator" else MPFuture._initialization_lock
-    lock.acquire()
+def _mpfuture_lock(name: str):
+    return SharedBytes._lock if name == "allocator" else MPFuture._initialization_lock
+
+
+def _hold_until_killed(lock_name: str, holding) -> None:
+    _mpfuture_lock(lock_name).acquire()
     holding.set()
-    time.sleep(60)
+    signal.pause()  # until the parent's SIGKILL
 
 
 @pytest.mark.parametrize("lock_name", ["allocator", "initialization"])
@@ -244,14 +246,14 @@ def test_a_child_killed_while_it_holds_an_mpfuture_lock_leaves_the_parent_able_t
     assert hivemind_internals  # (imported: its fork hook is registered)
     context = mp.get_context("fork")
     holding = context.Event()
-    child = context.Process(target=_hold_forever, args=(lock_name, holding), daemon=True)
+    child = context.Process(target=_hold_until_killed, args=(lock_name, holding), daemon=True)
     child.start()
     try:
         assert holding.wait(10), "the child never took the lock"
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.join(10)
-    lock = SharedBytes._lock if lock_name == "allocator" else MPFuture._initialization_lock
+    lock = _mpfuture_lock(lock_name)
     assert lock.acquire(timeout=5), "the parent's lock is still held by a dead child"
     lock.release()
     future = MPFuture()  # takes both locks

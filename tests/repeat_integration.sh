@@ -12,8 +12,9 @@ cd "$(dirname "$0")/.."
 passed=0
 for i in $(seq 1 "$runs"); do
   start=$(date +%s)
+  # (faulthandler: a test stuck past its timeout, 240 s at most here, leaves every thread's stack in the output)
   timeout 1200 .venv/bin/python -m pytest -q -m "not swarms or repeated" tests/integration --durations=15 \
-    -p no:cacheprovider > "$out/run$i.out" 2>&1
+    -p no:cacheprovider -o faulthandler_timeout=300 > "$out/run$i.out" 2>&1
   rc=$?
   [ $rc -eq 0 ] && passed=$((passed + 1))
   echo "run $i: exit $rc in $(( $(date +%s) - start ))s: $(grep -E '(passed|failed)' "$out/run$i.out" | tail -1)" \

@@ -8,9 +8,14 @@ upgrade breaks a named test instead of a running swarm.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import multiprocessing as mp
 import os
+import sys
+import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -228,6 +233,67 @@ def schema_count(validator: SchemaValidator) -> int:
     return len(validator._schemas)
 
 
+class DeathReleasedLock:
+    """A lock a process shares with every process it forks, which the kernel releases when a holder dies.
+
+    hivemind orders the writes of a whole family of processes to an update pipe (results of futures
+    made in another process) with one multiprocessing lock created at import, MPFuture._update_lock.
+    A process killed while it held that lock left it held for good: every other process of the family
+    then waited forever on its next result for another process (a volunteer's DHT and averaging
+    processes, and the server itself through them). A crash or a SIGKILL can come at any time; the
+    lock is held for each result sent.
+
+    This lock is an flock on an unlinked file. The kernel releases an flock when the last descriptor
+    of its open file closes, which it does when the holder dies. flock excludes open files, not
+    processes or threads: so each forked process opens the file anew (:meth:`reopen_in_child`, from
+    the fork hook) and closes what it inherited, and a thread lock orders the threads of one process.
+    """
+
+    def __init__(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="swarm-update-lock-")
+        os.unlink(path)  # the descriptors keep the file; nothing is left on disk
+        self._fd = fd
+        self._threads = threading.Lock()
+
+    def reopen_in_child(self) -> None:
+        """In a forked child: an open file of its own (the inherited one is its parent's), a new thread lock."""
+        inherited = self._fd
+        self._fd = os.open(f"/proc/self/fd/{inherited}", os.O_RDWR | os.O_CLOEXEC)
+        os.close(inherited)
+        self._threads = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        if not self._threads.acquire(blocking, timeout if blocking else -1):
+            return False
+        try:
+            if blocking and deadline is None:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                return True
+            while True:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return True
+                except BlockingIOError:
+                    if not blocking or time.monotonic() >= deadline:
+                        self._threads.release()
+                        return False
+                    time.sleep(0.005)
+        except BaseException:
+            self._threads.release()
+            raise
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._threads.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def _own_mpfuture_locks() -> None:
     """In a forked child: new locks for the MPFuture state that is each process's own.
 
@@ -238,10 +304,15 @@ def _own_mpfuture_locks() -> None:
     waited forever (seen: a test run hung in SharedBytes.next after a child was killed). The state
     these locks guard is re-made in each process anyway (both check the pid), so a child's own lock
     loses nothing. hivemind's lock for writes to another process's pipe (MPFuture._update_lock) does
-    guard shared state, and stays shared.
+    guard state the family shares: it stays one lock for the family, one a dead holder cannot keep
+    (DeathReleasedLock).
     """
     SharedBytes._lock = mp.Lock()
     MPFuture._initialization_lock = mp.Lock()
+    if isinstance(MPFuture._update_lock, DeathReleasedLock):
+        MPFuture._update_lock.reopen_in_child()
 
 
+if sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd"):  # (flock; reopened through /proc)
+    MPFuture._update_lock = DeathReleasedLock()
 os.register_at_fork(after_in_child=_own_mpfuture_locks)

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import threading
 
 import pytest
 import torch
@@ -259,3 +260,52 @@ def test_a_child_killed_while_it_holds_an_mpfuture_lock_leaves_the_parent_able_t
     future = MPFuture()  # takes both locks
     future.set_result(1)
     assert future.result(timeout=5) == 1
+
+
+def _hold_the_update_lock(holding) -> None:
+    MPFuture._update_lock.acquire()
+    holding.set()
+    signal.pause()  # until the parent's SIGKILL
+
+
+def _answer_from_a_child(future: MPFuture) -> None:
+    future.set_result("from the child")  # (sent to the parent under the update lock)
+
+
+def test_a_child_killed_while_it_holds_the_update_lock_leaves_the_family_able_to_send_results():
+    context = mp.get_context("fork")
+    holding = context.Event()
+    child = context.Process(target=_hold_the_update_lock, args=(holding,), daemon=True)
+    child.start()
+    lock = MPFuture._update_lock
+    try:
+        assert holding.wait(10), "the child never took the lock"
+        assert not lock.acquire(timeout=0.3), "a child's hold does not exclude its parent"  # still one lock
+        assert not lock.acquire(False)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    assert lock.acquire(timeout=5), "the update lock is still held by a dead child"
+    lock.release()
+    future = MPFuture()
+    sender = context.Process(target=_answer_from_a_child, args=(future,), daemon=True)
+    sender.start()
+    try:
+        assert future.result(timeout=10) == "from the child"
+    finally:
+        sender.join(10)
+
+
+def test_the_update_lock_orders_the_threads_of_one_process():
+    lock = MPFuture._update_lock
+    assert lock.acquire(timeout=1)
+    try:
+        taken = []
+        other = threading.Thread(target=lambda: taken.append(lock.acquire(timeout=0.2)))
+        other.start()
+        other.join(5)
+        assert taken == [False]
+    finally:
+        lock.release()
+    assert lock.acquire(False)
+    lock.release()

@@ -15,7 +15,6 @@ import os
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -262,26 +261,18 @@ class DeathReleasedLock:
         os.close(inherited)
         self._threads = threading.Lock()
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        deadline = None if timeout < 0 else time.monotonic() + timeout
-        if not self._threads.acquire(blocking, timeout if blocking else -1):
+    def acquire(self, blocking: bool = True) -> bool:
+        if not self._threads.acquire(blocking):
             return False
         try:
-            if blocking and deadline is None:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
-                return True
-            while True:
-                try:
-                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return True
-                except BlockingIOError:
-                    if not blocking or time.monotonic() >= deadline:
-                        self._threads.release()
-                        return False
-                    time.sleep(0.005)
+            fcntl.flock(self._fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # (not blocking: another process holds it)
+            self._threads.release()
+            return False
         except BaseException:
             self._threads.release()
             raise
+        return True
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)

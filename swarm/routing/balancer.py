@@ -17,6 +17,10 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
 - A server not yet measured for a kind: its own estimate of the other kind scaled by the backward /
   forward ratio, else as fast as the fastest known server (and it wins ties, so a newcomer is tried
   at once), else a default.
+- Probation: a server that has never answered us, or has failed since its last answer, takes one task
+  at a time (its probe) while another server can take the task. Being assumed as fast as the
+  fastest, it would otherwise win every choice however it answers: a server that refuses or fails
+  everything costs one call per ban, not the trainer's throughput.
 - An idle server whose estimates no answer has refreshed for `reprobe_after` seconds (and for 50
   times its last answer's duration, so re-testing a slow one costs at most ~2% of the time) is
   treated as untried for one task, whose answer restarts its estimates: an unlucky first answer, or
@@ -24,7 +28,9 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
 - Every choice returns a `Ticket`; `report_success`, `report_failure` or `release` (a cancelled call)
   closes it, and only the first of these counts, so outstanding work cannot leak.
 - A failure bans the server for `ban_base * 2**(failures-1)` seconds, capped at `ban_max`; a success
-  resets the count.
+  resets the count. A `brief` failure (the server said it is full: busy, not ready) counts the same
+  but bans from `brief_ban_base` instead: a loaded honest server is back within a second or two,
+  one that only ever says so is soon banned for `ban_max` too.
 - A server missing from a lookup keeps its estimates and ban but is not chosen; it is forgotten
   after missing for `forget_after` seconds, so a lookup that misses a record briefly does not turn a
   measured slow server back into an untried newcomer.
@@ -82,6 +88,7 @@ class StageBalancer:
         ema_alpha: float = 0.1,
         ban_base: float = 15.0,
         ban_max: float = 300.0,
+        brief_ban_base: float = 1.0,
         default_seconds_per_sample: float = 0.01,  # a forward's, before any server is measured
         backward_ratio: float = BACKWARD_TO_FORWARD,
         forget_after: float = 60.0,
@@ -91,6 +98,7 @@ class StageBalancer:
         self.ema_alpha = ema_alpha
         self.ban_base = ban_base
         self.ban_max = ban_max
+        self.brief_ban_base = brief_ban_base
         self.default_seconds_per_sample = default_seconds_per_sample
         self.backward_ratio = backward_ratio
         self.forget_after = forget_after
@@ -142,6 +150,10 @@ class StageBalancer:
         candidates = self.available(exclude)
         if not candidates:
             return None
+        # A server on probation already answering its probe waits for that answer, unless no other can
+        # take the task (at start every server is unmeasured: work must still flow).
+        settled = [p for p in candidates if not (self.on_probation(p) and self.servers[p].open)]
+        candidates = settled or candidates
         # On a tie an untried server goes first: it is assumed as fast as the fastest, and with one
         # task in flight it would otherwise never get the probe that tells.
         best = min(candidates, key=lambda p: (self.expected_finish(p, task_size, kind), not self.untried(p), p))
@@ -150,6 +162,11 @@ class StageBalancer:
             if self.expected_finish(prefer, task_size, kind) - saving <= self.expected_finish(best, task_size, kind):
                 best = prefer
         return self.charge(best, task_size, kind)
+
+    def on_probation(self, peer_id: str) -> bool:
+        """Whether the server has yet to answer us successfully, ever or since its last failure."""
+        state = self.servers[peer_id]
+        return not state.measured or state.failures > 0
 
     def untried(self, peer_id: str) -> bool:
         """Whether the server has no estimate that counts: never answered us, or stale and idle."""
@@ -241,15 +258,28 @@ class StageBalancer:
         state.failures = 0
         state.banned_until = 0.0
 
-    def report_failure(self, ticket: Ticket) -> float:
-        """Ban the server with exponential backoff; returns the ban's length in seconds."""
+    def report_failure(self, ticket: Ticket, brief: bool = False) -> float:
+        """Ban the server with exponential backoff (from `brief_ban_base` if `brief`); returns the ban's
+        length in seconds."""
         state = self._close(ticket)
         if state is None:
             return 0.0
         state.failures += 1
-        duration = min(self.ban_base * 2 ** (state.failures - 1), self.ban_max)
-        state.banned_until = self.clock() + duration
+        base = min(self.brief_ban_base, self.ban_base) if brief else self.ban_base
+        duration = min(base * 2 ** (state.failures - 1), self.ban_max)
+        state.banned_until = max(state.banned_until, self.clock() + duration)
         return duration
+
+    def pardon(self, peer_id: str) -> None:
+        """Take back one failure reported for the server, and its ban: the fault turned out to be ours.
+
+        Its ban is lifted whole: it was chosen for the call, so any earlier ban had ended.
+        """
+        state = self.servers.get(peer_id)
+        if state is None or state.failures == 0:
+            return
+        state.failures -= 1
+        state.banned_until = 0.0
 
     def release(self, ticket: Ticket) -> None:
         """The call ended with no verdict on the server (cancelled, or our request was refused)."""

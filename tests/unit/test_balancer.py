@@ -365,3 +365,112 @@ def test_a_forgotten_servers_tickets_are_harmless():
     assert b.servers == {} and b.choose(1, FORWARD) is None
     b.report_success(ticket)
     assert b.report_failure(ticket) == 0.0
+
+
+# --- probation: one task at a time until a server has answered ------------------------------------
+
+def test_a_newcomer_takes_one_task_at_a_time_until_it_answers():
+    clock = FakeClock()
+    b = balancer(clock, "a")
+    simulate(b, clock, speeds(a=0.01), in_flight=1, tasks=5)
+    b.update_servers(["a", "new"])
+    probe = b.choose(SIZE, FORWARD)
+    assert probe.peer_id == "new"  # tried at once...
+    assert {b.choose(SIZE, FORWARD).peer_id for _ in range(6)} == {"a"}  # ...but only once while it is out
+    clock.now += SIZE * 0.01
+    b.report_success(probe)
+    assert not b.on_probation("new")
+    b.charge("new", SIZE, FORWARD)
+    assert b.choose(SIZE, FORWARD).peer_id == "new"  # measured as fast as a, and a is loaded: no longer one at a time
+
+
+def test_with_no_other_server_a_newcomer_still_takes_every_task():
+    b = balancer(FakeClock(), "only")  # a run's start: every server unmeasured
+    assert [b.choose(SIZE, FORWARD).peer_id for _ in range(4)] == ["only"] * 4
+
+
+def test_a_server_that_failed_is_on_probation_again_until_it_answers():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b", ban_base=1)
+    for peer in ("a", "b"):
+        measured(b, clock, peer, 0.01)
+    b.report_failure(b.charge("b", SIZE, FORWARD))
+    clock.now += 2  # its ban is over
+    assert b.on_probation("b") and not b.on_probation("a")
+    for _ in range(3):
+        b.charge("a", SIZE, FORWARD)  # a loaded: b, idle and as fast, wins the next task...
+    probe = b.choose(SIZE, FORWARD)
+    assert probe.peer_id == "b"
+    assert {b.choose(SIZE, FORWARD).peer_id for _ in range(4)} == {"a"}  # ...and only that one
+    b.report_success(probe)
+    assert not b.on_probation("b")
+
+
+@pytest.mark.parametrize("in_flight", [1, 4, 8])
+@pytest.mark.parametrize("hold", [0.0, 5.0], ids=["fails at once", "fails after 5 s"])
+def test_a_server_that_fails_every_call_gets_one_call_per_ban(in_flight: int, hold: float):
+    """A server that answers every call with an error (a `bad_request` to everything), at once or after
+    holding it: assumed as fast as the fastest, it would win every choice; on probation it gets its
+    probe once per ban, and the others do the work."""
+    clock = FakeClock()
+    b = balancer(clock, "a", "b", ban_base=15, ban_max=300)
+    good = speeds(a=0.01, b=0.01)
+    simulate(b, clock, good, in_flight, tasks=20)
+    b.update_servers(["a", "b", "0-fails"])  # sorts first: wins every tie
+    calls, done, events, started = Counter(), 0, [], clock.now
+
+    def send() -> None:
+        ticket = b.choose(SIZE, FORWARD)
+        calls[ticket.peer_id] += 1
+        if ticket.peer_id == "0-fails":
+            finish = clock.now + hold
+        else:
+            server = good[ticket.peer_id]
+            finish = server.busy_until = max(clock.now, server.busy_until) + SIZE * server.seconds_per_sample
+        heapq.heappush(events, (finish, ticket.seq, ticket))
+
+    for _ in range(in_flight):
+        send()
+    while clock.now - started < 600:  # ten minutes
+        clock.now, _, ticket = heapq.heappop(events)
+        if ticket.peer_id == "0-fails":
+            b.report_failure(ticket)  # banned; the task is sent again, elsewhere
+        else:
+            b.report_success(ticket)
+            done += 1
+        send()
+    # bans of 15, 30, 60, 120, 240, 300 s: 6 calls in 10 minutes (a 7th as the last ban ends)
+    assert calls["0-fails"] <= 7
+    capacity = min(in_flight, 2) * 600 / (SIZE * 0.01)  # what a and b do in 10 minutes
+    assert done >= 0.95 * capacity - calls["0-fails"] * hold / (SIZE * 0.01)  # a held task waits its hold out
+
+
+def test_brief_failures_ban_from_the_brief_base_and_double():
+    clock = FakeClock()
+    b = balancer(clock, "a", ban_base=15, ban_max=60, brief_ban_base=1)
+    assert [b.report_failure(b.charge("a", 1, FORWARD), brief=True) for _ in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert b.report_failure(b.charge("a", 1, FORWARD)) == 60  # the count is shared with other failures
+    b.report_success(b.charge("a", 1, FORWARD))
+    assert b.report_failure(b.charge("a", 1, FORWARD), brief=True) == 1
+
+
+def test_a_brief_ban_never_shortens_a_longer_one():
+    clock = FakeClock()
+    b = balancer(clock, "a", ban_base=15, ban_max=300, brief_ban_base=1)
+    b.report_failure(b.charge("a", 1, FORWARD))
+    until = b.servers["a"].banned_until
+    b.report_failure(b.charge("a", 1, FORWARD), brief=True)  # a call sent before the ban, answered after it
+    assert b.servers["a"].banned_until == until
+
+
+def test_a_pardon_takes_back_one_failure_and_its_ban():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b", ban_base=15)
+    b.report_failure(b.charge("a", 1, FORWARD))
+    b.report_failure(b.charge("a", 1, FORWARD))
+    b.pardon("a")
+    assert b.servers["a"].failures == 1 and "a" in b.available()
+    assert b.report_failure(b.charge("a", 1, FORWARD)) == 30  # the count goes on from the failure kept
+    b.pardon("b")  # never failed: nothing to take back
+    b.pardon("gone")
+    assert b.servers["b"].failures == 0

@@ -14,6 +14,12 @@ work already outstanding there (see StageBalancer). The balancer's ticket for th
 back exactly once, whether the call succeeds, fails or is cancelled, so no work stays charged to a
 server. A call that fails bans that server and is retried on another; a stage with no server to
 try makes the trip wait, visibly, until one appears or `max_wait` runs out.
+
+An error reply is a failure of the server that sent it, whatever its code: a stranger's `bad_request`
+is a claim like any other. It bans the server (briefly for `busy` and `not_ready`, which say it is
+full) and the call goes to another. A request that is really ours at fault is refused by every
+server of the stage: then the micro-batch is dropped after one refusal from each, and those bans
+are taken back (`StageBalancer.pardon`), so a bad micro-batch of ours costs no server its place.
 """
 
 from __future__ import annotations
@@ -33,8 +39,12 @@ from swarm.config import NetworkConfig
 from swarm.protocol import (
     BACKWARD,
     BAD_REQUEST,
+    BUSY,
     DEFAULT_LIMITS,
     FORWARD,
+    INTERNAL,
+    NOT_READY,
+    WRONG_STAGE,
     ProtocolError,
     RemoteStageError,
     StageClient,
@@ -51,7 +61,12 @@ log = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
-    """A micro-batch could not complete (no server for a stage within `max_wait`, or a bad request)."""
+    """A micro-batch could not complete (no server for a stage within `max_wait`, or every server of a
+    stage refused it as a bad request)."""
+
+
+FULL_CODES = frozenset({BUSY, NOT_READY})  # the server is full or not serving yet: a brief ban, then back
+KNOWN_CODES = frozenset({BAD_REQUEST, BUSY, INTERNAL, NOT_READY, WRONG_STAGE})  # counted by name; others as "other"
 
 
 @dataclass
@@ -76,6 +91,8 @@ class PipelineStats:
     calls: int = 0
     failures: int = 0  # failed calls, each retried on another server or later
     bad_replies: int = 0  # of them, replies that did not fit the request (shape, dtype, non-finite, no loss)
+    error_replies: Counter = field(default_factory=Counter)  # of them, error replies by code
+    refused: int = 0  # micro-batches dropped because every server of a stage refused them as bad requests
     stage_failures: Counter = field(default_factory=Counter)  # failures by stage
     stage_bad_replies: Counter = field(default_factory=Counter)  # bad replies by stage
     waiting_stages: set[int] = field(default_factory=set)
@@ -165,24 +182,26 @@ class RemotePipeline:
         size = int(inputs.shape[0])
         deadline = time.monotonic() + self.settings.max_wait
         tried: set[str] = set()
+        refused: dict[str, str] = {}  # peer -> its message: servers that called this request bad
         pause = self.settings.retry_pause
         while True:
-            ticket = balancer.choose(size, kind, exclude=tried, prefer=prefer)
+            ticket = balancer.choose(size, kind, exclude=tried | refused.keys(), prefer=prefer)
             if ticket is None and balancer.listed():
+                self._check_refusals(stage, kind, refused)
                 # Every server of the stage is banned or was tried: rather than sit out the whole ban
                 # (a stage often has a single server), retry the one whose ban ends first, after a
-                # pause that doubles each time.
+                # pause that doubles each time. One that refused the request is not asked again.
                 await self._pause(stage, pause, deadline)
                 pause = min(pause * 2, self.settings.max_retry_pause)
                 tried.clear()
-                peer = balancer.soonest_unbanned()
+                peer = balancer.soonest_unbanned(exclude=refused)
                 ticket = None if peer is None else balancer.charge(peer, size, kind)
             if ticket is None:
                 await self._wait_for_servers(stage, deadline)
                 continue
             self.stats.calls += 1
             try:
-                reply = await self._attempt(stage, request, ticket)
+                reply = await self._attempt(stage, request, ticket, refused)
             finally:
                 # After a failure, a refused request or a cancellation the task is no longer the
                 # server's; a reported success already closed the ticket, so this does nothing then.
@@ -193,17 +212,38 @@ class RemotePipeline:
                 return reply
             tried.add(ticket.peer_id)
 
-    async def _attempt(self, stage: int, request: StageRequest, ticket: Ticket) -> StageReply | None:
-        """One call on the ticket's server: its reply (reported a success) or None (reported a failure)."""
+    def _check_refusals(self, stage: int, kind: str, refused: dict[str, str]) -> None:
+        """Drop the micro-batch if every listed server of the stage called the request bad: the fault is
+        ours, so their bans for it are taken back. Servers that failed otherwise (down, timed out) keep
+        the trip waiting until their records expire, so a lone server's word never drops a micro-batch
+        while an honest one may still take it."""
+        listed = self.balancers[stage].listed()
+        if not refused or not set(listed) <= refused.keys():
+            return
+        for peer in refused:
+            self.balancers[stage].pardon(peer)
+        self.stats.refused += 1
+        message = next(iter(refused.values()))
+        raise PipelineError(f"every server of stage {stage} ({len(refused)}) refused the {kind} request as bad: "
+                            f"{message}")
+
+    async def _attempt(self, stage: int, request: StageRequest, ticket: Ticket,
+                       refused: dict[str, str] | None = None) -> StageReply | None:
+        """One call on the ticket's server: its reply (reported a success) or None (reported a failure);
+        a server that calls the request bad is added to `refused`."""
         balancer, peer, kind = self.balancers[stage], ticket.peer_id, request.kind
         timeout = balancer.timeout(ticket, self.settings.timeout_multiplier, self.settings.timeout_floor,
                                    self.settings.request_timeout)
         try:
             reply = await self._send(stage, peer, request, timeout)
         except (StageUnavailable, RemoteStageError) as e:
-            if isinstance(e, RemoteStageError) and e.code == BAD_REQUEST:
-                raise PipelineError(f"stage {stage} refused the {kind} request: {e.message}") from e
-            ban = balancer.report_failure(ticket)
+            # An error reply is that server's failure, like silence: it is banned and the call goes elsewhere.
+            code = e.code if isinstance(e, RemoteStageError) else None
+            if code == BAD_REQUEST and refused is not None:
+                refused[peer] = e.message
+            ban = balancer.report_failure(ticket, brief=code in FULL_CODES)
+            if code is not None:  # a stranger picks the code: counting each distinct one would grow without bound
+                self.stats.error_replies[code if code in KNOWN_CODES else "other"] += 1
             self.stats.failures += 1
             self.stats.stage_failures[stage] += 1
             log.warning("stage %d %s on %s failed (%s); banned for %.0fs, retrying", stage, kind, peer[-8:], e, ban)

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
 
-from swarm.protocol import BACKWARD, BAD_REQUEST, FORWARD, RemoteStageError, StageReply, StageRequest, StageUnavailable
+from swarm.protocol import (
+    BACKWARD,
+    BAD_REQUEST,
+    BUSY,
+    FORWARD,
+    INTERNAL,
+    NOT_READY,
+    WRONG_STAGE,
+    RemoteStageError,
+    StageReply,
+    StageRequest,
+    StageUnavailable,
+)
 from swarm.routing import PipelineError, RemotePipeline, StageBalancer
 
 pytestmark = pytest.mark.timeout(30)
@@ -148,14 +161,79 @@ def test_a_forward_output_of_the_wrong_hidden_size_is_a_bad_reply():
     assert pipeline.stats.bad_replies >= 2
 
 
-def test_a_refused_request_fails_the_trip_without_banning_or_leaking():
+@pytest.mark.parametrize("code", [BAD_REQUEST, INTERNAL, WRONG_STAGE, NOT_READY, BUSY, "teapot"])
+def test_an_error_reply_bans_its_server_and_the_call_is_retried_on_another(code):
+    """Whatever a server answers with, its error is its failure: a stranger's `bad_request` is a claim."""
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        if peer == "a0":
+            raise RemoteStageError(code, "no")
+        return answer(stage, request, 1)
+
+    pipeline = FakePipeline({0: ["a0", "b0"]}, behaviour)
+    assert pipeline.trip() == 2.5
+    assert [peer for _, peer, _ in pipeline.sent] == ["a0", "b0"]
+    a0 = pipeline.balancers[0].servers["a0"]
+    assert a0.failures == 1 and "a0" not in pipeline.balancers[0].available()
+    full = code in (BUSY, NOT_READY)  # the server says it is full: back soon
+    assert a0.banned_until - pipeline.clock.now == (1.0 if full else 15.0)
+    assert pipeline.stats.failures == 1 and pipeline.open_tickets() == 0
+    assert pipeline.stats.error_replies == {code if code != "teapot" else "other": 1}
+
+
+def test_a_server_refusing_everything_gets_its_probes_and_no_micro_batch_is_lost():
+    """The issue's attack at the last stage: one server answers `bad_request` to every call, at once."""
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        if peer == "0-refuses":  # sorts first: an untried newcomer wins every tie
+            raise RemoteStageError(BAD_REQUEST, "every request is bad here")
+        pipeline.clock.now += 0.01
+        return answer(stage, request, 2)
+
+    pipeline = FakePipeline({0: ["a0"], 1: ["a1"]}, behaviour)
+    pipeline.trip()
+    pipeline.update_servers({0: ["a0"], 1: ["a1", "0-refuses"]})
+    for i in range(200):  # 200 trips, 4 s of the balancers' clock: the ban (15 s) never ends
+        assert pipeline.trip(f"t:0:{i}") == 2.5
+    to = Counter(peer for _, peer, _ in pipeline.sent)
+    assert to["0-refuses"] == 1 and to["a1"] == 201
+    pipeline.clock.now += 15  # its ban is over: one more probe, then a ban of 30 s
+    for i in range(50):
+        pipeline.trip(f"t:1:{i}")
+    assert Counter(peer for _, peer, _ in pipeline.sent)["0-refuses"] == 2
+    assert pipeline.balancers[1].servers["0-refuses"].failures == 2 and pipeline.stats.refused == 0
+
+
+def test_a_request_every_server_refuses_is_dropped_and_their_bans_taken_back():
+    """Our own bad request (a bug of this trainer): every server refuses it. The micro-batch is dropped
+    after one refusal from each, and no server keeps a ban for our fault."""
     async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
         raise RemoteStageError(BAD_REQUEST, "inputs of the wrong shape")
 
-    pipeline = FakePipeline({0: ["a0"]}, behaviour)
-    with pytest.raises(PipelineError, match="refused"):
+    pipeline = FakePipeline({0: ["a0", "b0", "c0"]}, behaviour)
+    with pytest.raises(PipelineError, match=r"every server of stage 0 \(3\) refused the backward request as bad"):
         pipeline.trip()
-    assert pipeline.balancers[0].servers["a0"].failures == 0 and pipeline.open_tickets() == 0
+    assert sorted(peer for _, peer, _ in pipeline.sent) == ["a0", "b0", "c0"]  # one call each, no pause
+    balancer = pipeline.balancers[0]
+    assert all(s.failures == 0 for s in balancer.servers.values()) and len(balancer.available()) == 3
+    assert pipeline.stats.refused == 1 and pipeline.open_tickets() == 0
+
+
+def test_a_lone_refusal_does_not_drop_a_micro_batch_while_another_server_may_take_it():
+    """One server refuses, the other fails for a while (down, restarting): the trip waits for the other."""
+    attempts = Counter()
+
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        attempts[peer] += 1
+        if peer == "a0":
+            raise RemoteStageError(BAD_REQUEST, "no")
+        if attempts[peer] < 3:
+            raise StageUnavailable("restarting")
+        return answer(stage, request, 1)
+
+    pipeline = FakePipeline({0: ["a0", "b0"]}, behaviour)
+    pipeline.settings.retry_pause = 0.01
+    assert pipeline.trip() == 2.5
+    assert attempts == {"a0": 1, "b0": 3}  # the refuser is not asked again within the trip
+    assert pipeline.stats.refused == 0
 
 
 def test_a_cancelled_trip_releases_its_call():

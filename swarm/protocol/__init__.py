@@ -8,8 +8,10 @@ Layers, bottom up:
                 frames in parts under ``WireLimits``
 - ``messages``  StageRequest / StageReply: what forward and backward carry, built and parsed with checks
 - ``limits``    ``stage_wire_limits``: the WireLimits of a stage server, from its run's model and batch cap
+- ``slots``     ``CallerSlots``: slots under a global, a per-caller and a newcomers' cap
 - ``service``   server side: ``StageService`` (a hivemind ServicerBase) delegating to a ``StageHandler``;
-                ``register(p2p, handler, namespace)``
+                ``register(p2p, handler, namespace)``; request slots shared per caller, each with
+                deadlines for its first frame, every next one and the last
 - ``client``    trainer side: ``StageClient.forward`` / ``.backward`` with a timeout on every call
 
 Both RPCs are stream-in, stream-out, so tensors of any size under the limits cross hivemind's 4 MiB
@@ -48,6 +50,8 @@ from swarm.protocol.messages import (
 )
 from swarm.protocol.service import (
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_FIRST_BYTE_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_RECEIVE_TIMEOUT,
     Admission,
@@ -55,6 +59,7 @@ from swarm.protocol.service import (
     StageService,
     register,
 )
+from swarm.protocol.slots import CallerSlots
 
 __all__ = [
     "BACKWARD",
@@ -62,6 +67,8 @@ __all__ = [
     "BUSY",
     "DEFAULT_CALL_TIMEOUT",
     "DEFAULT_DRAIN_TIMEOUT",
+    "DEFAULT_FIRST_BYTE_TIMEOUT",
+    "DEFAULT_IDLE_TIMEOUT",
     "DEFAULT_LIMITS",
     "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_RECEIVE_TIMEOUT",
@@ -72,6 +79,7 @@ __all__ = [
     "NOT_READY",
     "WRONG_STAGE",
     "Admission",
+    "CallerSlots",
     "ProtocolError",
     "RemoteStageError",
     "RequestRejected",

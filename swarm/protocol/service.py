@@ -7,6 +7,13 @@ connection, and the server keeps serving.
 Memory a caller can make the service hold is bounded: at most `max_concurrent` requests are taken
 in at once (more are refused as BUSY before anything is read), each under `limits`; an `admit`
 callback can refuse a request from its metadata, before its tensors are read.
+
+Slots are shared per caller (swarm.protocol.slots): one peer id holds at most `max_per_caller` of
+them, and callers this service has not answered yet hold at most `max_newcomers` together, so
+neither one stranger nor a crowd of fresh peer ids can take the slots of the callers it serves.
+A slot has a deadline for its request's first frame (`first_byte_timeout`), for each frame after
+it (`idle_timeout`) and for the last (`receive_timeout`): a silent stream gives its slot back in
+seconds, not at the end of the whole receive timeout.
 """
 
 from __future__ import annotations
@@ -35,10 +42,16 @@ from swarm.protocol.messages import (
     receive_request,
     reply_frames,
 )
+from swarm.protocol.slots import CallerSlots
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RECEIVE_TIMEOUT = 60.0  # a caller must finish sending its request within this many seconds
+# ... send its first frame (the metadata) within this many seconds of opening the call: an honest caller
+# sends it at once, so a stream that stays silent longer is a stall, and its slot goes back early.
+DEFAULT_FIRST_BYTE_TIMEOUT = 5.0
+# ... and each later frame (a tensor part of at most 2 MiB) within this many seconds of the one before.
+DEFAULT_IDLE_TIMEOUT = 10.0
 # After refusing a half-read request we keep reading (and discarding) the rest for at most this long:
 # hivemind's stream handler blocks on its full prefetch queue if nobody reads, and never closes.
 DEFAULT_DRAIN_TIMEOUT = 10.0
@@ -78,14 +91,27 @@ class StageService(ServicerBase):
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         admit: Admission | None = None,
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        max_per_caller: int | None = None,
+        max_newcomers: int | None = None,
+        first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     ):
+        """`max_per_caller` (default: a quarter of `max_concurrent`) and `max_newcomers` (default: half)
+        share the slots per caller, see swarm.protocol.slots."""
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be at least 1, got {max_concurrent}")
         self.handler, self.limits, self.admit = handler, limits, admit
         self.receive_timeout, self.drain_timeout = receive_timeout, drain_timeout
+        self.first_byte_timeout, self.idle_timeout = first_byte_timeout, idle_timeout
         self.max_concurrent = max_concurrent
-        self.active = 0  # requests taken in and not answered yet (all on the P2P's event loop)
+        # requests taken in and not answered yet, per caller (all on the P2P's event loop)
+        self.slots = CallerSlots(max_concurrent, max_per_caller, max_newcomers)
         self.namespace: str | None = None
+
+    @property
+    def active(self) -> int:
+        """Requests taken in and not answered yet, from every caller."""
+        return self.slots.active
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -104,26 +130,35 @@ class StageService(ServicerBase):
         await self.remove_p2p_handlers(p2p, namespace=self.namespace)
 
     async def _serve(self, kind: str, requests: AsyncIterator, context: P2PContext) -> AsyncIterator:
-        if self.active >= self.max_concurrent:
-            for frame in self._busy(context, kind):
+        caller = str(context.remote_id)  # what libp2p authenticated
+        refusal = self.slots.try_take(caller)
+        if refusal is not None:  # refused at once, before reading anything: a flood must not queue up here
+            for frame in self._refuse(context, kind, BUSY, f"{refusal}; try another server or later"):
                 yield frame
             await self._drain(requests)
             return
-        self.active += 1
         try:  # the slot is held until the reply is sent: the request's tensors live until then
-            frames, fully_read = await self._respond(kind, requests, context)
+            frames, fully_read = await self._respond(kind, self._paced(requests), context)
             for frame in frames:
                 yield frame
         finally:
-            self.active -= 1
+            self.slots.give_back(caller)
         if not fully_read:
             await self._drain(requests)
 
-    def _busy(self, context: P2PContext, kind: str) -> list:
-        """Refuse at once, before reading anything: a flood must not queue up unboundedly here."""
-        message = (f"the server is already taking in {self.active} requests, its limit "
-                   f"(max_concurrent {self.max_concurrent}); try another server or later")
-        return self._refuse(context, kind, BUSY, message)
+    async def _paced(self, requests: AsyncIterator) -> AsyncIterator:
+        """The request's frames, each within its deadline: the first within `first_byte_timeout` of the
+        call's start, every later one within `idle_timeout` of the one before (ProtocolError if not)."""
+        timeout, which = self.first_byte_timeout, "the first frame"
+        while True:
+            try:
+                frame = await asyncio.wait_for(anext(requests, None), timeout)
+            except asyncio.TimeoutError:
+                raise ProtocolError(f"{which} of the request did not arrive within {timeout:g}s") from None
+            if frame is None:
+                return
+            yield frame
+            timeout, which = self.idle_timeout, "a frame after the first"
 
     async def _respond(self, kind: str, requests: AsyncIterator, context: P2PContext) -> tuple[Iterable, bool]:
         """The reply frames, and whether the request stream was read to its end."""
@@ -154,7 +189,9 @@ class StageService(ServicerBase):
         except Exception as e:  # whatever the handler does wrong, the caller gets an answer
             return self._refuse(context, kind, INTERNAL, f"{type(e).__name__}: {e}", exc_info=True), True
         try:
-            return reply_frames(reply, request.wire_dtype, self.limits), True
+            frames = reply_frames(reply, request.wire_dtype, self.limits)
+            self.slots.vouch(request.caller)  # served: from now on a known caller, not a newcomer
+            return frames, True
         except Exception as e:  # a reply we cannot send (over the limits, bad metadata) is our fault
             message = f"could not encode the reply: {type(e).__name__}: {e}"
             return self._refuse(context, kind, INTERNAL, message, exc_info=True), True
@@ -184,10 +221,16 @@ async def register(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     admit: Admission | None = None,
     max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+    max_per_caller: int | None = None,
+    max_newcomers: int | None = None,
+    first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> StageService:
     """Serve `handler` on `p2p` under `namespace` (see `stage_namespace`); returns the service."""
     service = StageService(handler, limits=limits, receive_timeout=receive_timeout, drain_timeout=drain_timeout,
-                           admit=admit, max_concurrent=max_concurrent)
+                           admit=admit, max_concurrent=max_concurrent, max_per_caller=max_per_caller,
+                           max_newcomers=max_newcomers, first_byte_timeout=first_byte_timeout,
+                           idle_timeout=idle_timeout)
     service.namespace = namespace
     await service.add_p2p_handlers(p2p, namespace=namespace)
     return service

@@ -12,11 +12,14 @@ own disks and serve each other.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.claims import believed, step_bound
+from swarm.checkpoint.errors import CheckpointError, CheckpointExists
 from swarm.checkpoint.keeper import held_checkpoints
 from swarm.checkpoint.manifest import MANIFEST_NAME, RunManifest, manifest_id
 from swarm.checkpoint.serving import serve_checkpoints
@@ -25,7 +28,8 @@ from swarm.checkpoint.transfer import fetch_newest
 from swarm.checkpoint.verify import check_stage, verify_run
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords
-from swarm.dht.schemas import CheckpointRecord, RunCheckpointRecord, RunCheckpointStage
+from swarm.dht.schemas import CheckpointRecord, RunCheckpointRecord, RunCheckpointStage, ServerState
+from swarm.tenure import TenureBook
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -34,6 +38,10 @@ FETCH_TIMEOUT = 600.0  # one stage checkpoint from one holder
 # What a stage's checkpoint may weigh, per parameter of the model (4 bytes each for the parameter and
 # its two moments, plus room for buffers and the safetensors header)
 MAX_BYTES_PER_PARAM = 16
+# A server that stopped keeps its word on the checkpoints it announced this long after it was last seen
+# established (its final checkpoint is written as it leaves)
+HOLDER_GRACE_PERIODS = 6
+MAX_LOGGED_CLAIMS = 1000  # ignored claims remembered so that each is logged once
 
 
 class RunArchive:
@@ -51,6 +59,13 @@ class RunArchive:
         self._service: Any = None
         self._assembled: dict[int, str] = {}  # stage -> manifest id of the newest run checkpoint's part
         self._lock = threading.Lock()
+        # Who backs a stage checkpoint's step (swarm.checkpoint.claims): the stage's servers as this
+        # coordinator watched them, and the furthest step they made believable when last seen.
+        self.min_tenure = config.averaging.min_tenure
+        self._tenure = {k: TenureBook(grace=config.network.record_ttl) for k in self.stages}
+        self._holders: dict[int, dict[str, float]] = {k: {} for k in self.stages}  # peer -> last seen established
+        self._bounds: dict[int, int] = {}
+        self._ignored: set[str] = set()  # claims already logged (bounded: cleared when it grows large)
 
     def start(self, p2p: Any) -> None:
         """Serve what this disk holds and announce it (a restarted coordinator is a holder at once)."""
@@ -90,18 +105,47 @@ class RunArchive:
         store = self.stages[stage]
         have = self._newest_step(store)
         records = [r for r in self.records.lookup_checkpoints(stage) if r.peer_id != self.peer_id]
+        records = self._believed(stage, records)
         if not any(held.step > have for record in records for held in record.checkpoints):
             return False
-        fetched = self.loop.run(fetch_newest(self._p2p, records, self.config.run_id, store.new_temp_dir(),
-                                             expect_stage=stage, expect_state_hash=self.state_hash,
-                                             max_bytes=self.max_stage_bytes, min_step=have + 1,
-                                             timeout=FETCH_TIMEOUT), 2 * FETCH_TIMEOUT)
+        staging = store.new_temp_dir()
+        try:
+            fetched = self.loop.run(fetch_newest(self._p2p, records, self.config.run_id, staging,
+                                                 expect_stage=stage, expect_state_hash=self.state_hash,
+                                                 max_bytes=self.max_stage_bytes, min_step=have + 1,
+                                                 timeout=FETCH_TIMEOUT), 2 * FETCH_TIMEOUT)
+        finally:
+            if not (staging / MANIFEST_NAME).exists():
+                shutil.rmtree(staging, ignore_errors=True)  # nothing came (or it was removed already)
         if fetched is None:
             return False
         staged, held, holder = fetched
         path = store.install(staged)
         log.info("pulled the checkpoint of stage %d at step %d from %s (%s)", stage, held.step, holder, path)
         return True
+
+    def _believed(self, stage: int, records: list[CheckpointRecord]) -> list[CheckpointRecord]:
+        """The checkpoints of `stage` whose step the stage's established servers back (claims.believed)."""
+        servers = [r for r in self.records.lookup_servers(stage) if r.state == ServerState.ONLINE.value]
+        book, holders, now = self._tenure[stage], self._holders[stage], time.monotonic()
+        book.observe(r.peer_id for r in servers)
+        established = [r for r in servers if book.established(r.peer_id, self.min_tenure)]
+        for r in established:
+            holders[r.peer_id] = now
+        grace = HOLDER_GRACE_PERIODS * self.config.network.announce_period
+        for peer in [p for p, seen in holders.items() if now - seen > grace]:
+            del holders[peer]
+        bound = step_bound(r.step for r in established)
+        if bound is not None:
+            self._bounds[stage] = bound
+        kept, ignored = believed(records, bound=self._bounds.get(stage), established=set(holders))
+        if len(self._ignored) > MAX_LOGGED_CLAIMS:
+            self._ignored.clear()
+        for line in ignored:
+            if line not in self._ignored:
+                self._ignored.add(line)
+                log.warning("ignoring a checkpoint claim: %s", line)
+        return kept
 
     def _assemble(self) -> bool:
         """A run checkpoint of every stage's newest verified checkpoint, unless it would be the last one again."""
@@ -116,6 +160,10 @@ class RunArchive:
             return False
         try:
             manifest, _, path = self.runs.write(self.config.to_yaml(), self.state_hash, newest)
+        except CheckpointExists as e:  # the same lowest step as one written before: that one stays as it is
+            log.info("not writing a run checkpoint: %s", e)
+            self._assembled = ids
+            return False
         except (CheckpointError, OSError) as e:
             log.error("assembling a run checkpoint failed: %s", e)
             return False
@@ -164,8 +212,9 @@ class RunArchive:
 
     @staticmethod
     def _newest_step(store: StageCheckpoints) -> int:
-        entries = store.entries()
-        return int(entries[0].name.removeprefix("step")) if entries else -1
+        """The step of the newest checkpoint here that verifies (a corrupt ``step*`` directory does not count)."""
+        path = store.newest_intact()
+        return int(path.name.removeprefix("step")) if path is not None else -1
 
 
 def _newest_intact(store: StageCheckpoints, state_hash: str) -> tuple[str, Path] | None:

@@ -208,7 +208,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             log.info("metrics: http://%s/metrics", metrics_addr)
         try:
             if role == "server":
-                run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr)
+                run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr,
+                           coordinator=info.coordinator_peer_id)
             elif role == "expert":
                 run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr)
             else:
@@ -229,13 +230,13 @@ def checkpoint_root(args: argparse.Namespace) -> Path | None:
     return None if args.no_checkpoints else (args.checkpoint_dir or default_root())
 
 
-def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
+def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr, coordinator=None) -> None:
     from .server import ServerOptions, StageServer
 
     checkpoint_dir = checkpoint_root(args)
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
                             inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
-                            fresh=args.fresh, metrics_addr=metrics_addr)
+                            fresh=args.fresh, metrics_addr=metrics_addr, coordinator_peer_id=coordinator)
     if args.activation_cache_mb is not None:
         options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
     if args.activation_cache_ttl is not None:

@@ -224,6 +224,9 @@ class AveragingConfig:
     progress_period: float = 1.0  # how often a server publishes its samples and reads its stage's
     aggregation: str = "centered_clip"  # how a reducer combines members' gradients (or "mean"; see README)
     clip_factor: float = 4.0  # CenteredClip's radius: this many times the members' median distance from the median
+    # Seconds a peer must have watched another server of the stage (or the coordinator, a stage's servers)
+    # before that server's word on a step, a state or a checkpoint counts (swarm.tenure; README, Trust)
+    min_tenure: float = 10.0
     zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def validate(self) -> None:
@@ -237,7 +240,7 @@ class AveragingConfig:
                               f"to none (got {self.compression!r}), or turn zero off")
         for name in ("target_group_size", "matchmaking_timeout", "allreduce_timeout", "state_download_timeout",
                      "min_matchmaking_time", "request_timeout", "next_chunk_timeout", "shutdown_timeout",
-                     "progress_period"):
+                     "progress_period", "min_tenure"):
             _positive(self, name, "averaging")
         if self.target_group_size < 2:
             raise ConfigError(f"averaging.target_group_size must be at least 2, got {self.target_group_size}")
@@ -245,6 +248,8 @@ class AveragingConfig:
         # note); a shorter request_timeout breaks that before the round's window closes.
         _ordered(self, ("request_timeout", "min_matchmaking_time", "matchmaking_timeout"), "averaging")
         _ordered(self, ("next_chunk_timeout", "allreduce_timeout"), "averaging")
+        # a joiner watches its stage's servers for min_tenure before it may take a state from one of them
+        _ordered(self, ("min_tenure", "state_download_timeout"), "averaging")
 
 
 @dataclass

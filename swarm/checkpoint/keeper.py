@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from swarm.checkpoint.claims import believed, step_bound
 from swarm.checkpoint.errors import CheckpointError
 from swarm.checkpoint.manifest import MANIFEST_NAME, StageManifest, manifest_id
 from swarm.checkpoint.serving import serve_checkpoints
@@ -32,7 +33,7 @@ from swarm.checkpoint.store import StageCheckpoints
 from swarm.checkpoint.transfer import fetch_newest
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords
-from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
+from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint, ServerState
 from swarm.state import StageState, StateInfo, StateRejected
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,10 @@ class StageKeeper:
     """Checkpoints of one stage replica; create it once the replica's state exists, `start` it once serving."""
 
     def __init__(self, state: StageState, config: RunConfig, root: Path, records: SwarmRecords,
-                 loop: BackgroundLoop, peer_id: str, registry: CollectorRegistry | None = None):
+                 loop: BackgroundLoop, peer_id: str, registry: CollectorRegistry | None = None,
+                 trusted_holders: Collection[str] = ()):
         self.state, self.config, self.records, self.loop, self.peer_id = state, config, records, loop, peer_id
+        self.trusted_holders = frozenset(trusted_holders)  # the coordinator: it keeps only checkpoints it vetted
         self.metrics = KeeperMetrics(registry or CollectorRegistry(), state.stage)
         self.settings = config.checkpoint
         self.store = StageCheckpoints(root, config.run_id, state.stage, self.settings.keep)
@@ -76,11 +79,15 @@ class StageKeeper:
 
     # restore (before the server goes ONLINE)
     def restore(self, p2p: Any) -> int | None:
-        """Load the newest checkpoint of the stage found on this disk or at a holder; its step, or None."""
+        """Load the newest checkpoint of the stage found on this disk or at a holder; its step, or None.
+
+        This disk's newest is replaced only by a newer one that something besides its holder backs
+        (:meth:`_believed`): a stranger announcing step 9,999,999,999 does not roll this server back.
+        """
         local = self._newest_local()
         local_step = -1 if local is None else local[0].step
         try:
-            remote = self.records.lookup_checkpoints(self.state.stage)
+            remote = self._believed(self.records.lookup_checkpoints(self.state.stage))
         except Exception as e:  # noqa: BLE001 - the DHT is down: what is on disk is all there is
             log.warning("stage %d: could not look up checkpoints in the DHT: %s", self.state.stage, e)
             remote = []
@@ -100,6 +107,20 @@ class StageKeeper:
         self.metrics.step.set(manifest.step)
         log.info("stage %d: resumed from the checkpoint of step %d (%s)", self.state.stage, manifest.step, path)
         return manifest.step
+
+    def _believed(self, remote: list[CheckpointRecord]) -> list[CheckpointRecord]:
+        """The announced checkpoints worth fetching: the coordinator's, and others' up to the step the run's
+        ONLINE servers (every stage: they step together) make believable (swarm.checkpoint.claims)."""
+        if any(record.peer_id not in self.trusted_holders for record in remote):
+            servers = self.records.lookup_all_servers(self.config.stages.num_stages)
+            steps = [r.step for found in servers.values() for r in found
+                     if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
+        else:
+            steps = []
+        kept, ignored = believed(remote, bound=step_bound(steps), trusted=self.trusted_holders)
+        for line in ignored:
+            log.warning("stage %d: ignoring a checkpoint claim: %s", self.state.stage, line)
+        return kept
 
     def _newest_local(self) -> tuple[Any, dict[str, torch.Tensor], Path] | None:
         found = self.store.newest_verified(state_hash=self.state_hash)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.errors import CheckpointError, CheckpointExists
 from swarm.checkpoint.manifest import MANIFEST_NAME, FileEntry, RunManifest, RunStageEntry, StageManifest, manifest_id
 from swarm.checkpoint.safefile import save_hashed
 from swarm.checkpoint.verify import (
@@ -98,6 +98,13 @@ class _StepDirs:
             if now - _last_modified(path) > max_age:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def newest_intact(self) -> Path | None:
+        """The newest checkpoint directory whose files verify (remembered per manifest id), if any."""
+        for path in self.entries():
+            if self._intact(path):
+                return path
+        return None
+
     def prune(self, protect: Path | None = None) -> list[Path]:
         """Delete all but the newest `keep` checkpoints, the newest one that verifies and `protect`."""
         entries = self.entries()
@@ -134,8 +141,9 @@ class _StepDirs:
         """Verify a checkpoint's files (not its tensors); its manifest id, or CheckpointError."""
         raise NotImplementedError
 
-    def _place(self, temp: Path, step: int, data: bytes) -> Path:
-        """Rename the complete checkpoint `temp` to ``step<N>``, replacing one of the same step."""
+    def _place(self, temp: Path, step: int, data: bytes, replace: bool = True) -> Path:
+        """Rename the complete checkpoint `temp` to ``step<N>``, replacing one of the same step if `replace`
+        (else CheckpointExists, and `temp` is left to the caller)."""
         if not 0 <= step <= MAX_STEP:
             raise CheckpointError(f"step {step} is out of range 0..{MAX_STEP}")
         target = self.dir / f"step{step:010d}"
@@ -147,6 +155,8 @@ class _StepDirs:
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
+                if not replace:
+                    raise CheckpointExists(f"{target} exists already, and is not replaced in place") from None
                 _remove(target)
         else:
             raise CheckpointError(f"could not rename {temp} to {target}: it keeps being recreated")
@@ -280,7 +290,7 @@ class RunCheckpoints(_StepDirs):
                               created=time.time(), stages=entries)
             data = run.to_bytes()
             _write_synced(temp / MANIFEST_NAME, data)
-            path = self._place(temp, run.step, data)
+            path = self._place(temp, run.step, data, replace=False)  # a run checkpoint is never replaced
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise

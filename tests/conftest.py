@@ -20,6 +20,7 @@ def tiny_config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config.network.announce_period = 1.0  # OFFLINE / ONLINE changes reach the DHT within a second
     config.network.record_ttl = 5.0
     config.data.max_bytes = 300_000
+    config.averaging.min_tenure = 2.0  # joiners adopt a state within seconds (the trust tests set their own)
     path = tmp_path_factory.mktemp("config") / "tiny.yaml"
     config.validate()
     config.save(path)

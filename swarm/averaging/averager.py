@@ -146,7 +146,8 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         )
         self._process.start_process(start_timeout)
         self._intake = StateIntake(state, self._process, self.metrics, lambda: self._tracker.others(),
-                                   self._fingerprint_rtol, self._closing)
+                                   self._fingerprint_rtol, self._closing, own=self._own_if_started,
+                                   established=self._established)
         self._tracker = StageProgressTracker(dht, prefix, owner_key, peer_id, self.config.progress_period,
                                              self.config.request_timeout, self._own_record, self._on_progress)
 
@@ -306,8 +307,17 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
 
     def view(self) -> StageView:
         """This server's view of its stage now (others as of the last progress read)."""
-        others = [] if self.solo else plausible(self._tracker.others())
-        return stage_view(self._own_record(), others, self._fingerprint_rtol)
+        own = self._own_record()
+        others = [] if self.solo else plausible(self._tracker.others(), own.step)
+        return stage_view(own, others, self._fingerprint_rtol, self._established())
+
+    def _established(self) -> set[str]:
+        """The stage's servers this one has watched for averaging.min_tenure (swarm.tenure)."""
+        return self._tracker.established(self.config.min_tenure)
+
+    def _own_if_started(self) -> ProgressRecord | None:
+        """This server's record once it serves (a joiner's fresh weights are no vote)."""
+        return self._own_record() if self._request_step is not None else None
 
     # rounds (on the averaging thread; each returns what the compute thread applies)
     def _average(self, view: StageView, grads: list[torch.Tensor | None], samples: int) -> Callable[[], Any]:

@@ -53,6 +53,11 @@ class StateCatchUp:
                 if not self._tracker.others() and time.monotonic() >= nobody_after:
                     problem = "no server of the stage published its progress: they seem to be gone"
                     break
+                if not self._established():  # nobody's word counts yet: watch the stage a while longer
+                    problem = (f"no server of the stage has been watched for averaging.min_tenure "
+                               f"({self.config.min_tenure:g}s) yet")
+                    self._closing.wait(min(self.config.progress_period, max(0.0, deadline - time.monotonic())))
+                    continue
                 if self._download(remaining):
                     return
             except (AveragingError, StateRejected) as e:

@@ -2,13 +2,15 @@
 
 A download goes to the best-ranked server that offers its state, skipping servers whose state was
 refused lately, and a server may send at most about twice this stage's state in bytes. What comes
-is checked here for what only the stage can vouch for: its step must not lie beyond what most of
-the stage's servers publish in their (signed) progress records, and its parameters must be those
-most servers at its step publish (their fingerprints). StageState.check then holds it to this
-replica's names, shapes and dtypes, and finite values. A refused state is logged with its reason
-and its sender is not asked again for REFUSED_PEER_SECONDS; one that came incomplete (its stream
-ended early, which happens between healthy peers here) only for INCOMPLETE_PEER_SECONDS, since the
-sender may well be the only one that holds the stage's state.
+is checked here for what only the stage can vouch for (progress.backs_state): its sender must be an
+established server of the stage (watched for averaging.min_tenure), its step must not lie beyond
+what most established servers publish in their (signed) progress records, this server's own
+counted, and its parameters must be those most established servers at its step publish (their
+fingerprints), at least one of them besides the sender unless the stage has only the two.
+StageState.check then holds it to this replica's names, shapes and dtypes, and finite values. A
+refused state is logged with its reason and its sender is not asked again for REFUSED_PEER_SECONDS;
+one that came incomplete (its stream ended early, which happens between healthy peers here) only for
+INCOMPLETE_PEER_SECONDS, since the sender may well be the only one that holds the stage's state.
 """
 
 from __future__ import annotations
@@ -16,20 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
 from swarm.averaging.metrics import FAILED, AveragingMetrics
 from swarm.averaging.process import AveragingProcess
-from swarm.averaging.progress import (
-    MAX_STEP_LEAD,
-    ProgressRecord,
-    fingerprints_differ,
-    param_fingerprint,
-    step_bound,
-)
+from swarm.averaging.progress import ProgressRecord, backs_state, param_fingerprint
 from swarm.state import StageState, StateIncomplete, StateInfo, StateRejected, unflatten
 
 log = logging.getLogger(__name__)
@@ -44,37 +40,37 @@ class StateIntake:
     """Downloads a stage's state from its servers and vets what comes (see the module docstring)."""
 
     def __init__(self, state: StageState, process: AveragingProcess, metrics: AveragingMetrics,
-                 others: Callable[[], Sequence[ProgressRecord]], fingerprint_rtol: float, closing: threading.Event):
+                 others: Callable[[], Sequence[ProgressRecord]], fingerprint_rtol: float, closing: threading.Event,
+                 own: Callable[[], ProgressRecord | None], established: Callable[[], Collection[str]]):
         self.state, self.process, self.metrics, self.others = state, process, metrics, others
+        self.own, self.established = own, established
         self.rtol, self.closing = fingerprint_rtol, closing
         self.max_bytes = 2 * state.nbytes() + 2**20
         self._refused: dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
 
     def fetch(self, timeout: float) -> Loaded | None:
-        """A state from the best-ranked server not refused lately; None if none came within `timeout`."""
+        """A state from the best-ranked established server not refused lately; None if none came within
+        `timeout`, or if no server of the stage is established yet (then nothing is downloaded)."""
         now = time.monotonic()
         refused = [peer for peer, until in self._refused.items() if until > now]
-        loaded = self.process.download_state(timeout, self.closing, refused, self.max_bytes)
+        sources = self.established()
+        if not sources:
+            return None
+        loaded = self.process.download_state(timeout, self.closing, refused, self.max_bytes, only=sorted(sources))
         if loaded is None:
             self.metrics.downloads[FAILED].inc()
         return loaded
 
     def vet(self, loaded: Loaded) -> tuple[StateInfo, dict[str, Any]]:
-        """What a state says it is and its tensors, if the stage's progress backs it; else StateRejected."""
-        metadata, tensors, _ = loaded
+        """What a state says it is and its tensors, if the stage's established servers back it
+        (progress.backs_state); else StateRejected."""
+        metadata, tensors, sender = loaded
         info, named = unflatten(metadata, tensors)
-        others = self.others()
-        bound = step_bound([r.step for r in others])
-        if bound is not None and info.step > bound:
-            raise StateRejected(f"its step {info.step} is beyond the stage's ({bound - MAX_STEP_LEAD} by most "
-                                f"servers' progress)")
-        at_step = [r.fingerprint for r in others if r.step == info.step and r.fingerprint is not None]
-        if at_step:
-            theirs = param_fingerprint(self.state.params_of(named))
-            agree = sum(not fingerprints_differ(theirs, f, self.rtol) for f in at_step)
-            if 2 * agree < len(at_step):
-                raise StateRejected(f"its parameters differ from those of {len(at_step) - agree} of the "
-                                    f"{len(at_step)} servers at step {info.step}")
+        fingerprint = param_fingerprint(self.state.params_of(named))
+        problem = backs_state(sender, info.step, fingerprint, self.own(), self.others(), self.established(),
+                              self.rtol)
+        if problem is not None:
+            raise StateRejected(problem)
         return info, named
 
     def refuse(self, loaded: Loaded, problem: StateRejected) -> StateRejected:

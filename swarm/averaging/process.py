@@ -338,22 +338,24 @@ class AveragingProcess(AveragerInternals):
                 info["samples"] = int(round(counted.get(peer, 0.0)))
         return gathered
 
-    def download_state(self, timeout: float, stop: threading.Event, exclude: Sequence[str] = (),
-                       max_bytes: int = 0) -> tuple[Any, list[torch.Tensor], str] | None:
-        """The state of the best-ranked peer that shares one and is not in `exclude` (peer ids), and
-        that peer; None if none came within `timeout`. A peer that sends more than `max_bytes` of
-        tensors (0: no limit) is cut off and the next one tried."""
+    def download_state(self, timeout: float, stop: threading.Event, exclude: Sequence[str] = (), max_bytes: int = 0,
+                       only: Sequence[str] | None = None) -> tuple[Any, list[torch.Tensor], str] | None:
+        """The state of the best-ranked peer that shares one, is not in `exclude` (peer ids) and, if `only` is
+        given, is in it, and that peer; None if none came within `timeout`. A peer that sends more than
+        `max_bytes` of tensors (0: no limit) is cut off and the next one tried."""
         if not self.is_alive():
             raise AveragingError("the averaging process is not running")
         future = MPFuture()
-        self.send_to_child("_download_state", future, exclude=list(exclude), max_bytes=max_bytes)
+        self.send_to_child("_download_state", future, exclude=list(exclude), max_bytes=max_bytes,
+                           only=None if only is None else list(only))
         try:
             return _wait(future, timeout, stop.is_set)
         except TimeoutError:  # GaveUp included
             future.cancel()
             return None
 
-    async def _download_state(self, exclude: list[str], max_bytes: int, future: MPFuture) -> None:
+    async def _download_state(self, exclude: list[str], max_bytes: int, future: MPFuture,
+                              only: list[str] | None = None) -> None:
         # In the child: like hivemind's _load_state_from_peers, but it skips peers the caller refused
         # (a state that failed its checks), bounds what a peer may send, and says who sent the state.
         try:
@@ -365,7 +367,8 @@ class AveragingProcess(AveragerInternals):
                              and not isinstance(item.value, bool)), reverse=True)
             for _, _, raw_peer in ranked:
                 peer = PeerID(raw_peer)
-                if peer == self.peer_id or peer.to_base58() in exclude:
+                if peer == self.peer_id or peer.to_base58() in exclude or (only is not None
+                                                                          and peer.to_base58() not in only):
                     continue
                 try:
                     loaded = await self._download_from(peer, max_bytes)

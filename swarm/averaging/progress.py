@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,10 +90,50 @@ def step_bound(steps: Sequence[int]) -> int | None:
     return sorted(steps)[(len(steps) - 1) // 2] + MAX_STEP_LEAD
 
 
-def plausible(records: Sequence[ProgressRecord]) -> list[ProgressRecord]:
-    """The records whose step is within :func:`step_bound` of the others' (a liar's are dropped)."""
-    bound = step_bound([r.step for r in records])
+def plausible(records: Sequence[ProgressRecord], own_step: int | None = None) -> list[ProgressRecord]:
+    """The records whose step is within :func:`step_bound` of the others' and this server's own (a liar's are
+    dropped)."""
+    steps = [r.step for r in records] + ([] if own_step is None else [own_step])
+    bound = step_bound(steps)
     return [r for r in records if bound is None or r.step <= bound]
+
+
+def voters(others: Sequence[ProgressRecord], established: Collection[str] | None) -> list[ProgressRecord]:
+    """The records whose word moves this server's rounds: the established servers' (swarm.tenure) if the
+    stage has any, else everyone's (a stage whose servers are all new has nothing but its seed to protect)."""
+    if established is None:
+        return list(others)
+    trusted = [r for r in others if r.peer_id in established]
+    return trusted if trusted else list(others)
+
+
+def backs_state(sender: str, step: int, fingerprint: Sequence[float] | None, own: ProgressRecord | None,
+                others: Sequence[ProgressRecord], established: Collection[str] | None,
+                rtol: float = EXACT_RTOL) -> str | None:
+    """Why the state `sender` offers at `step` must not be adopted, or None if the stage backs it.
+
+    Only established servers vote (all, when `established` is None), the sender's own record never: its
+    step must be within the bound of the voters' steps, this server's own counted; most voters at its
+    step must agree with its fingerprint, and at least one must, unless the stage has no established
+    server besides the sender and this one (a stage of two), where the sender's word is all there is.
+    So no lone claimant moves a stage of three or more, and no new one moves anybody.
+    """
+    if established is not None and sender not in established:
+        return f"{sender} has not been watched long enough to vouch for a state"
+    peers = [r for r in others if r.peer_id != sender and (established is None or r.peer_id in established)]
+    votes = peers + ([own] if own is not None else [])
+    bound = step_bound([r.step for r in votes])
+    if bound is not None and step > bound:
+        return f"its step {step} is beyond the stage's ({bound - MAX_STEP_LEAD} by most established servers' progress)"
+    at_step = [r for r in peers if r.step == step]  # (this server's own parameters are what is in question)
+    agree = sum(not fingerprints_differ(r.fingerprint, fingerprint, rtol) for r in at_step)
+    if 2 * agree < len(at_step):
+        return (f"its parameters differ from those of {len(at_step) - agree} of the {len(at_step)} servers at "
+                f"step {step}")
+    if agree == 0 and peers:
+        return (f"no established server besides {sender} is at step {step} with its parameters "
+                f"({len(peers)} others are established)")
+    return None
 
 
 def round_of(step: int, members: Sequence[str]) -> str:
@@ -145,18 +185,31 @@ class StageView:
         return self.behind or self.diverged
 
 
-def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: float = EXACT_RTOL) -> StageView:
-    """This server's view of the stage, given its own record and the live records of the others."""
+def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: float = EXACT_RTOL,
+               established: Collection[str] | None = None) -> StageView:
+    """This server's view of the stage, given its own record and the live records of the others.
+
+    With `established` (the peers this server watched long enough, swarm.tenure), only their records
+    close a batch, count towards it or are waited for (see :func:`voters`), and a server is behind or
+    diverged only from a state the stage backs (:func:`backs_state`): a stranger's record moves nothing.
+    """
     others = list(others)
+    counted = voters(others, established)
     same_step = [r for r in others if r.step == own.step]
+
+    def backed(r: ProgressRecord) -> bool:
+        return established is None or backs_state(r.peer_id, r.step, r.fingerprint, own, others, established,
+                                                  rtol) is None
+
     return StageView(
         step=own.step,
-        samples=own.samples + sum(r.samples for r in others if r.next_batch == own.next_batch),
-        group_size=1 + sum(r.step <= own.step for r in others),
-        members=tuple(r.peer_id for r in others if r.step <= own.step),
-        behind=any(r.step > own.step + own.averaging for r in others),
-        closed=any(r.step + r.averaging >= own.next_batch for r in others),
+        samples=own.samples + sum(r.samples for r in counted if r.next_batch == own.next_batch),
+        group_size=1 + sum(r.step <= own.step for r in counted),
+        members=tuple(r.peer_id for r in counted if r.step <= own.step),
+        behind=any(r.step > own.step + own.averaging and backed(r) for r in others),
+        closed=any(r.step + r.averaging >= own.next_batch for r in counted),
         diverged=any((r.priority, r.peer_id) > (own.priority, own.peer_id)
                      and (r.round_id != own.round_id or fingerprints_differ(r.fingerprint, own.fingerprint, rtol))
+                     and backed(r)
                      for r in same_step),
     )

@@ -22,6 +22,7 @@ from swarm.averaging.progress import ProgressRecord
 from swarm.dht.errors import SwarmDHTError
 from swarm.dht.keys import PROGRESS_SUFFIX
 from swarm.dht.node import require_alive, wait_future
+from swarm.tenure import TenureBook
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class StageProgressTracker:
         self._wake = threading.Event()  # something changed: look again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # how long each other server has been seen in the DHT's reads, without a gap longer than its record's life
+        self._tenure = TenureBook(grace=self.ttl)
 
     def start(self, channel: ProgressChannel | None = None) -> None:
         self._channel = channel
@@ -85,6 +88,13 @@ class StageProgressTracker:
     def others(self) -> list[ProgressRecord]:
         """Live records of the stage's other servers, as of the last read or push."""
         return [record for _, record in self._live()]
+
+    def established(self, min_tenure: float) -> set[str]:
+        """The other servers this one has seen in every read of the stage's progress for `min_tenure` seconds."""
+        now = get_dht_time()
+        with self._lock:
+            live = [peer for peer, (_, expiration) in self._others.items() if expiration > now]
+            return self._tenure.established_peers(live, min_tenure)
 
     def refresh(self) -> None:
         """Publish this server's record if it changed (or is getting old), then read everyone's."""
@@ -131,6 +141,7 @@ class StageProgressTracker:
         if read is None:  # the read failed: keep the last view; its records still expire on time
             return
         with self._lock:
+            self._tenure.observe(read)  # a server missing from a read starts its tenure anew
             for peer, (record, expiration) in read.items():
                 known = self._others.get(peer)
                 if known is not None and known[0].updated > record.updated:

@@ -18,14 +18,25 @@ from hivemind.p2p import P2P
 
 from peer.server import ServerOptions, StageServer
 from peer.trainer import Trainer
-from swarm.config import DataConfig, ModelConfig, NetworkConfig, OptimizerConfig, RunConfig, StagesConfig
+from swarm.config import (
+    AveragingConfig,
+    DataConfig,
+    ModelConfig,
+    NetworkConfig,
+    OptimizerConfig,
+    RunConfig,
+    StagesConfig,
+)
 from swarm.dht import BackgroundLoop, ServerState, SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
 from tests.helpers import wait_until
 
 HOST = ["/ip4/127.0.0.1/tcp/0"]
 LOOP_CALL_TIMEOUT = 30.0  # replicating a DHT's P2P on its loop
 ONLINE_TIMEOUT = 30.0  # a server's ONLINE record becomes visible to another peer
-BACKEND_CALL_TIMEOUT = 30.0  # a task on a stage's worker thread (it may queue behind a request)
+BACKEND_CALL_TIMEOUT = 30.0
+# A server's word counts after this long (not the default 10 s, so that tests of honest stages need not
+# wait; the trust tests set their own)
+TEST_MIN_TENURE = 1.0  # a task on a stage's worker thread (it may queue behind a request)
 
 
 def tiny_config(run_id: str, num_stages: int = 2, **optimizer) -> RunConfig:
@@ -37,6 +48,7 @@ def tiny_config(run_id: str, num_stages: int = 2, **optimizer) -> RunConfig:
         optimizer=OptimizerConfig(**{"batch_size": 8, "micro_batch_size": 4, **optimizer}),
         data=DataConfig(max_bytes=200_000),
         network=NetworkConfig(announce_period=2.0, record_ttl=30.0, request_timeout=30.0),
+        averaging=AveragingConfig(min_tenure=TEST_MIN_TENURE),
     ).validate()
 
 
@@ -70,12 +82,14 @@ def running_peers(run_id: str, count: int, initial_peers: Sequence[str] = ()) ->
 
 
 @contextlib.contextmanager
-def stage_servers(config: RunConfig, peers: Sequence[Peer], stages: Sequence[int]) -> Iterator[list[StageServer]]:
-    """Start one StageServer of `stages[i]` on `peers[i]`; every started one is shut down on exit."""
+def stage_servers(config: RunConfig, peers: Sequence[Peer], stages: Sequence[int],
+                  **options) -> Iterator[list[StageServer]]:
+    """Start one StageServer of `stages[i]` on `peers[i]` (other ServerOptions from `options`); every started
+    one is shut down on exit."""
     with contextlib.ExitStack() as stack:
         servers = []
         for peer, stage in zip(peers, stages, strict=True):
-            server = StageServer(config, peer.dht, peer.records, peer.loop, ServerOptions(stage=stage))
+            server = StageServer(config, peer.dht, peer.records, peer.loop, ServerOptions(stage=stage, **options))
             stack.callback(server.shutdown)
             server.start()
             servers.append(server)

@@ -22,7 +22,14 @@ from swarm.config import AveragingConfig, RunConfig
 from swarm.dht import ServerState
 from swarm.reference import ReferenceTrainer
 from tests.helpers import wait_until
-from tests.integration.inproc import BACKEND_CALL_TIMEOUT, record_steps, running_peers, stage_servers, tiny_config
+from tests.integration.inproc import (
+    BACKEND_CALL_TIMEOUT,
+    TEST_MIN_TENURE,
+    record_steps,
+    running_peers,
+    stage_servers,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,7 +71,8 @@ def averaging_config() -> AveragingConfig:
     """
     return AveragingConfig(target_group_size=4, min_matchmaking_time=4.0, request_timeout=3.0,
                            matchmaking_timeout=8.0, allreduce_timeout=20.0, next_chunk_timeout=8.0,
-                           state_download_timeout=20.0, shutdown_timeout=3.0, progress_period=1.0)
+                           state_download_timeout=20.0, shutdown_timeout=3.0, progress_period=1.0,
+                           min_tenure=TEST_MIN_TENURE)
 
 
 def make_config() -> RunConfig:

@@ -53,7 +53,8 @@ def test_a_sender_of_an_incomplete_state_is_asked_again_soon_and_one_of_a_bad_st
     state = type("S", (), {"stage": 1, "nbytes": lambda self: 100})()
     registry = CollectorRegistry()
     process = Downloads()
-    taker = StateIntake(state, process, AveragingMetrics(registry, 1), lambda: [], 1e-6, threading.Event())
+    taker = StateIntake(state, process, AveragingMetrics(registry, 1), lambda: [], 1e-6, threading.Event(),
+                        own=lambda: None, established=set)
     problem = taker.refuse(({}, [], "cut"), StateIncomplete("the state names 5 tensors but only 3 came"))
     assert isinstance(problem, StateIncomplete)
     taker.refuse(({}, [], "liar"), StateRejected("its step 99 is beyond the stage's"))

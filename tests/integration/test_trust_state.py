@@ -1,0 +1,93 @@
+"""A server that joins a stage honestly, then claims a step ahead with weights of its choosing, takes over nobody.
+
+Real in-process servers of stage 1 on 127.0.0.1: two honest replicas `a` and `b`, and `m`, which joins
+as any volunteer does, serves long enough to be established (averaging.min_tenure), then sets its
+weights to zeros and its step to the others' + 1 and publishes that (signed with its own key, as
+any server may). Before the trust rules, both honest replicas adopted m's state within about a
+second. Now nobody believes a lone claimant in a stage of three: the honest replicas do not count
+themselves behind, download nothing, and their next round is their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.averaging.metrics import SUCCEEDED
+from swarm.dht import visible_maddrs
+from tests.helpers import wait_until
+from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers
+from tests.integration.test_averaging import (
+    ROUND_TIMEOUT,
+    SEE_TIMEOUT,
+    STAGE,
+    assert_same_state,
+    feed,
+    make_config,
+    micro_batch,
+    snapshot,
+    wait_until_peers_see_each_other,
+)
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def claim_a_step_ahead(m, step: int) -> None:
+    """m's weights become zeros and its step `step`, shared and published as any server's state is."""
+    state = m.stage_state
+
+    def corrupt() -> None:
+        with torch.no_grad():
+            for p in state.optimizer.params:
+                p.zero_()
+        state.optimizer.step_count = step
+        m.averager.state_loaded()
+
+    m.backend.call(corrupt, BACKEND_CALL_TIMEOUT)
+    m.averager._after_step()  # (test seam) share the state under its new rank, publish its progress
+
+
+def downloads(server) -> float:
+    labels = {"stage": str(STAGE), "outcome": SUCCEEDED}
+    return server.registry.get_sample_value("swarm_averaging_state_downloads_total", labels) or 0.0
+
+
+def test_an_established_server_claiming_the_next_step_with_its_own_weights_moves_no_honest_replica():
+    config = make_config("trust-state")
+    with running_peers(config.run_id, 3) as peers, \
+            stage_servers(config, peers[:2], [STAGE, STAGE]) as (a, b), \
+            running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_m,), \
+            stage_servers(config, [peer_m], [STAGE]) as (m,):
+        wait_until_peers_see_each_other([a, b, m])
+        wait_until(lambda: all(m.peer_id in s.averager._established() for s in (a, b)), SEE_TIMEOUT, interval=0.1,
+                   what="m established in the honest replicas' eyes")
+        honest = [snapshot(a), snapshot(b)]
+        step = honest[0]["step"]
+        downloaded = [downloads(a), downloads(b)]
+
+        claim_a_step_ahead(m, step + 1)
+
+        def sees_the_claim(server) -> bool:
+            return any(r.peer_id == m.peer_id and r.step == step + 1 for r in server.averager._tracker.others())
+
+        wait_until(lambda: all(sees_the_claim(s) for s in (a, b)), SEE_TIMEOUT, interval=0.05,
+                   what="both honest replicas holding m's claim")
+        for server, before in zip((a, b), honest):
+            view = server.averager.view()
+            assert not view.behind and not view.diverged, view
+            assert_same_state(snapshot(server), before)
+
+        # The honest replicas' next round: they step together on their own batch, download nothing, and their
+        # weights are theirs (with the old rules they had adopted m's zeros and its step first).
+        for seed, server in zip((1, 2, 3), (a, b, a)):
+            feed(server, micro_batch(config, seed))
+        wait_until(lambda: a.backend.step == b.backend.step == step + 1 and not a.averager.busy
+                   and not b.averager.busy, ROUND_TIMEOUT, interval=0.1, what="a and b stepping on their round")
+        after_a, after_b = snapshot(a), snapshot(b)
+        assert_same_state(after_a, after_b)
+        assert [downloads(a), downloads(b)] == downloaded
+        for name, tensor in after_a["params"].items():
+            assert not torch.equal(tensor, torch.zeros_like(tensor)) or torch.equal(honest[0]["params"][name],
+                                                                                   tensor), name
+        moved = sum(float((after_a["params"][n] - honest[0]["params"][n]).norm()) for n in after_a["params"])
+        assert 0 < moved < sum(float(t.norm()) for t in honest[0]["params"].values())

@@ -72,6 +72,7 @@ class ServerOptions:
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT  # seconds a caller has to send its whole request
     backward_cache_bytes: int = BACKWARD_CACHE_BYTES  # result bytes kept to answer retried backwards
     metrics_addr: str | None = None  # "host:port" of this server's /metrics, announced for Prometheus discovery
+    coordinator_peer_id: str | None = None  # the run's coordinator: its checkpoints are trusted as it vetted them
 
     def batch_cap(self, config: RunConfig) -> int:
         return self.max_batch if self.max_batch is not None else config.optimizer.micro_batch_size
@@ -130,16 +131,18 @@ class StageServer:
                                     on_step=self._on_step, stepper=self.averager,
                                     compute_dtype=self.config.stages.compute_dtype, cache=self._activation_cache())
         if self.options.checkpoint_dir is not None:
+            trusted = [self.options.coordinator_peer_id] if self.options.coordinator_peer_id else []
             self.keeper = StageKeeper(self.stage_state, self.config, self.options.checkpoint_dir, self.records,
-                                      self.loop, self.peer_id, self.registry)
-        if any(r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id
-               for r in self.records.lookup_servers(stage)):
+                                      self.loop, self.peer_id, self.registry, trusted_holders=trusted)
+        online = sorted(r.peer_id for r in self.records.lookup_servers(stage)
+                        if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id)
+        if online:
             try:
                 self.averager.load_state_from_peers()  # never serve fresh weights while the stage has a state
-            except StateDownloadError as e:  # the servers announced may have just died: their checkpoints remain
+            except StateDownloadError as e:  # the servers announced may be dead (or never were): checkpoints remain
                 log.warning("%s; looking for a checkpoint of the stage instead", e)
-                if self._resume(fresh_ok=False) is None:
-                    raise
+                self._resume(f"{len(online)} server(s) announce it ONLINE ({', '.join(online[:3])}), but none "
+                             f"served a state this server could take ({e})")
         else:
             self._resume()
         self.throughput = measure_throughput(self.backend, self.config)
@@ -188,21 +191,24 @@ class StageServer:
             size = default_cache_bytes(torch.device(self.options.device))
         return ActivationCache(size, self.options.activation_cache_ttl)
 
-    def _resume(self, fresh_ok: bool = True) -> int | None:
-        """The stage has no live server: load its newest checkpoint (its step), or start it fresh (None) only
-        if nothing is lost, or if `fresh_ok` and --fresh says so."""
+    def _resume(self, announced: str | None = None) -> int | None:
+        """The stage has no live server that served its state: load its newest checkpoint (its step), or start
+        it fresh (None) only if nothing is lost or --fresh says so. `announced`: what says the stage is live."""
         step = self.keeper.restore(self._p2p) if self.keeper is not None else None
         if step is not None:
             self.averager.state_loaded()
-        if step is not None or not fresh_ok or self.options.fresh:
             return step
-        progress = self._progress_elsewhere()
+        if self.options.fresh:
+            log.warning("stage %d: starting from fresh weights, as --fresh says%s", self.stage,
+                        f", although {announced}" if announced else "")
+            return None
+        progress = announced or self._progress_elsewhere()
         if progress:
             raise StageStateMissing(
-                f"stage {self.stage} has no live server and this server could load none of its checkpoints, but "
-                f"{progress}: starting it from fresh weights would throw that training away. Start it with the "
-                "checkpoint directory that holds the stage (--checkpoint-dir), wait until a server or the "
-                "coordinator holding a checkpoint of it is online, or pass --fresh to start the stage anew")
+                f"stage {self.stage} has no server that served its state and this server could load none of its "
+                f"checkpoints, but {progress}: starting it from fresh weights could throw training away. Start "
+                "it with the checkpoint directory that holds the stage (--checkpoint-dir), wait until a server or "
+                "the coordinator holding a checkpoint of it is online, or pass --fresh to start the stage anew")
         return None
 
     def _progress_elsewhere(self) -> str | None:

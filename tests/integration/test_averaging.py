@@ -17,14 +17,22 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from peer.server import StageServer
-from swarm.averaging import StateDownloadError, averaging_prefix
+from peer.server import StageServer, StageStateMissing
+from swarm.averaging import averaging_prefix
 from swarm.config import AveragingConfig
 from swarm.dht import ServerRecord, ServerState, visible_maddrs
+from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from tests.helpers import wait_until
-from tests.integration.inproc import BACKEND_CALL_TIMEOUT, record_steps, running_peers, stage_servers, tiny_config
+from tests.integration.inproc import (
+    BACKEND_CALL_TIMEOUT,
+    TEST_MIN_TENURE,
+    record_steps,
+    running_peers,
+    stage_servers,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -39,7 +47,8 @@ def averaging_config() -> AveragingConfig:
     """Short timeouts, so a failed round costs seconds."""
     return AveragingConfig(target_group_size=4, min_matchmaking_time=2.0, request_timeout=1.0,
                            matchmaking_timeout=5.0, allreduce_timeout=10.0, next_chunk_timeout=3.0,
-                           state_download_timeout=20.0, shutdown_timeout=3.0, progress_period=0.3)
+                           state_download_timeout=20.0, shutdown_timeout=3.0, progress_period=0.3,
+                           min_tenure=TEST_MIN_TENURE)
 
 
 def make_config(run_id: str):
@@ -249,16 +258,44 @@ def test_members_left_average_when_one_averaging_process_dies(pair):
         assert rounds(c, "local") == 1
 
 
-def test_server_refuses_to_start_fresh_when_its_stage_has_servers_but_no_state_comes(pair):
+def test_a_ghost_online_record_blocks_a_fresh_start_saying_why_unless_fresh(pair):
     config, peers, _ = pair
     impatient = copy.deepcopy(config)
     impatient.averaging.state_download_timeout = 2.0
     # an ONLINE server of stage 0 that shares no state (a record without a server behind it)
     ghost = ServerRecord(peer_id=peers[1].peer_id, stage=0, state=ServerState.ONLINE.value, throughput=1.0)
-    assert peers[1].records.announce_server(ghost, ttl=60.0)
+    assert peers[1].records.announce_server(ghost, ttl=30.0)
+    wait_until(lambda: ghost in peers[0].records.lookup_servers(0), SEE_TIMEOUT, interval=0.1,
+               what="the ghost record reaching the starting server")
+    try:
+        with pytest.raises(StageStateMissing, match=f"announce it ONLINE.*{peers[1].peer_id}.*--fresh"), \
+                stage_servers(impatient, [peers[0]], [0]):
+            pass
+        with stage_servers(impatient, [peers[0]], [0], fresh=True) as (server,):
+            assert server.state == ServerState.ONLINE and server.backend.step == 0
+    finally:  # (the other tests of this module share its DHT, which keeps the value that expires last)
+        gone = ServerRecord(peer_id=peers[1].peer_id, stage=0, state=ServerState.OFFLINE.value, throughput=1.0)
+        peers[1].records.announce_server(gone, ttl=60.0)
 
-    with pytest.raises(StateDownloadError, match="stage 0"), stage_servers(impatient, [peers[0]], [0]):
-        pass
+
+def test_a_stage_with_announced_checkpoints_is_not_started_fresh_unless_fresh(pair):
+    config, peers, _ = pair
+    # nobody serves stage 0, but somebody announces its checkpoint of step 40: the run has trained it
+    held = HeldCheckpoint(step=40, manifest_id="a" * 64, size=1000)
+    record = CheckpointRecord(peer_id=peers[1].peer_id, stage=0, state_hash=config.state_hash(), checkpoints=[held])
+    assert peers[1].records.announce_checkpoints(record, ttl=30.0)
+    wait_until(lambda: peers[0].records.lookup_checkpoints(0), SEE_TIMEOUT, interval=0.1,
+               what="the checkpoint record reaching the starting server")
+    wait_until(lambda: not [r for r in peers[0].records.lookup_servers(0) if r.state == ServerState.ONLINE.value],
+               SEE_TIMEOUT, interval=0.1, what="no server of stage 0 announced ONLINE (an earlier test's gone)")
+    try:
+        with pytest.raises(StageStateMissing, match="checkpoints of it up to step 40.*--fresh"), \
+                stage_servers(config, [peers[0]], [0]):
+            pass
+        with stage_servers(config, [peers[0]], [0], fresh=True) as (server,):
+            assert server.state == ServerState.ONLINE and server.backend.step == 0
+    finally:
+        peers[1].records.announce_checkpoints(record.copy(update={"checkpoints": []}), ttl=60.0)
 
 
 def forward_seconds(server: StageServer, config) -> float:

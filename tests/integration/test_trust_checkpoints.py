@@ -71,17 +71,20 @@ def test_a_far_ahead_checkpoint_is_ignored_by_the_archive_export_and_a_restartin
 
         archive = RunArchive(config, tmp_path / "coordinator", coordinator.records, coordinator.loop,
                              coordinator.peer_id, max_stage_bytes=2**30)
+        corrupt = archive.stages[STAGE].dir / "step9999999990"  # a broken directory of a high step on its disk
+        corrupt.mkdir(parents=True)
+        (corrupt / "manifest.json").write_text("{not json")
         archive.start(coordinator.p2p())
         try:
             # the honest server is established after averaging.min_tenure of the archive watching it
-            wait_until(lambda: archive.poll() or archive.stages[STAGE].entries(), PULL_TIMEOUT, interval=0.3,
+            wait_until(lambda: archive.poll() or archive.stages[STAGE].newest_intact(), PULL_TIMEOUT, interval=0.3,
                        what="the archive pulling the honest checkpoint")
             for _ in range(3):  # more polls: still nothing of the stranger's
                 archive.poll()
         finally:
             archive.close()
         stage_dir = archive.stages[STAGE].dir
-        assert [p.name for p in archive.stages[STAGE].entries()] == [f"step{HONEST_STEP:010d}"]
+        assert [p.name for p in archive.stages[STAGE].entries()] == [corrupt.name, f"step{HONEST_STEP:010d}"]
         assert not list(stage_dir.glob(".tmp-*")), "a poll left an empty staging directory behind"
         ignored = [r.getMessage() for r in caplog.records if "ignoring a checkpoint claim" in r.getMessage()]
         assert any(stranger.peer_id in line and f"step {LIE_STEP}, beyond step" in line for line in ignored), ignored

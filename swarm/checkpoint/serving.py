@@ -2,7 +2,10 @@
 
 The server resolves a manifest id to a directory only through its ``resolve`` callback, and a file
 name only through that directory's manifest: nothing in a request is ever used as a path. Transfers
-are bounded: a few at once (``ServingLimits``), each holding its slot for a limited time.
+are bounded: a few at once (``ServingLimits``), shared per caller (one peer id holds at most
+``max_per_caller``, peers never served before at most ``max_newcomers`` together), each holding its
+slot only while the fetcher keeps taking bytes (``progress_timeout``) and for a limited time in all
+(``transfer_timeout``); a transfer past either deadline is cut off, its stream closed.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from swarm.checkpoint.wire import (
     checkpoint_namespace,
     unpack_map,
 )
+from swarm.protocol.slots import CallerSlots
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +52,31 @@ class ServingLimits:
     """What one CheckpointServer spends on peers."""
 
     max_transfers: int = 4  # files sent at once; more requests wait for a slot
+    # Files sent at once to one peer id (a fetcher reads one file after the other), and to peers this
+    # server never served a whole file before, together: None is a quarter and half of max_transfers.
+    max_per_caller: int | None = None
+    max_newcomers: int | None = None
     chunk_bytes: int = MAX_CHUNK_BYTES
     receive_timeout: float = 10.0  # a request must arrive within this many seconds
     slot_timeout: float = 10.0  # a request waits this long for a slot, then gets a BUSY reply
-    # One file transfer holds a slot at most this long (a peer that stops reading must not keep it);
-    # a checkpoint file of several GB over a slow link needs all of it.
+    # A transfer whose fetcher takes no chunk (the header first) for this long loses its slot and its
+    # stream: a peer that stops reading must not keep a slot. One chunk is 1 MiB: 30 s allows 35 KB/s.
+    progress_timeout: float = 30.0
+    # One file transfer holds a slot at most this long in all; a file of several GB over a slow link needs it.
     transfer_timeout: float = 900.0
     drain_timeout: float = 10.0  # after refusing a request of several frames, discard the rest this long
 
     def __post_init__(self) -> None:
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES or self.max_transfers < 1:
             raise ValueError(f"need 0 < chunk_bytes <= {MAX_CHUNK_BYTES} and max_transfers >= 1, got {self}")
+        if self.progress_timeout <= 0 or self.transfer_timeout <= 0:
+            raise ValueError(f"need progress_timeout and transfer_timeout > 0, got {self}")
+        self.slots()  # checks the per-caller caps
+
+    def slots(self) -> CallerSlots:
+        """A fresh table of this server's transfer slots."""
+        return CallerSlots(self.max_transfers, self.max_per_caller, self.max_newcomers, what="transfers",
+                           total_name="max_transfers")
 
 
 class _Refusal(Exception):
@@ -83,7 +101,7 @@ class CheckpointServer(ServicerBase):
     def __init__(self, resolve: Callable[[str], Path | None], limits: ServingLimits = ServingLimits()):
         self.resolve, self.limits = resolve, limits
         self.namespace: str | None = None
-        self._slots = asyncio.Semaphore(limits.max_transfers)
+        self.slots = limits.slots()  # per caller (its libp2p-authenticated peer id); on the P2P's loop
 
     async def rpc_read(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -94,18 +112,21 @@ class CheckpointServer(ServicerBase):
             yield self._refuse(context, None, e)
             await self._drain(requests)
             return
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.limits.slot_timeout)
-        except asyncio.TimeoutError:
-            busy = _Refusal(BUSY, f"all {self.limits.max_transfers} transfer slots stayed taken")
-            yield self._refuse(context, request, busy)
+        caller = str(context.remote_id)
+        refusal = await self.slots.wait_take(caller, self.limits.slot_timeout)
+        if refusal is not None:
+            yield self._refuse(context, request, _Refusal(BUSY, f"{refusal}, for {self.limits.slot_timeout:g}s"))
             return
-        lease = _Lease(self._slots, self.limits.transfer_timeout)
+        what = f"{request.file} of checkpoint {request.manifest_id} to {caller}"
+        lease = _Lease(self.slots, caller, self.limits, what)
         try:
             async for frame in self._send(request, context, lease):
                 yield frame
+                lease.progress()  # the transport took the frame: the fetcher is reading
         finally:
             lease.release()
+        if lease.completed:
+            self.slots.vouch(caller)  # took a whole file: from now on a known caller
 
     async def unregister(self, p2p: P2P) -> None:
         """Stop serving on `p2p`."""
@@ -141,11 +162,10 @@ class CheckpointServer(ServicerBase):
                 if not chunk:
                     break  # cannot happen for an immutable checkpoint: the fetcher sees the truncation
                 if lease.expired:
-                    log.warning("cut off sending %s of checkpoint %s to %s: it took over %gs", request.file,
-                                request.manifest_id, context.remote_id, self.limits.transfer_timeout)
-                    return
+                    return  # cut off (and logged) by the lease
                 left -= len(chunk)
                 yield runtime_pb2.ExpertResponse(metadata=chunk)
+            lease.completed = left == 0
         except OSError as e:  # the header is out: ending the stream early is all we can still say
             log.warning("reading %s of checkpoint %s failed: %s", request.file, request.manifest_id, e)
         finally:
@@ -198,21 +218,50 @@ class CheckpointServer(ServicerBase):
 
 
 class _Lease:
-    """A transfer slot, given back when the transfer ends or its time is up, whichever comes first."""
+    """A caller's transfer slot, given back when the transfer ends, or cut off with it when the fetcher
+    took no frame for `progress_timeout` seconds or the transfer ran `transfer_timeout` seconds.
 
-    def __init__(self, slots: asyncio.Semaphore, duration: float):
-        self._slots, self._released = slots, False
-        self._timer = asyncio.get_running_loop().call_later(duration, self.release)
+    Cutting off cancels the task that runs the transfer (hivemind's, for this one stream): a fetcher
+    that stopped reading leaves that task blocked on sending to it, where no check of ours could run,
+    holding a chunk and a stream. Cancelled, hivemind closes the stream and the memory goes.
+    """
+
+    def __init__(self, slots: CallerSlots, caller: str, limits: ServingLimits, what: str):
+        self._slots, self._caller, self._limits, self._what = slots, caller, limits, what
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+        self._released, self.completed = False, False
+        self._total = self._loop.call_later(limits.transfer_timeout, self._cut, f"it took over "
+                                            f"{limits.transfer_timeout:g}s")
+        self._idle = self._loop.call_later(limits.progress_timeout, self._cut_idle)
 
     @property
     def expired(self) -> bool:
         return self._released
 
+    def progress(self) -> None:
+        """A frame left: the fetcher has the full `progress_timeout` again for the next one."""
+        self._idle.cancel()
+        if not self._released:
+            self._idle = self._loop.call_later(self._limits.progress_timeout, self._cut_idle)
+
+    def _cut_idle(self) -> None:
+        self._cut(f"the fetcher took nothing for {self._limits.progress_timeout:g}s")
+
+    def _cut(self, why: str) -> None:
+        if self._released:
+            return
+        log.warning("cut off sending %s: %s", self._what, why)
+        self.release()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
     def release(self) -> None:
-        self._timer.cancel()
+        self._total.cancel()
+        self._idle.cancel()
         if not self._released:
             self._released = True
-            self._slots.release()
+            self._slots.give_back(self._caller)
 
 
 async def serve_checkpoints(

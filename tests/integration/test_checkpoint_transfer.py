@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from swarm.checkpoint.transfer import (
 )
 from swarm.checkpoint.verify import STATE_NAME
 from swarm.checkpoint.wire import BAD_REQUEST, BUSY, MAX_CHUNK_BYTES, NOT_FOUND, checkpoint_namespace
-from swarm.dht import CheckpointRecord, HeldCheckpoint
+from swarm.dht import CheckpointRecord, HeldCheckpoint, visible_maddrs
 from tests.helpers import wait_until
 from tests.integration.inproc import LOOP_CALL_TIMEOUT, Peer, running_peers, tiny_config
 
@@ -317,3 +318,150 @@ def test_lying_holders_are_caught_and_named(swarm: Swarm, lie: str, kind: str, s
                                LOOP_CALL_TIMEOUT)
     assert failure.value.kind == kind and says in str(failure.value), str(failure.value)
     assert liar.peer.peer_id in str(failure.value) and not staging.exists()
+
+
+# ---- stalls: a fetcher that stops reading, holders that stop sending ------------------------------
+
+BIG_BYTES = 32 * 2**20  # far more than the transport buffers between a holder and a fetcher that stopped reading
+PROGRESS_TIMEOUT = 2.0  # the holder's, in the tests below
+IDLE_TIMEOUT = 2.0  # the fetcher's, in the tests below
+CUT_TIMEOUT = 30.0  # a stalled transfer is cut off within this (progress timeout, plus filling the buffers)
+
+
+def test_a_fetcher_that_stops_reading_holds_one_slot_and_loses_it_at_the_progress_deadline(swarm: Swarm):
+    """Per-caller transfer slots, and a deadline for progress (frames the fetcher takes), not only a total:
+    before, one peer could hold every slot, and one that stopped reading held its slot for 900 s."""
+    staller, holder, other = swarm.fetcher, swarm.honest, swarm.dishonest.peer
+    store = StageCheckpoints(swarm.root / "big", RUN_ID, STAGE, keep=1)
+    manifest, mid, path = store.write({"param/big": torch.zeros(BIG_BYTES // 4)}, step=1, num_stages=2,
+                                      state_hash=swarm.state_hash, round_id="big", group=1)
+    size = (path / STATE_NAME).stat().st_size
+    limits = ServingLimits(max_transfers=4, progress_timeout=PROGRESS_TIMEOUT, slot_timeout=1.0)
+    server = holder.peer.loop.run(serve_checkpoints(holder.peer.p2p(), "big", store.path_for, limits),
+                                  LOOP_CALL_TIMEOUT)
+    request = msgpack.packb({"manifest_id": mid, "file": STATE_NAME, "offset": 0})
+    stub = CheckpointServer.get_stub(swarm.fetcher_p2p, holder.peer_id, namespace=checkpoint_namespace("big"))
+
+    async def stall() -> tuple[list[dict], int]:
+        """Ask for the big file three times at once, read one chunk of the one served, stop reading;
+        then, once the holder has given its slot back, read what is left of that stream."""
+        streams = [await stub.rpc_read(iter_as_aiter([runtime_pb2.ExpertRequest(metadata=request)]))
+                   for _ in range(3)]
+        try:
+            headers = [msgpack.unpackb((await anext(stream)).metadata) for stream in streams]
+            served = [stream for stream, header in zip(streams, headers) if header["ok"]]
+            if len(served) != 1:
+                return headers, None  # one caller had more than its share of the slots
+            served = served[0]
+            received = len((await anext(served)).metadata)
+            await asyncio.to_thread(wait_until, lambda: server.slots.active == 0, CUT_TIMEOUT,
+                                    what="the holder to cut off the transfer nobody reads")
+            async for frame in served:  # what the transport held, then the end of the cut-off stream
+                received += len(frame.metadata)
+            return headers, received
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
+    stalled = asyncio.run_coroutine_threadsafe(stall(), staller.loop.loop)
+    try:
+        wait_until(lambda: server.slots.held(staller.peer_id) == 1 or stalled.done(), FETCH_TIMEOUT,
+                   what="the staller's transfer")
+        # meanwhile another peer is served: the staller holds one slot, not all four
+        fetched = other.loop.run(fetch_checkpoint(
+            other.p2p(), holder.peer_id, "big", mid, swarm.staging("big-other"), expect_run_id=RUN_ID,
+            expect_stage=STAGE, expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES, timeout=FETCH_TIMEOUT),
+            FETCH_TIMEOUT + LOOP_CALL_TIMEOUT)
+        assert (fetched / STATE_NAME).stat().st_size == size
+        headers, received = stalled.result(CUT_TIMEOUT + FETCH_TIMEOUT)
+    finally:
+        holder.peer.loop.run(server.unregister(holder.peer.p2p()), LOOP_CALL_TIMEOUT)
+    refused = [header for header in headers if not header["ok"]]
+    assert len(refused) == 2 and all(h["code"] == BUSY and "per caller 1" in h["error"] for h in refused), headers
+    assert received is not None and received < size, "the stalled transfer was not cut off (or fitted in the transport)"
+
+
+def stalling_holder(store: StageCheckpoints, trickle: float | None = None) -> CheckpointServer:
+    """The real CheckpointServer, except that after a file's header it sends nothing (or, with `trickle`,
+    one byte every `trickle` seconds): `asked` counts the files it was asked for."""
+
+    class Stalling(CheckpointServer):
+        asked = 0
+
+        async def _send(self, request, context, lease):
+            Stalling.asked += 1
+            frames = super()._send(request, context, lease)
+            try:
+                yield await anext(frames)  # the header, as the real server sends it
+            finally:
+                await frames.aclose()
+            while trickle is not None:
+                await asyncio.sleep(trickle)
+                yield runtime_pb2.ExpertResponse(metadata=b"\0")
+            await asyncio.Event().wait()
+
+    Stalling.__name__ = "CheckpointServer"  # the class name is part of the protocol id
+    return Stalling(store.path_for)
+
+
+@contextlib.contextmanager
+def stalling_holders(swarm: Swarm, run_id: str, step: int, trickle: float | None = None):
+    """Two stalling holders of a step-`step` checkpoint of the stage (on a peer of their own each), and the
+    honest holder's checkpoint, all served under `run_id`; yields (records, stalling servers)."""
+    with running_peers(RUN_ID, 1, initial_peers=visible_maddrs(swarm.fetcher.dht)) as [extra]:
+        servers, records, hosts = [], [], [swarm.dishonest.peer, extra]
+        for i, peer in enumerate(hosts):
+            store = StageCheckpoints(swarm.root / f"{run_id}-{i}", RUN_ID, STAGE, keep=1)
+            manifest, mid, _ = store.write(stage_tensors(seed=10 + i), step=step, num_stages=2,
+                                           state_hash=swarm.state_hash, round_id="stall", group=2)
+            held = HeldCheckpoint(step=step, manifest_id=mid, size=sum(e.size for e in manifest.files.values()))
+            records.append(CheckpointRecord(peer_id=peer.peer_id, stage=STAGE, state_hash=swarm.state_hash,
+                                            checkpoints=[held]))
+            servers.append(stalling_holder(store, trickle))
+            peer.loop.run(servers[-1].add_p2p_handlers(peer.p2p(), namespace=checkpoint_namespace(run_id)),
+                          LOOP_CALL_TIMEOUT)
+        honest = swarm.honest
+        real = honest.peer.loop.run(serve_checkpoints(honest.peer.p2p(), run_id, honest.store.path_for),
+                                    LOOP_CALL_TIMEOUT)
+        records.append(CheckpointRecord(peer_id=honest.peer.peer_id, stage=STAGE, state_hash=swarm.state_hash,
+                                        checkpoints=[honest.held]))
+        try:
+            yield records, servers
+        finally:
+            honest.peer.loop.run(real.unregister(honest.peer.p2p()), LOOP_CALL_TIMEOUT)
+            for peer, server in zip(hosts, servers):
+                with contextlib.suppress(Exception):
+                    peer.loop.run(server.remove_p2p_handlers(peer.p2p(), namespace=checkpoint_namespace(run_id)),
+                                  LOOP_CALL_TIMEOUT)
+
+
+def test_holders_that_send_a_header_and_then_nothing_are_left_at_the_idle_deadline(swarm: Swarm, caplog):
+    """Two holders of a newer checkpoint stall after their header: the fetch moves on to the honest holder
+    after the idle deadline of each, not after the whole per-holder timeout of each (2 x 30 s here)."""
+    with stalling_holders(swarm, "stall-silent", step=HONEST_STEP + 5) as (records, stallers), \
+            caplog.at_level(logging.INFO, logger="swarm.checkpoint.transfer"):
+        started = time.monotonic()
+        fetched = swarm.fetch(fetch_newest(
+            swarm.fetcher_p2p, records, "stall-silent", swarm.staging("stall-silent"), expect_run_id=RUN_ID,
+            expect_stage=STAGE, expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES, timeout=FETCH_TIMEOUT,
+            idle_timeout=IDLE_TIMEOUT))
+        took = time.monotonic() - started
+    assert fetched is not None and fetched[1] == swarm.honest.held
+    assert [server.asked for server in stallers] == [1, 1]  # both were tried, newest first
+    assert took < FETCH_TIMEOUT, f"{took:.1f}s: a stalled holder kept the fetch for its whole timeout"
+    assert sum(f"sent nothing of {MANIFEST_NAME} for {IDLE_TIMEOUT:g}s" in r.getMessage()
+               for r in caplog.records) == 2
+
+
+def test_trickling_holders_cost_a_fetch_no_more_than_its_timeout(swarm: Swarm):
+    """Holders that keep sending a byte now and then are never idle: without a total_timeout, fetch_newest
+    still ends within its `timeout` (a restoring server falls back to its own disk in time), not after
+    `timeout` for each such holder, past what its caller waits (keeper: 2 x 300 s for 300 s each)."""
+    timeout = 3.0
+    with stalling_holders(swarm, "stall-trickle", step=HONEST_STEP + 5, trickle=0.2) as (records, stallers):
+        fetched = swarm.fetch(fetch_newest(
+            swarm.fetcher_p2p, records[:2], "stall-trickle", swarm.staging("stall-trickle"), expect_run_id=RUN_ID,
+            expect_stage=STAGE, expect_state_hash=swarm.state_hash, max_bytes=MAX_BYTES, timeout=timeout,
+            idle_timeout=IDLE_TIMEOUT))
+    assert fetched is None
+    assert [server.asked for server in stallers] == [1, 0]  # the first took the whole time: the second not asked

@@ -37,6 +37,10 @@ from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
 log = logging.getLogger(__name__)
 
 DEFAULT_FETCH_TIMEOUT = 600.0  # one whole checkpoint (manifest and every file) from one holder
+# The longest a holder may leave us waiting for its next frame (the header, or the next chunk of at most
+# 1 MiB; a holder may first wait up to 10 s for a free transfer slot). One that sends a header and then
+# nothing is given up on after this, not after the whole fetch timeout, and the next holder is tried.
+DEFAULT_IDLE_TIMEOUT = 30.0
 
 # Why a fetch failed, as CheckpointTransferError.kind; fetch_newest decides what to try next from it.
 INVALID = "invalid"  # the holder sent bytes that do not match what it announced: ban it
@@ -67,6 +71,7 @@ async def fetch_checkpoint(
     expect_run_id: str | None = None,
     expect_step: int | None = None,
     timeout: float = DEFAULT_FETCH_TIMEOUT,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> Path:
     """Fetch checkpoint `manifest_id_` of run `run_id` from `holder` into `staging_dir`, verifying every byte.
 
@@ -74,12 +79,12 @@ async def fetch_checkpoint(
     complete checkpoint directory for ``StageCheckpoints.install``, on failure it is removed.
     The manifest must be for `expect_run_id` (default: `run_id`), `expect_stage` and `expect_state_hash`
     (and `expect_step` if given), its files at most `max_bytes` in all. Raises CheckpointTransferError
-    (its `kind` says what went wrong) after at most `timeout` seconds; CheckpointError or OSError for
-    trouble with our own disk.
+    (its `kind` says what went wrong) after at most `timeout` seconds, or as soon as the holder sends
+    nothing for `idle_timeout` seconds; CheckpointError or OSError for trouble with our own disk.
     """
     staging_dir = Path(staging_dir)
     expected = _Expected(expect_run_id or run_id, expect_stage, expect_state_hash, expect_step, max_bytes)
-    fetch = _Fetch(p2p, holder, checkpoint_namespace(run_id), manifest_id_, staging_dir, expected)
+    fetch = _Fetch(p2p, holder, checkpoint_namespace(run_id), manifest_id_, staging_dir, expected, idle_timeout)
     await asyncio.to_thread(_make_empty_dir, staging_dir)
     try:
         await asyncio.wait_for(fetch.run(), timeout)
@@ -104,16 +109,18 @@ async def fetch_newest(
     min_step: int = 0,
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     total_timeout: float | None = None,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> tuple[Path, HeldCheckpoint, str] | None:
     """The newest checkpoint any of `records`' holders serves correctly: (staging dir, checkpoint, holder).
 
     Holders are tried newest checkpoint first. One that sends bytes its checkpoint does not hash to is
-    banned for the rest of this call, one that cannot be reached is not asked again; either way the
-    next holder of the same or an older checkpoint is tried. `timeout` bounds each attempt,
-    `total_timeout` (if given) the whole call. None if no holder served one.
+    banned for the rest of this call, one that cannot be reached, or stops sending for `idle_timeout`
+    seconds, is not asked again; either way the next holder of the same or an older checkpoint is
+    tried. `timeout` bounds each attempt, `total_timeout` the whole call (default: `timeout`, so that
+    slow holders, however many, cost a caller no more than one would). None if no holder served one.
     """
     loop = asyncio.get_running_loop()
-    deadline = None if total_timeout is None else loop.time() + total_timeout
+    deadline = loop.time() + (timeout if total_timeout is None else total_timeout)
     candidates = checkpoint_candidates(records, stage=expect_stage, state_hash=expect_state_hash,
                                        min_step=min_step, max_bytes=max_bytes, exclude={str(p2p.peer_id)})
     banned: set[str] = set()  # sent wrong bytes, or could not be reached
@@ -121,9 +128,10 @@ async def fetch_newest(
     for held, holder in candidates:
         if holder in banned or held.manifest_id in unusable:
             continue
-        left = timeout if deadline is None else min(timeout, deadline - loop.time())
+        left = min(timeout, deadline - loop.time())
         if left <= 0:
-            log.info("gave up fetching a checkpoint of stage %d after %gs", expect_stage, total_timeout)
+            log.info("gave up fetching a checkpoint of stage %d: no time left of the %gs allowed", expect_stage,
+                     timeout if total_timeout is None else total_timeout)
             break
         try:
             holder_id = PeerID.from_base58(holder)
@@ -135,7 +143,7 @@ async def fetch_newest(
             path = await fetch_checkpoint(
                 p2p, holder_id, run_id, held.manifest_id, staging_dir, expect_stage=expect_stage,
                 expect_state_hash=expect_state_hash, max_bytes=max_bytes, expect_run_id=expect_run_id,
-                expect_step=held.step, timeout=left,
+                expect_step=held.step, timeout=left, idle_timeout=idle_timeout,
             )
         except CheckpointTransferError as e:
             if e.kind == INVALID:
@@ -192,9 +200,10 @@ class _Fetch:
     """One checkpoint from one holder: the manifest, checked, then each file it lists, verified."""
 
     def __init__(self, p2p: P2P, holder: PeerID, namespace: str, manifest_id_: str, staging_dir: Path,
-                 expected: _Expected):
+                 expected: _Expected, idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
         self.p2p, self.holder, self.namespace = p2p, holder, namespace
         self.manifest_id, self.staging_dir, self.expected = manifest_id_, staging_dir, expected
+        self.idle_timeout = idle_timeout
 
     def error(self, kind: str, message: str) -> CheckpointTransferError:
         return CheckpointTransferError(self.holder, kind, f"checkpoint {self.manifest_id[:12]}: {message}")
@@ -267,7 +276,9 @@ class _Fetch:
 
     async def _next_frame(self, responses: AsyncIterator, name: str) -> runtime_pb2.ExpertResponse | None:
         try:
-            return await anext(responses, None)
+            return await asyncio.wait_for(anext(responses, None), self.idle_timeout)
+        except asyncio.TimeoutError:  # a holder that stalls is given up on now, not at the end of the fetch
+            raise self.error(UNAVAILABLE, f"sent nothing of {name} for {self.idle_timeout:g}s") from None
         except Exception as e:  # a broken connection or hivemind's own error reply
             raise self.error(UNAVAILABLE, f"receiving {name} failed: {_describe(e)}") from None
 

@@ -9,6 +9,10 @@ The request is one ``ExpertRequest`` whose ``metadata`` is a msgpack map
 ``{"ok": false, "code": <code>, "error": <message>}``; after an ok header, every further frame's
 ``metadata`` holds the next 1 .. ``MAX_CHUNK_BYTES`` raw bytes of the file, up to its end.
 Unknown request or header fields are ignored, so newer peers can add some.
+
+Either side may end a transfer that stalls: a holder closes the stream of a fetcher that takes no
+frame for a while (serving.py, ``ServingLimits.progress_timeout``), a fetcher leaves a holder that
+sends nothing for a while (transfer.py, ``DEFAULT_IDLE_TIMEOUT``) for the next one.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ MAX_ERROR_CHARS = 2000
 # Error codes of a reply header. Peers must treat an unknown code like INTERNAL.
 BAD_REQUEST = "bad_request"  # malformed, over a limit, or an offset past the end of the file
 NOT_FOUND = "not_found"  # this peer holds no such checkpoint (any more), or the checkpoint no such file
-BUSY = "busy"  # every transfer slot stayed taken: try another holder, or later
+BUSY = "busy"  # no transfer slot came free for this caller (all taken, or its share): try another holder, or later
 INTERNAL = "internal"  # our copy is damaged or unreadable
 
 

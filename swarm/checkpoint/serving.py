@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # hivemind's ServicerBase recognises streaming RPCs only by typing.AsyncIterator annotations
-from typing import AsyncIterator, BinaryIO  # noqa: UP035
+from typing import Any, AsyncIterator, BinaryIO  # noqa: UP035
 
 import msgpack
 from hivemind.p2p import P2P, P2PContext, ServicerBase
@@ -118,7 +118,8 @@ class CheckpointServer(ServicerBase):
             yield self._refuse(context, request, _Refusal(BUSY, f"{refusal}, for {self.limits.slot_timeout:g}s"))
             return
         what = f"{request.file} of checkpoint {request.manifest_id} to {caller}"
-        lease = _Lease(self.slots, caller, self.limits, what)
+        lease = _Lease(_CallerSlot(self.slots, caller), self.limits.transfer_timeout,
+                       progress_timeout=self.limits.progress_timeout, task=asyncio.current_task(), what=what)
         try:
             async for frame in self._send(request, context, lease):
                 yield frame
@@ -218,22 +219,23 @@ class CheckpointServer(ServicerBase):
 
 
 class _Lease:
-    """A caller's transfer slot, given back when the transfer ends, or cut off with it when the fetcher
-    took no frame for `progress_timeout` seconds or the transfer ran `transfer_timeout` seconds.
+    """A transfer slot (anything with a `release()`), given back once: when the transfer ends, when it has
+    run `duration` seconds, or when the fetcher took no frame for `progress_timeout` seconds (if given).
 
-    Cutting off cancels the task that runs the transfer (hivemind's, for this one stream): a fetcher
-    that stopped reading leaves that task blocked on sending to it, where no check of ours could run,
-    holding a chunk and a stream. Cancelled, hivemind closes the stream and the memory goes.
+    On either deadline the lease also cancels `task`, the one running the transfer (hivemind's, for
+    this one stream): a fetcher that stopped reading leaves that task blocked on sending to it, where
+    no check of ours could run, holding a chunk and a stream. Cancelled, hivemind closes the stream.
     """
 
-    def __init__(self, slots: CallerSlots, caller: str, limits: ServingLimits, what: str):
-        self._slots, self._caller, self._limits, self._what = slots, caller, limits, what
-        self._task = asyncio.current_task()
+    def __init__(self, slot: Any, duration: float, *, progress_timeout: float | None = None,
+                 task: asyncio.Task | None = None, what: str = "a transfer"):
+        self._slot, self._task, self._what = slot, task, what
         self._loop = asyncio.get_running_loop()
         self._released, self.completed = False, False
-        self._total = self._loop.call_later(limits.transfer_timeout, self._cut, f"it took over "
-                                            f"{limits.transfer_timeout:g}s")
-        self._idle = self._loop.call_later(limits.progress_timeout, self._cut_idle)
+        self._total = self._loop.call_later(duration, self._cut, f"it took over {duration:g}s")
+        self._progress_timeout = progress_timeout
+        self._idle: asyncio.TimerHandle | None = None
+        self.progress()
 
     @property
     def expired(self) -> bool:
@@ -241,12 +243,11 @@ class _Lease:
 
     def progress(self) -> None:
         """A frame left: the fetcher has the full `progress_timeout` again for the next one."""
-        self._idle.cancel()
-        if not self._released:
-            self._idle = self._loop.call_later(self._limits.progress_timeout, self._cut_idle)
-
-    def _cut_idle(self) -> None:
-        self._cut(f"the fetcher took nothing for {self._limits.progress_timeout:g}s")
+        if self._idle is not None:
+            self._idle.cancel()
+        if self._progress_timeout is not None and not self._released:
+            self._idle = self._loop.call_later(self._progress_timeout, self._cut,
+                                               f"the fetcher took nothing for {self._progress_timeout:g}s")
 
     def _cut(self, why: str) -> None:
         if self._released:
@@ -258,10 +259,22 @@ class _Lease:
 
     def release(self) -> None:
         self._total.cancel()
-        self._idle.cancel()
+        if self._idle is not None:
+            self._idle.cancel()
         if not self._released:
             self._released = True
-            self._slots.give_back(self._caller)
+            self._slot.release()
+
+
+@dataclass(frozen=True)
+class _CallerSlot:
+    """One slot `caller` took from `slots`, as a lease gives it back."""
+
+    slots: CallerSlots
+    caller: str
+
+    def release(self) -> None:
+        self.slots.give_back(self.caller)
 
 
 async def serve_checkpoints(

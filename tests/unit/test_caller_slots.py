@@ -194,3 +194,32 @@ def test_a_crowd_of_fresh_peer_ids_cannot_take_the_slots_of_a_caller_served_befo
         await asyncio.gather(*stalls)
 
     asyncio.run(asyncio.wait_for(scenario(), SCENARIO_TIMEOUT))
+
+
+def test_a_transfer_lease_is_cut_off_when_the_fetcher_stops_taking_frames():
+    """Checkpoint serving: progress (frames taken) keeps a transfer's slot; none for a while cuts it off."""
+    from swarm.checkpoint.serving import _CallerSlot, _Lease
+
+    async def scenario():
+        slots = CallerSlots(total=2, per_caller=1, newcomers=2)
+
+        async def transfer(frames: int, gap: float) -> None:
+            assert slots.try_take("fetcher") is None
+            lease = _Lease(_CallerSlot(slots, "fetcher"), 60.0, progress_timeout=0.3,
+                           task=asyncio.current_task())
+            try:
+                for _ in range(frames):
+                    await asyncio.sleep(gap)
+                    lease.progress()
+            finally:
+                lease.release()
+
+        await asyncio.wait_for(transfer(frames=10, gap=0.1), SCENARIO_TIMEOUT)  # 1 s in all, never idle 0.3 s
+        assert slots.active == 0
+        stalled = asyncio.ensure_future(transfer(frames=1, gap=SCENARIO_TIMEOUT))
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await stalled
+        assert time.monotonic() - started < SCENARIO_TIMEOUT / 2 and slots.active == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), SCENARIO_TIMEOUT))

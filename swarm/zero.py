@@ -32,6 +32,9 @@ import torch
 # 5-25% longer, 2048 and 4096 the same).
 DEFAULT_CHUNK_ELEMENTS = 2**11
 MAX_CHUNK_ELEMENTS = 2**17  # a chunk's moments (two of them) fit one message under hivemind's 2 MiB cap
+# The messages of a sharded round, as swarm.averaging.collective sends them: members that send others
+# (version 1: co-owners got the primary's mean instead of every gradient) cannot share a round
+PROTOCOL = 2
 
 
 class PlanError(ValueError):
@@ -96,13 +99,17 @@ class MemberInfo:
     held: frozenset[int]  # chunks whose moments it holds, current at `step`
 
     def to_wire(self) -> dict:
-        return {"step": self.step, "samples": self.samples, "layout": self.layout, "held": sorted(self.held)}
+        return {"step": self.step, "samples": self.samples, "layout": self.layout, "held": sorted(self.held),
+                "protocol": PROTOCOL}
 
     @classmethod
     def from_wire(cls, data: object, num_chunks: int) -> MemberInfo:
         """Parse what a member sent; PlanError unless every field has its type and range."""
         if not isinstance(data, Mapping):
             raise PlanError(f"a member sent {type(data).__name__} instead of its sharding info")
+        if data.get("protocol") != PROTOCOL:
+            raise PlanError(f"a member runs another version of sharded rounds ({data.get('protocol')!r}; "
+                            f"this server runs {PROTOCOL}): upgrade every server of the stage")
         step, samples, layout, held = (data.get(k) for k in ("step", "samples", "layout", "held"))
         if not _is_int(step) or not _is_int(samples) or step < 0 or samples < 0 or not isinstance(layout, str):
             raise PlanError(f"a member sent malformed sharding info: step {step!r}, samples {samples!r}")
@@ -230,26 +237,31 @@ def adam_chunk(moments: ChunkMoments, grad: torch.Tensor, beta1: float, beta2: f
 
 def adam_chunks(moments: Sequence[ChunkMoments], grads: Sequence[torch.Tensor], beta1: float, beta2: float,
                 eps: float) -> tuple[list[ChunkMoments], list[torch.Tensor]]:
-    """:func:`adam_chunk` on many chunks with one pass of tensor operations over their concatenation
-    (per-chunk Python would cost more than the arithmetic). The results are views of shared tensors."""
-    if not moments:
-        return [], []
-    sizes = [g.numel() for g in grads]
-    grad = torch.cat(list(grads))
-    steps = [m.steps + 1 for m in moments]
-    exp_avg = torch.cat([m.exp_avg for m in moments]).lerp_(grad, 1 - beta1)
-    exp_avg_sq = torch.cat([m.exp_avg_sq for m in moments]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    if len(set(steps)) == 1:
-        bias_correction1: float | torch.Tensor = 1 - beta1**steps[0]
-        bias_correction2_sqrt: float | torch.Tensor = math.sqrt(1 - beta2**steps[0])
-    else:  # (a chunk that starts afresh beside chunks with a history)
-        counts = torch.tensor(sizes)
-        bias_correction1 = torch.tensor([1 - beta1**n for n in steps]).repeat_interleave(counts)
-        bias_correction2_sqrt = torch.tensor([math.sqrt(1 - beta2**n) for n in steps]).repeat_interleave(counts)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    update = (exp_avg / denom).div_(bias_correction1)
-    stepped = [ChunkMoments(m, v, n) for m, v, n in zip(exp_avg.split(sizes), exp_avg_sq.split(sizes), steps)]
-    return stepped, list(update.split(sizes))
+    """:func:`adam_chunk` on many chunks with one pass of tensor operations over the concatenation of those
+    at the same step count (per-chunk Python would cost more than the arithmetic). The results are views of
+    shared tensors.
+
+    Only correctly rounded elementwise operations (subtract, multiply, add, divide, square root), never
+    torch's fused lerp or addcmul, whose vectorized and scalar loops round differently: a chunk then gets
+    the same bits wherever it sits in a batch, whatever the batch, thread count or CPU (AVX-512, AVX2, or
+    none), so the owners of a chunk can compare their results by hash (swarm.averaging.crosscheck).
+    """
+    stepped: list[ChunkMoments] = [None] * len(moments)  # type: ignore[list-item]
+    updates: list[torch.Tensor] = [None] * len(moments)  # type: ignore[list-item]
+    batches: dict[int, list[int]] = {}  # (a chunk that starts afresh beside chunks with a history: two batches)
+    for i, m in enumerate(moments):
+        batches.setdefault(m.steps + 1, []).append(i)
+    for steps, index in batches.items():
+        sizes = [grads[i].numel() for i in index]
+        grad = torch.cat([grads[i] for i in index])
+        exp_avg = torch.cat([moments[i].exp_avg for i in index])
+        exp_avg = (grad - exp_avg).mul_(1 - beta1).add_(exp_avg)  # torch's lerp, unfused
+        exp_avg_sq = (grad * grad).mul_(1 - beta2).add_(torch.cat([moments[i].exp_avg_sq for i in index]).mul_(beta2))
+        denom = exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2**steps)).add_(eps)
+        update = (exp_avg / denom).div_(1 - beta1**steps)
+        for i, m, v, u in zip(index, exp_avg.split(sizes), exp_avg_sq.split(sizes), update.split(sizes)):
+            stepped[i], updates[i] = ChunkMoments(m, v, steps), u
+    return stepped, updates
 
 
 def clip_coefficient(partial_sums: Sequence[float], grad_clip: float) -> tuple[float, float]:

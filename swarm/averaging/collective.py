@@ -3,18 +3,25 @@
 hivemind's all-reduce returns every member the mean gradient; a sharded step needs something else
 on the way back (each chunk's update, computed by the members that hold that chunk's moments), so
 hivemind's matchmaking still forms each round's group (swarm.averaging.process) and this module
-carries what follows, in the communication of one all-reduce:
+carries what follows:
 
-1. reduce-scatter: every member with samples sends the gradient sum of each chunk to its primary;
-2. every member sends every other one its partial sum of squares (the global norm, for clipping);
-3. all-gather: each primary steps its chunks and sends each chunk's update to every member, the
-   clipped mean gradient to the chunk's co-owners (who step their own copy of its moments) and
-   the moments themselves to targets that do not hold them yet (churn).
+1. reduce-scatter: every member with samples sends the gradient sum of each chunk to each of its
+   owners that hold its moments (its primary and co-owners: r of them, one with r = 1);
+2. every owner sends every member its sum of squares of each chunk it computes (the global norm,
+   for clipping);
+3. each owner steps the chunks it computes; each primary sends each chunk's update to every
+   member, and the moments themselves to targets that do not hold them yet (churn); each co-owner
+   sends every member a hash of its own update (and, to a target receiving the moments, of them);
+4. every member cross-checks (swarm.averaging.crosscheck): a chunk whose owners disagree, on its
+   sum of squares or its update, stays as it was before the round unless a strict majority of its
+   owners (r >= 3) backs the primary's result; the dispute names the owners.
 
-A round is all-or-nothing for each member: it returns an update for every chunk, or raises
-RoundFailed and nothing changes. Every message is checked before it is kept: a known kind, a
-chunk of this layout, a member of the round as its (libp2p-authenticated) sender, tensors of the
-chunk's size, bounded early buffering for rounds not yet opened here.
+Bytes per member, of the gradient's size: (r + 1)(n - 1)/n (an all-reduce: 2(n - 1)/n), plus 8 bytes a
+chunk per co-owner and member. A round is all-or-nothing for each member: it returns an update for
+every chunk (zero for a chunk left as it was), or raises RoundFailed and nothing changes. Every
+message is checked before it is kept: a known kind, a chunk of this layout, a member of the round as
+its (libp2p-authenticated) sender, tensors of the chunk's size, bounded early buffering for rounds
+not yet opened here.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +40,17 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
+from swarm.averaging.crosscheck import (
+    DIGEST_BYTES,
+    Dispute,
+    chunk_square_sums,
+    digest,
+    dropped,
+    moments_digest,
+    owners_of,
+    settle_norms,
+    settle_updates,
+)
 from swarm.averaging.errors import AveragingError
 from swarm.dht.loop import BackgroundLoop
 from swarm.protocol.codec import encode_tensor
@@ -41,9 +59,9 @@ from swarm.zero import ChunkMoments, Layout, Plan, adam_chunks, clip_coefficient
 
 log = logging.getLogger(__name__)
 
-GRAD, NORM, UPDATE, MEAN, STATE = "grad", "norm", "update", "mean", "state"
-KINDS = (GRAD, NORM, UPDATE, MEAN, STATE)
-TENSORS_OF = {GRAD: 1, NORM: 0, UPDATE: 1, MEAN: 1, STATE: 2}
+GRAD, NORM, UPDATE, CHECK, STATE = "grad", "norm", "update", "check", "state"
+KINDS = (GRAD, NORM, UPDATE, CHECK, STATE)
+TENSORS_OF = {GRAD: 1, NORM: 0, UPDATE: 1, CHECK: 0, STATE: 2}
 MAX_ROUND_KEY = 96
 MAX_CONCURRENT_SENDS = 16
 EARLY_ROUNDS = 4  # rounds whose messages may arrive before this server opened them
@@ -51,22 +69,24 @@ EARLY_ROUNDS = 4  # rounds whose messages may arrive before this server opened t
 # (1 MiB, well under hivemind's 2 MiB unary cap) and this many chunks (its metadata lists them).
 MESSAGE_ELEMENTS = 2**18
 MESSAGE_CHUNKS = 2048
+CHECK_CHUNKS = 1024  # a check message lists one or two digests a chunk in its metadata
 LIMITS = WireLimits(max_metadata_bytes=32 * 1024)
-# co-owners step the same moments on the same gradient; their updates should be equal
-AGREEMENT_ATOL = 1e-6
 
 Key = tuple[str, int, str]  # (kind, chunk, sender)
 
 
 @dataclass(frozen=True)
 class Item:
-    """One chunk's part of a message to `peer`: the chunk's slice of each tensor (and its step count for moments)."""
+    """One chunk's part of a message to `peer`: the chunk's slice of each tensor (and its step count for
+    moments, its sum of squares for a norm, its digests for a check)."""
 
     peer: str
     kind: str
     chunk: int
-    tensors: tuple[torch.Tensor, ...]
+    tensors: tuple[torch.Tensor, ...] = ()
     steps: int = 0
+    value: float = 0.0
+    digest: bytes = b""
 
 
 class RoundFailed(AveragingError):
@@ -122,8 +142,11 @@ class Mailbox:
         # messages of rounds not opened here yet: a peer may begin a moment before us
         self._early: dict[str, list[tuple[Key, Any]]] = {}
         self._early_bytes = 0
-        self.max_early_bytes = 4 * layout.numel * 4 + 2**20  # a bit more than one round can send us
+        # a bit more than one round can send us: r gradients' and one update's worth, and its norms and checks
+        self.max_early_bytes = 4 * layout.numel * 4 + 256 * layout.num_chunks + 2**20
         self.dropped = 0
+        # a seam for tests: what this server sends passes through it (a test's liar rewrites its updates)
+        self.outbound: Callable[[list[Item]], list[Item]] | None = None
 
     async def open(self) -> None:
         await self.p2p.add_protobuf_handler(self.name, self._handle, runtime_pb2.ExpertRequest)
@@ -161,24 +184,34 @@ class Mailbox:
         round_key, kind, chunks = meta.get("round"), meta.get("kind"), meta.get("chunks")
         if not isinstance(round_key, str) or not 0 < len(round_key) <= MAX_ROUND_KEY:
             raise ValueError("bad round key")
-        if kind not in KINDS or not isinstance(chunks, list) or len(chunks) > MESSAGE_CHUNKS:
+        if kind not in KINDS or not isinstance(chunks, list) or \
+                len(chunks) > (CHECK_CHUNKS if kind == CHECK else MESSAGE_CHUNKS):
             raise ValueError(f"bad kind or list of chunks: {kind!r}")
         if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < self.layout.num_chunks for c in chunks) \
                 or any(a >= b for a, b in zip(chunks, chunks[1:])):
             raise ValueError("chunks must be increasing ids of this layout")
         if len(request.tensors) != TENSORS_OF[kind]:
             raise ValueError(f"a {kind} message carries {TENSORS_OF[kind]} tensors, got {len(request.tensors)}")
-        if kind == NORM:
-            value = meta.get("value")
-            if chunks or not isinstance(value, float) or value < 0:  # (nan and inf pass: every member then skips)
-                raise ValueError("a norm message carries a sum of squares and no chunks")
-            return round_key, [((NORM, 0, sender), value)]
         if not chunks:
             raise ValueError(f"a {kind} message without chunks")
+        if kind == NORM:
+            values = meta.get("values")
+            # (nan and inf pass: a chunk whose owners all say so makes every member skip the step)
+            if not isinstance(values, list) or len(values) != len(chunks) or \
+                    not all(isinstance(v, float) and not v < 0 for v in values):
+                raise ValueError("a norm message carries a sum of squares (a float, not negative) per chunk")
+            return round_key, [((NORM, c, sender), v) for c, v in zip(chunks, values)]
+        if kind == CHECK:
+            digests = meta.get("digests")
+            if not isinstance(digests, list) or len(digests) != len(chunks) or \
+                    not all(isinstance(d, bytes) and len(d) in (DIGEST_BYTES, 2 * DIGEST_BYTES) for d in digests):
+                raise ValueError("a check message carries one or two digests per chunk")
+            return round_key, [((CHECK, c, sender), (d[:DIGEST_BYTES], d[DIGEST_BYTES:] or None))
+                               for c, d in zip(chunks, digests)]
         sizes = [self.layout.chunk_numel(c) for c in chunks]
         tensors = [_float32_vector(t, sum(sizes)) for t in request.tensors]
         parts = [t.split(sizes) for t in tensors]
-        if kind in (UPDATE, MEAN) and not math.isfinite(float(tensors[0].sum())):  # (grads may: all then skip)
+        if kind == UPDATE and not math.isfinite(float(tensors[0].sum())):  # (grads may: all then skip)
             raise ValueError(f"a non-finite {kind}")
         if kind != STATE:
             return round_key, [((kind, c, sender), part) for c, part in zip(chunks, parts[0])]
@@ -214,22 +247,15 @@ class Mailbox:
                 self._early_bytes -= sum(_payload_bytes(p) for _, p in self._early.pop(round_key))
 
     # sending (from the averaging thread)
-    def send(self, round_key: str, items: list[Item], deadline: float, norm: tuple[list[str], float] | None = None
-             ) -> int:
-        """Send `items` packed into as few messages as the limits allow (and a norm to each of norm's peers),
-        concurrently; RoundFailed unless every message was taken. Returns the bytes sent."""
-        requests = [(peer, _request({"round": round_key, "kind": NORM, "chunks": [], "value": norm[1]}, []))
-                    for peer in (norm[0] if norm is not None else [])]
-        for batch in _packed(items):
-            first = batch[0]
-            meta = {"round": round_key, "kind": first.kind, "chunks": [item.chunk for item in batch]}
-            if first.kind == STATE:
-                meta["steps"] = [item.steps for item in batch]
-            tensors = [torch.cat([item.tensors[i] for item in batch]) for i in range(len(first.tensors))]
-            requests.append((first.peer, _request(meta, tensors)))
+    def send(self, round_key: str, items: list[Item], deadline: float) -> int:
+        """Send `items` packed into as few messages as the limits allow, concurrently; RoundFailed unless
+        every message was taken. Returns the bytes sent (tensors and metadata)."""
+        if self.outbound is not None:
+            items = self.outbound(items)
+        requests = _requests(round_key, items)
         if not requests:
             return 0
-        sent = sum(sum(len(t.buffer) for t in request.tensors) for _, request in requests)
+        sent = sum(sum(len(t.buffer) for t in request.tensors) + len(request.metadata) for _, request in requests)
         timeout = max(0.0, deadline - time.monotonic())
         try:
             self.loop.run(self._send_all(requests), timeout)
@@ -266,7 +292,9 @@ class RoundResult:
     transfers_in: int = 0  # chunks whose moments came from another member
     transfers_out: int = 0
     fresh: list[int] = field(default_factory=list)  # chunks nobody held: stepped from zero moments
-    disagreements: int = 0  # co-owned chunks whose own update differed from the primary's
+    disputes: list[Dispute] = field(default_factory=list)  # chunks whose owners disagreed (crosscheck)
+    dropped: list[int] = field(default_factory=list)  # chunks left as they were: update 0, moments kept
+    refused_moments: list[int] = field(default_factory=list)  # moments sent here that a co-owner contradicted
 
 
 @dataclass(frozen=True)
@@ -282,89 +310,128 @@ class Hyper:
 def run_round(mailbox: Mailbox, round_key: str, plan: Plan, me: str, grad_sums: torch.Tensor,
               moments: Mapping[int, ChunkMoments], hyper: Hyper, deadline: float) -> RoundResult:
     """This member's part of one sharded round (on the averaging thread); RoundFailed if it cannot end whole."""
-    layout = mailbox.layout
     inbox = mailbox.open_round(round_key, plan.members)
     try:
-        return _run(mailbox, inbox, round_key, plan, me, layout, grad_sums, moments, hyper, deadline)
+        return _Round(mailbox, inbox, round_key, plan, me, deadline).run(grad_sums, moments, hyper)
     finally:
         mailbox.close_round(round_key)
 
 
-def _run(mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, layout: Layout,
-         grad_sums: torch.Tensor, moments: Mapping[int, ChunkMoments], hyper: Hyper, deadline: float) -> RoundResult:
-    def chunk_of(flat: torch.Tensor, c: int) -> torch.Tensor:
-        start, end = layout.bounds(c)
+class _Round:
+    """One member's side of one sharded round (see the module docstring for its four phases)."""
+
+    def __init__(self, mailbox: Mailbox, inbox: _Inbox, round_key: str, plan: Plan, me: str, deadline: float):
+        self.mailbox, self.inbox, self.round_key, self.plan, self.me = mailbox, inbox, round_key, plan, me
+        self.layout, self.deadline, self.sent = mailbox.layout, deadline, 0
+        self.chunks = range(self.layout.num_chunks)
+        self.others = [m for m in plan.members if m != me]
+        self.owners = [owners_of(plan, c) for c in self.chunks]
+        # the chunks this member computes: as primary or co-owner (increasing: chunk-wise lists follow this order)
+        self.computed = [c for c in self.chunks if me in self.owners[c]]
+
+    def chunk_of(self, flat: torch.Tensor, c: int) -> torch.Tensor:
+        start, end = self.layout.bounds(c)
         return flat[start:end]
 
-    def wait(keys: list[Key]) -> dict[Key, Any]:
-        return inbox.wait(keys, deadline, mailbox.send_timeout)
+    def send(self, items: list[Item]) -> None:
+        self.sent += self.mailbox.send(self.round_key, items, self.deadline)
 
-    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts) if parts else torch.zeros(0)
+    def wait(self, keys: list[Key]) -> dict[Key, Any]:
+        return self.inbox.wait(keys, self.deadline, self.mailbox.send_timeout)
 
-    others = [m for m in plan.members if m != me]
-    mine = plan.primary_of(me)  # (increasing: every chunk-wise list below follows this order)
-    sizes = [layout.chunk_numel(c) for c in mine]
-    senders = plan.senders()
-    # 1. reduce-scatter: gradient sums to each chunk's primary
-    sent = 0
-    if plan.samples[me] > 0:
-        sent += mailbox.send(round_key, [Item(plan.primary[c], GRAD, c, (chunk_of(grad_sums, c),))
-                                         for c in range(layout.num_chunks) if plan.primary[c] != me], deadline)
-    got = wait([(GRAD, c, s) for c in mine for s in senders if s != me])
-    mean = torch.zeros(sum(sizes))
-    for sender in senders:  # (in a fixed order)
-        mean += joined([chunk_of(grad_sums, c) if sender == me else got[(GRAD, c, sender)] for c in mine])
-    mean.div_(plan.total_samples)
-    partial = float(mean.double().square().sum())
-    # 2. the global norm
-    sent += mailbox.send(round_key, [], deadline, norm=(others, partial))
-    norms = wait([(NORM, 0, peer) for peer in others])
-    partials = [partial if m == me else norms[(NORM, 0, m)] for m in plan.members]
-    grad_norm, scale = clip_coefficient(partials, hyper.grad_clip)
-    if not math.isfinite(scale):  # every member sees the same norm: all skip this step
-        return RoundResult(None, dict(moments), grad_norm, sent)
-    # 3. all-gather: each primary steps its chunks and sends the update
-    result = RoundResult(None, {}, grad_norm)
-    if scale != 1.0:
-        mean.mul_(scale)
-    grads = list(mean.split(sizes))
-    result.fresh = [c for c in mine if c not in moments]
-    before = [moments[c] if c in moments else ChunkMoments.zeros(layout.chunk_numel(c)) for c in mine]
-    stepped_mine, updates = adam_chunks(before, grads, hyper.beta1, hyper.beta2, hyper.eps)
-    stepped = dict(zip(mine, stepped_mine))
-    update_of = dict(zip(mine, updates))
-    outgoing = []
-    for c, grad, update in zip(mine, grads, updates):
-        outgoing += [Item(peer, UPDATE, c, (update,)) for peer in others]
-        outgoing += [Item(peer, MEAN, c, (grad,)) for peer in plan.co_owners[c]]
-        outgoing += [Item(peer, STATE, c, (stepped[c].exp_avg, stepped[c].exp_avg_sq), stepped[c].steps)
-                     for peer in plan.receivers[c]]
-        result.transfers_out += len(plan.receivers[c])
-    sent += mailbox.send(round_key, outgoing, deadline)
-    theirs = [c for c in range(layout.num_chunks) if plan.primary[c] != me]
-    co_owned = [c for c in theirs if me in plan.co_owners[c]]
-    received = [c for c in theirs if me in plan.receivers[c]]
-    got = wait([(UPDATE, c, plan.primary[c]) for c in theirs] + [(MEAN, c, plan.primary[c]) for c in co_owned]
-               + [(STATE, c, plan.primary[c]) for c in received])
-    update_of.update((c, got[(UPDATE, c, plan.primary[c])]) for c in theirs)
-    result.update = torch.cat([update_of[c] for c in range(layout.num_chunks)])
-    # co-owners step their own copy of the moments on the primary's gradient, and check they agree
-    stepped_co, own = adam_chunks([moments[c] for c in co_owned], [got[(MEAN, c, plan.primary[c])] for c in co_owned],
-                                  hyper.beta1, hyper.beta2, hyper.eps)
-    stepped.update(zip(co_owned, stepped_co))
-    theirs_updates = [got[(UPDATE, c, plan.primary[c])] for c in co_owned]
-    if co_owned and not torch.allclose(joined(own), joined(theirs_updates), rtol=0, atol=AGREEMENT_ATOL):
-        result.disagreements = sum(not torch.allclose(a, b, rtol=0, atol=AGREEMENT_ATOL)
-                                   for a, b in zip(own, theirs_updates))
-    for c in received:
-        stepped[c] = got[(STATE, c, plan.primary[c])]
-    result.transfers_in = len(received)
-    if not math.isfinite(float(result.update.sum())):  # (a sum is finite if every element is, and cheap)
-        raise RoundFailed("a primary sent a non-finite update")
-    result.moments = {c: stepped[c] for c in plan.owned_by(me)}
-    result.bytes_sent = sent
-    return result
+    def run(self, grad_sums: torch.Tensor, moments: Mapping[int, ChunkMoments], hyper: Hyper) -> RoundResult:
+        plan, me, computed = self.plan, self.me, self.computed
+        mean = self.reduce(grad_sums)
+        # 2. the global norm, from the chunks' sums of squares their owners agree on
+        own_sums = chunk_square_sums(mean, [self.layout.chunk_numel(c) for c in computed])
+        self.send([Item(peer, NORM, c, value=v) for c, v in zip(computed, own_sums) for peer in self.others])
+        got = self.wait([(NORM, c, o) for c in self.chunks for o in self.owners[c] if o != me])
+        sums = {(c, me): v for c, v in zip(computed, own_sums)}
+        sums.update(((c, owner), value) for (_, c, owner), value in got.items())
+        counted, disputes = settle_norms(plan, sums)
+        grad_norm, scale = clip_coefficient(counted, hyper.grad_clip)
+        if not math.isfinite(scale):  # every member sees the same norm: all skip this step
+            return RoundResult(None, dict(moments), grad_norm, self.sent, disputes=disputes)
+        # 3. every owner steps the chunks it computes
+        if scale != 1.0:
+            mean.mul_(scale)
+        result = RoundResult(None, {}, grad_norm, fresh=[c for c in computed if c not in moments])
+        before = [moments[c] if c in moments else ChunkMoments.zeros(self.layout.chunk_numel(c)) for c in computed]
+        stepped_list, updates = adam_chunks(before, list(mean.split([len(b.exp_avg) for b in before])),
+                                            hyper.beta1, hyper.beta2, hyper.eps)
+        stepped, update_of = dict(zip(computed, stepped_list)), dict(zip(computed, updates))
+        own_digest = {c: digest(update_of[c]) for c in computed if len(self.owners[c]) > 1}
+        got = self.exchange(stepped, update_of, own_digest, result)
+        # 4. the cross-check
+        theirs = [c for c in self.chunks if plan.primary[c] != me]
+        update_of.update((c, got[(UPDATE, c, plan.primary[c])]) for c in theirs)
+        digests = {}
+        for c in self.chunks:
+            if len(self.owners[c]) > 1:
+                for o in self.owners[c]:
+                    if o == me:
+                        digests[(c, o)] = own_digest[c]
+                    elif o == plan.primary[c]:
+                        digests[(c, o)] = digest(update_of[c])
+                    else:
+                        digests[(c, o)] = got[(CHECK, c, o)][0]
+        disputes += settle_updates(plan, digests)
+        result.disputes, result.dropped = disputes, dropped(disputes)
+        for c in result.dropped:  # left as it was: no update, and its owners keep the moments they had
+            update_of[c] = torch.zeros(self.layout.chunk_numel(c))
+            stepped.pop(c, None)
+            if c in moments:
+                stepped[c] = moments[c]
+        result.update = torch.cat([update_of[c] for c in self.chunks])
+        if not math.isfinite(float(result.update.sum())):  # (a sum is finite if every element is, and cheap)
+            raise RoundFailed("a non-finite update")
+        for c in [c for c in theirs if me in plan.receivers[c] and c not in result.dropped]:
+            state = got[(STATE, c, plan.primary[c])]
+            if all(got[(CHECK, c, q)][1] == moments_digest(state) for q in plan.co_owners[c]):
+                stepped[c] = state
+                result.transfers_in += 1
+            else:
+                result.refused_moments.append(c)
+        result.moments = {c: stepped[c] for c in plan.owned_by(me) if c in stepped}
+        result.bytes_sent = self.sent
+        return result
+
+    def reduce(self, grad_sums: torch.Tensor) -> torch.Tensor:
+        """1. reduce-scatter: gradient sums to every owner that computes the chunk; the mean of ours."""
+        plan, me = self.plan, self.me
+        if plan.samples[me] > 0:
+            self.send([Item(o, GRAD, c, (self.chunk_of(grad_sums, c),))
+                       for c in self.chunks for o in self.owners[c] if o != me])
+        senders = plan.senders()
+        got = self.wait([(GRAD, c, s) for c in self.computed for s in senders if s != me])
+        mean = torch.zeros(sum(self.layout.chunk_numel(c) for c in self.computed))
+        for sender in senders:  # (in a fixed order: every owner of a chunk adds the same numbers alike)
+            parts = [self.chunk_of(grad_sums, c) if sender == me else got[(GRAD, c, sender)] for c in self.computed]
+            if parts:
+                mean += torch.cat(parts)
+        return mean.div_(plan.total_samples)
+
+    def exchange(self, stepped: dict[int, ChunkMoments], update_of: dict[int, torch.Tensor],
+                 own_digest: dict[int, bytes], result: RoundResult) -> dict[Key, Any]:
+        """3. each primary sends its chunks' updates (and moments to targets without them), each co-owner its
+        digests; what came here from the others."""
+        plan, me = self.plan, self.me
+        outgoing = []
+        for c in self.computed:
+            if plan.primary[c] == me:
+                outgoing += [Item(peer, UPDATE, c, (update_of[c],)) for peer in self.others]
+                outgoing += [Item(peer, STATE, c, (stepped[c].exp_avg, stepped[c].exp_avg_sq), stepped[c].steps)
+                             for peer in plan.receivers[c]]
+                result.transfers_out += len(plan.receivers[c])
+            else:
+                sealed = moments_digest(stepped[c]) if plan.receivers[c] else b""
+                outgoing += [Item(peer, CHECK, c, digest=own_digest[c] + (sealed if peer in plan.receivers[c] else b""))
+                             for peer in self.others]
+        self.send(outgoing)
+        theirs = [c for c in self.chunks if plan.primary[c] != me]
+        return self.wait([(UPDATE, c, plan.primary[c]) for c in theirs]
+                         + [(CHECK, c, q) for c in self.chunks for q in plan.co_owners[c] if q != me]
+                         + [(STATE, c, plan.primary[c]) for c in theirs if me in plan.receivers[c]])
 
 
 def _float32_vector(serialized: runtime_pb2.Tensor, numel: int) -> torch.Tensor:
@@ -387,12 +454,29 @@ def _packed(items: list[Item]) -> list[list[Item]]:
         size = sum(t.numel() for t in item.tensors)
         last = batches[-1][-1] if batches else None
         if last is None or (last.peer, last.kind) != (item.peer, item.kind) or elements + size > MESSAGE_ELEMENTS \
-                or len(batches[-1]) >= MESSAGE_CHUNKS:
+                or len(batches[-1]) >= (CHECK_CHUNKS if item.kind == CHECK else MESSAGE_CHUNKS):
             batches.append([])
             elements = 0
         batches[-1].append(item)
         elements += size
     return batches
+
+
+def _requests(round_key: str, items: list[Item]) -> list[tuple[str, runtime_pb2.ExpertRequest]]:
+    """The messages that carry `items`, each with the peer it goes to."""
+    requests = []
+    for batch in _packed(items):
+        first = batch[0]
+        meta: dict[str, Any] = {"round": round_key, "kind": first.kind, "chunks": [item.chunk for item in batch]}
+        if first.kind == STATE:
+            meta["steps"] = [item.steps for item in batch]
+        elif first.kind == NORM:
+            meta["values"] = [float(item.value) for item in batch]
+        elif first.kind == CHECK:
+            meta["digests"] = [item.digest for item in batch]
+        tensors = [torch.cat([item.tensors[i] for item in batch]) for i in range(len(first.tensors))]
+        requests.append((first.peer, _request(meta, tensors)))
+    return requests
 
 
 def _request(meta: dict, tensors: list[torch.Tensor]) -> runtime_pb2.ExpertRequest:

@@ -3,6 +3,8 @@
 The group forms as for averaging (StageAverager._meet); then swarm.averaging.collective reduce-scatters
 the gradients to the chunks' owners, who step them, and all-gathers the updates; the compute thread
 applies the step. A failed round changes nothing: its samples count towards the next try, after a pause.
+A chunk whose owners disagreed (swarm.averaging.crosscheck) stays as it was before the round, and the
+owners' peer ids are logged.
 A mixin: it uses StageAverager's state (its config, metrics, locks, process and mailbox).
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.collective import RoundResult, run_round
+from swarm.averaging.crosscheck import summary
 from swarm.averaging.errors import AveragingError
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
 from swarm.averaging.process import total_samples
@@ -62,7 +65,10 @@ class ShardedRounds:
                 stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
                          "samples": plan.total_samples, "skipped": True}
             else:
+                kept = self._layout.flatten(self.optimizer.params) if result.dropped else None
                 stats = self.optimizer.step_sharded(result.update, plan.total_samples, result.grad_norm)
+                if kept is not None:  # (weight decay too: a dropped chunk is exactly as it was)
+                    self._restore_chunks(kept, result.dropped)
                 shards.replace(result.moments, self.optimizer.step_count)
                 self.state.round_id = round_of(self.optimizer.step_count, list(plan.members))
                 self.state.group = len(plan.members)
@@ -72,9 +78,12 @@ class ShardedRounds:
             self.metrics.chunks_reinitialized.inc(len(result.fresh))
             log.warning("stage %d: %d chunks of the optimizer state had no live holder at step %d (every owner "
                         "left): their moments start again from zero", self.stage, len(result.fresh), plan.step)
-        if result.disagreements:
-            log.warning("stage %d: %d co-owned chunks computed another update than their primary's", self.stage,
-                        result.disagreements)
+        for line in summary(result.disputes, self.peer_id):
+            log.warning("stage %d: step %d: %s", self.stage, plan.step + 1, line)
+        if result.refused_moments:
+            log.warning("stage %d: step %d: refused the moments of %d chunks from %s: a co-owner's differ",
+                        self.stage, plan.step + 1, len(result.refused_moments),
+                        sorted({plan.primary[c] for c in result.refused_moments}))
         self.metrics.chunk_transfers["received"].inc(result.transfers_in)
         self.metrics.chunk_transfers["sent"].inc(result.transfers_out)
         self.metrics.bytes_sent.inc(result.bytes_sent)
@@ -83,6 +92,17 @@ class ShardedRounds:
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late,
                 "own_samples": own, "own_late": min(self._late_in_round, own)}
+
+    def _restore_chunks(self, kept: torch.Tensor, chunks: list[int]) -> None:
+        """Put the parameters of `chunks` back to their values in `kept` (flat, as Layout.flatten gives)."""
+        params = self.optimizer.params
+        flat = self._layout.flatten(params)
+        for c in chunks:
+            start, end = self._layout.bounds(c)
+            flat[start:end] = kept[start:end]
+        with torch.no_grad():
+            for param, view in zip(params, self._layout.views(flat)):
+                param.copy_(view)
 
     def _check_alone(self, step: int, held: frozenset[int]) -> None:
         """A server that sees no other may step alone only on moments it holds whole, or once it has been alone

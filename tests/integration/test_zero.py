@@ -1,5 +1,6 @@
 """Sharded optimizer state (averaging.zero): 4 servers of one stage step exactly as one optimizer would,
-each holding the moments of about r/n of the parameters, and no moment is lost when one is killed.
+each holding the moments of about r/n of the parameters, no moment is lost when one is killed, and a
+server that sends wrong updates for the chunks it reduces moves no honest server's parameters.
 
 The servers are real (DHT, averaging process, P2P) on 127.0.0.1, in this process; micro-batches go
 straight into their backends (see test_averaging.py).
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
+import logging
 import math
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -164,3 +168,48 @@ def test_a_sigkilled_member_loses_no_moment_and_a_joiner_takes_over_its_chunks()
             assert moved > 0 and joiner.registry.get_sample_value("swarm_zero_chunks_owned", labels) > 0
             assert all(s.registry.get_sample_value("swarm_zero_chunks_reinitialized_total", labels) == 0 for s in live)
     gc.collect()  # the vanished peer's objects are finalized here, not in the middle of a later test
+
+
+def test_a_primary_that_sends_wrong_updates_leaves_its_chunks_as_they_were_and_is_logged(caplog):
+    # 3 servers, r = 2: every chunk has a co-owner, who reduces and steps it too; the liar adds 0.5 to every
+    # update it sends (what it applies itself is its own business)
+    config = zero_config("zero-liar", 2)
+    config.optimizer.batch_size = 3 * MICRO
+    config = config.validate()
+    batches = [[[micro_batch(config, 10 * step + i)] for i in range(3)] for step in range(2)]
+    with running_peers(config.run_id, 3) as peers, stage_servers(config, peers, [STAGE] * 3) as servers:
+        run_round(servers, batches[0])  # an honest round: every owner now holds its chunks' moments
+        liar, honest = servers[1], [servers[0], servers[2]]
+        liar.averager._mailbox.outbound = lambda items: [
+            dataclasses.replace(item, tensors=(item.tensors[0] + 0.5,)) if item.kind == "update" else item
+            for item in items]
+        before = [sharded_state(s) for s in honest]
+        with caplog.at_level(logging.WARNING, logger="swarm.averaging"):
+            run_round(servers, batches[1])
+        after = [sharded_state(s) for s in honest]
+        layout = liar.averager._layout
+        reference = reference_steps(config, [[b for mine in step for b in mine] for step in batches])
+
+    lied = [c for c in range(layout.num_chunks) if targets(layout.hash, c, [s.peer_id for s in servers], 2)[0]
+            == liar.peer_id]  # (every member held its chunks: the best-ranked target is the primary)
+    assert 0 < len(lied) < layout.num_chunks
+    names = [n for n, _ in reference.module.named_parameters()]
+    stepped = layout.flatten([reference.module.state_dict()[n] for n in names])
+    for state, old in zip(after, before):
+        assert state["step"] == 2
+        now, was = (layout.flatten([s["params"][n] for n in names]) for s in (state, old))
+        for c in range(layout.num_chunks):
+            start, end = layout.bounds(c)
+            if c in lied:  # exactly as before the round (not even weight decay), moments too
+                assert torch.equal(now[start:end], was[start:end]), f"chunk {c}"
+                if c in state["chunks"]:
+                    assert torch.equal(state["chunks"][c].exp_avg, old["chunks"][c].exp_avg)
+                    assert state["chunks"][c].steps == 1
+            else:  # as one optimizer's two steps
+                torch.testing.assert_close(now[start:end], stepped[start:end], atol=1e-6, rtol=1e-5)
+    assert torch.equal(layout.flatten([after[0]["params"][n] for n in names]),
+                       layout.flatten([after[1]["params"][n] for n in names]))  # the honest replicas stay equal
+    # each honest server names the liar for each of its chunks, once (a line per co-owner that contradicted it)
+    logged = [r.getMessage() for r in caplog.records if f"primary {liar.peer_id}" in r.getMessage()]
+    assert all("dropped from this round" in line for line in logged), logged
+    assert sum(int(re.search(r"(\d+) chunks:", line).group(1)) for line in logged) == 2 * len(lied), logged

@@ -15,6 +15,7 @@ from swarm.config import OptimizerConfig
 from swarm.optim import StageOptimizer, lr_at
 from swarm.zero import (
     MAX_CHUNK_ELEMENTS,
+    PROTOCOL,
     ChunkMoments,
     Layout,
     MemberInfo,
@@ -319,24 +320,27 @@ def test_member_info_round_trips_through_the_wire():
     None,
     [1, 2, 3],
     "step",
-    {"step": -1, "samples": 1, "layout": "h", "held": []},
-    {"step": 1, "samples": -1, "layout": "h", "held": []},
-    {"step": True, "samples": 1, "layout": "h", "held": []},
-    {"step": 1, "samples": False, "layout": "h", "held": []},
-    {"step": 1.0, "samples": 1, "layout": "h", "held": []},
-    {"step": 1, "samples": 1.5, "layout": "h", "held": []},
-    {"step": "1", "samples": 1, "layout": "h", "held": []},
-    {"step": 1, "samples": 1, "layout": 5, "held": []},
-    {"samples": 1, "layout": "h", "held": []},
-    {"step": 1, "samples": 1, "layout": "h"},
-    {"step": 1, "samples": 1, "layout": "h", "held": (0, 1)},
-    {"step": 1, "samples": 1, "layout": "h", "held": {0: 1}},
-    {"step": 1, "samples": 1, "layout": "h", "held": [4]},
-    {"step": 1, "samples": 1, "layout": "h", "held": [-1]},
-    {"step": 1, "samples": 1, "layout": "h", "held": [True]},
-    {"step": 1, "samples": 1, "layout": "h", "held": [1.0]},
-    {"step": 1, "samples": 1, "layout": "h", "held": ["0"]},
-    {"step": 1, "samples": 1, "layout": "h", "held": [0, 1, 2, 3, 0]},  # more entries than chunks
+    {"protocol": PROTOCOL, "step": -1, "samples": 1, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": 1, "samples": -1, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": True, "samples": 1, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": 1, "samples": False, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": 1.0, "samples": 1, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1.5, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": "1", "samples": 1, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": 5, "held": []},
+    {"protocol": PROTOCOL, "samples": 1, "layout": "h", "held": []},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h"},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": (0, 1)},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": {0: 1}},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": [4]},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": [-1]},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": [True]},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": [1.0]},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": ["0"]},
+    {"protocol": PROTOCOL, "step": 1, "samples": 1, "layout": "h", "held": [0, 1, 2, 3, 0]},  # more entries than chunks
+    {"step": 1, "samples": 1, "layout": "h", "held": []},  # a member of version 1: co-owners wait for a mean
+    {"protocol": PROTOCOL + 1, "step": 1, "samples": 1, "layout": "h", "held": []},
+    {"protocol": str(PROTOCOL), "step": 1, "samples": 1, "layout": "h", "held": []},
 ])
 def test_member_info_from_wire_refuses_malformed_data(data):
     with pytest.raises(PlanError):
@@ -345,7 +349,8 @@ def test_member_info_from_wire_refuses_malformed_data(data):
 
 def test_member_info_from_wire_accepts_the_edges():
     # step and samples 0 are fine (a fresh stage, a member with nothing to send), as is every chunk held
-    info = MemberInfo.from_wire({"step": 0, "samples": 0, "layout": "h", "held": [0, 1, 2, 3]}, 4)
+    info = MemberInfo.from_wire({"protocol": PROTOCOL, "step": 0, "samples": 0, "layout": "h",
+                                 "held": [0, 1, 2, 3]}, 4)
     assert info == MemberInfo(0, 0, "h", frozenset(range(4)))
 
 

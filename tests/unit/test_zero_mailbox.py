@@ -15,11 +15,12 @@ from hivemind.proto import runtime_pb2
 
 from swarm.averaging import collective
 from swarm.averaging.collective import (
+    CHECK,
+    CHECK_CHUNKS,
     EARLY_ROUNDS,
     GRAD,
     LIMITS,
     MAX_ROUND_KEY,
-    MEAN,
     MESSAGE_CHUNKS,
     MESSAGE_ELEMENTS,
     NORM,
@@ -29,6 +30,7 @@ from swarm.averaging.collective import (
     Item,
     Mailbox,
 )
+from swarm.averaging.crosscheck import DIGEST_BYTES
 from swarm.protocol.codec import encode_tensor
 from swarm.protocol.errors import ProtocolError
 from swarm.protocol.framing import decode_metadata, encode_metadata
@@ -74,12 +76,15 @@ def test_mailbox_parses_a_good_grad_message():
 def test_mailbox_parses_every_kind():
     box = mailbox()
     one = torch.tensor([0.5])
-    for kind in (UPDATE, MEAN):
-        _, [(key, payload)] = box._parse(request({"round": "r", "kind": kind, "chunks": [2]}, one), SENDER)
-        assert key == (kind, 2, SENDER)
-        assert torch.equal(payload, one)
-    _, [(key, value)] = box._parse(request({"round": "r", "kind": NORM, "chunks": [], "value": 2.5}), SENDER)
-    assert key == (NORM, 0, SENDER) and value == 2.5
+    _, [(key, payload)] = box._parse(request({"round": "r", "kind": UPDATE, "chunks": [2]}, one), SENDER)
+    assert key == (UPDATE, 2, SENDER)
+    assert torch.equal(payload, one)
+    _, norms = box._parse(request({"round": "r", "kind": NORM, "chunks": [0, 2], "values": [2.5, 0.5]}), SENDER)
+    assert norms == [((NORM, 0, SENDER), 2.5), ((NORM, 2, SENDER), 0.5)]
+    short, long = b"u" * DIGEST_BYTES, b"u" * DIGEST_BYTES + b"m" * DIGEST_BYTES
+    _, checks = box._parse(request({"round": "r", "kind": CHECK, "chunks": [1, 2], "digests": [short, long]}), SENDER)
+    # (the update's digest, and the moments' where the receiver gets them)
+    assert checks == [((CHECK, 1, SENDER), (short, None)), ((CHECK, 2, SENDER), (short, b"m" * DIGEST_BYTES))]
     meta = {"round": "r", "kind": STATE, "chunks": [2], "steps": [3]}
     _, [(key, state)] = box._parse(request(meta, one, one * 2), SENDER)
     assert key == (STATE, 2, SENDER)
@@ -91,13 +96,14 @@ def test_mailbox_parses_every_kind():
 
 @pytest.mark.parametrize("value", [0.0, math.inf, math.nan])
 def test_mailbox_takes_a_zero_or_non_finite_norm(value):
-    # a non-finite norm is every member's signal to skip the step, so it must travel
-    _, [(key, got)] = mailbox()._parse(request({"round": "r", "kind": NORM, "chunks": [], "value": value}), SENDER)
-    assert key == (NORM, 0, SENDER)
+    # a non-finite sum of squares (its owners agreeing) is every member's signal to skip the step: it must travel
+    meta = {"round": "r", "kind": NORM, "chunks": [1], "values": [value]}
+    _, [(key, got)] = mailbox()._parse(request(meta), SENDER)
+    assert key == (NORM, 1, SENDER)
     assert got == value or (math.isnan(value) and math.isnan(got))
 
 
-@pytest.mark.parametrize("kind", [GRAD, UPDATE, MEAN])
+@pytest.mark.parametrize("kind", [GRAD, UPDATE])
 @pytest.mark.parametrize("chunks", [[0, 1, 2], [0, 2], [1, 2], [0, 1]])
 def test_mailbox_splits_a_packed_message_into_its_chunks(kind, chunks):
     box = mailbox()
@@ -145,6 +151,22 @@ def test_the_largest_state_message_fits_the_metadata_limit():
     assert len(encode_metadata(meta)) <= LIMITS.max_metadata_bytes
     _, messages = box._parse(request(meta, torch.zeros(MESSAGE_CHUNKS), torch.zeros(MESSAGE_CHUNKS)), SENDER)
     assert len(messages) == MESSAGE_CHUNKS and messages[-1][1].steps == 2**40
+
+
+def test_the_largest_norm_and_check_messages_fit_the_metadata_limit():
+    box = Mailbox(p2p=None, loop=None, prefix="x", send_timeout=1.0,
+                  layout=Layout([(2**16 + MESSAGE_CHUNKS,)], chunk_elements=1))
+    ids = list(range(2**16, 2**16 + MESSAGE_CHUNKS))
+    norms = {"round": "r" * MAX_ROUND_KEY, "kind": NORM, "chunks": ids, "values": [math.pi] * MESSAGE_CHUNKS}
+    checks = {"round": "r" * MAX_ROUND_KEY, "kind": CHECK, "chunks": ids[:CHECK_CHUNKS],
+              "digests": [b"d" * 2 * DIGEST_BYTES] * CHECK_CHUNKS}
+    for meta in (norms, checks):
+        assert len(encode_metadata(meta)) <= LIMITS.max_metadata_bytes
+        assert len(box._parse(request(meta), SENDER)[1]) == len(meta["chunks"])
+    # one more check than a message may carry is refused
+    checks = {**checks, "chunks": ids[:CHECK_CHUNKS + 1], "digests": [b"d" * DIGEST_BYTES] * (CHECK_CHUNKS + 1)}
+    with pytest.raises(ValueError):
+        box._parse(request(checks), SENDER)
 
 
 def test_mailbox_takes_metadata_up_to_its_limit():
@@ -197,14 +219,14 @@ def state(chunks: list, steps, *tensors: torch.Tensor) -> tuple[dict, list[torch
     ({"round": "r", "kind": GRAD, "chunks": []}, [torch.zeros(0)]),
     ({"round": "r", "kind": GRAD, "chunks": []}, [torch.zeros(8)]),
     ({"round": "r", "kind": UPDATE, "chunks": []}, [torch.zeros(0)]),
-    ({"round": "r", "kind": MEAN, "chunks": []}, [torch.zeros(0)]),
     state([], [], torch.zeros(0), torch.zeros(0)),
     # the number of tensors
     ({"round": "r", "kind": GRAD, "chunks": [0]}, []),
     ({"round": "r", "kind": GRAD, "chunks": [0]}, [torch.zeros(8), torch.zeros(8)]),
     ({"round": "r", "kind": GRAD, "chunks": [0, 1]}, [torch.zeros(8), torch.zeros(8)]),  # one tensor, not one a chunk
     state([0], [1], torch.zeros(8)),
-    ({"round": "r", "kind": NORM, "chunks": [], "value": 1.0}, [torch.zeros(8)]),
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": [1.0]}, [torch.zeros(8)]),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": [b"d" * DIGEST_BYTES]}, [torch.zeros(8)]),
     # sizes: the sum of the listed chunks', in float32
     ({"round": "r", "kind": GRAD, "chunks": [1]}, [torch.zeros(7)]),  # chunk 1 has 8 elements
     ({"round": "r", "kind": GRAD, "chunks": [2]}, [torch.zeros(8)]),  # chunk 2 has 1
@@ -218,17 +240,36 @@ def state(chunks: list, steps, *tensors: torch.Tensor) -> tuple[dict, list[torch
     ({"round": "r", "kind": GRAD, "chunks": [0]}, [torch.zeros(8, dtype=torch.int64)]),
     state([1, 2], [1, 1], torch.zeros(9), torch.zeros(8)),  # both tensors have every chunk's elements
     state([1, 2], [1, 1], torch.zeros(8), torch.zeros(9)),
-    # norms: a float >= 0 and no chunks
+    # norms: a float >= 0 for each chunk listed
     ({"round": "r", "kind": NORM, "chunks": []}, []),
-    ({"round": "r", "kind": NORM, "value": 1.0}, []),
-    ({"round": "r", "kind": NORM, "chunk": 0, "value": 1.0}, []),  # the old form
+    ({"round": "r", "kind": NORM, "chunks": [], "values": []}, []),
+    ({"round": "r", "kind": NORM, "chunks": [], "value": 1.0}, []),  # the old form: one partial sum, no chunks
     ({"round": "r", "kind": NORM, "chunks": [0], "value": 1.0}, []),
-    ({"round": "r", "kind": NORM, "chunks": [0, 1], "value": 1.0}, []),
-    ({"round": "r", "kind": NORM, "chunks": [], "value": 1}, []),
-    ({"round": "r", "kind": NORM, "chunks": [], "value": True}, []),
-    ({"round": "r", "kind": NORM, "chunks": [], "value": "1.0"}, []),
-    ({"round": "r", "kind": NORM, "chunks": [], "value": [1.0]}, []),
-    ({"round": "r", "kind": NORM, "chunks": [], "value": -math.inf}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0]}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": 1.0}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0, 1], "values": [1.0]}, []),  # fewer values than chunks
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": [1.0, 2.0]}, []),  # more
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": [1]}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": [True]}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": ["1.0"]}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": [[1.0]]}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": [None]}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0], "values": [-math.inf]}, []),
+    ({"round": "r", "kind": NORM, "chunks": [0, 1], "values": [1.0, -1e-300]}, []),
+    # checks: one or two digests of DIGEST_BYTES for each chunk listed
+    ({"round": "r", "kind": CHECK, "chunks": []}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [], "digests": []}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0]}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": b"d" * DIGEST_BYTES}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0, 1], "digests": [b"d" * DIGEST_BYTES]}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": [b"d" * DIGEST_BYTES] * 2}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": [b"d" * (DIGEST_BYTES - 1)]}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": [b"d" * (DIGEST_BYTES + 1)]}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": [b"d" * 3 * DIGEST_BYTES]}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": [b""]}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": ["d" * DIGEST_BYTES]}, []),
+    ({"round": "r", "kind": CHECK, "chunks": [0], "digests": [None]}, []),
+    ({"round": "r", "kind": "mean", "chunks": [0]}, [torch.zeros(8)]),  # version 1's mean for co-owners
     # moments: one step count >= 1 a chunk, finite values, second moments >= 0
     state([2], None, torch.ones(1), torch.ones(1)),
     state([2], 1, torch.ones(1), torch.ones(1)),  # the old single count
@@ -248,9 +289,9 @@ def state(chunks: list, steps, *tensors: torch.Tensor) -> tuple[dict, list[torch
     state([2], [1], torch.ones(1), torch.tensor([-1e-3])),
     state([1, 2], [1, 1], torch.ones(9), torch.cat([torch.ones(8), torch.tensor([-1e-3])])),  # in the last chunk
     state([1, 2], [1, 1], torch.cat([torch.tensor([math.inf]), torch.ones(8)]), torch.ones(9)),  # in the first
-    # a non-finite update or mean gradient (a gradient may be: every member then skips the step)
+    # a non-finite update (a gradient may be: every member then skips the step)
     ({"round": "r", "kind": UPDATE, "chunks": [0]}, [torch.cat([torch.ones(7), torch.tensor([math.nan])])]),
-    ({"round": "r", "kind": MEAN, "chunks": [0, 1]}, [torch.cat([torch.tensor([math.inf]), torch.ones(15)])]),
+    ({"round": "r", "kind": UPDATE, "chunks": [0, 1]}, [torch.cat([torch.tensor([math.inf]), torch.ones(15)])]),
     # round keys
     ({"round": "r" * (MAX_ROUND_KEY + 1), "kind": GRAD, "chunks": [0]}, [torch.zeros(8)]),
     ({"round": "", "kind": GRAD, "chunks": [0]}, [torch.zeros(8)]),
@@ -274,7 +315,7 @@ def test_mailbox_refuses_a_negative_norm():
     # a partial sum of squares is never negative; accepting one lets a single member make every member's
     # clip_coefficient raise ValueError (math domain error) instead of RoundFailed, or silently shrink the norm
     with pytest.raises(ValueError):
-        mailbox()._parse(request({"round": "r", "kind": NORM, "chunks": [], "value": -1.0}), SENDER)
+        mailbox()._parse(request({"round": "r", "kind": NORM, "chunks": [0], "values": [-1.0]}), SENDER)
 
 
 def test_handle_delivers_a_packed_message_and_refuses_a_bad_one():
@@ -312,10 +353,10 @@ def test_deliver_puts_every_chunk_of_a_packed_message():
     box = mailbox()
     inbox = box.open_round("r", [SENDER])
     parts = [torch.full((8,), 1.0), torch.full((8,), 2.0), torch.full((1,), 3.0)]
-    box._deliver("r", [((MEAN, c, SENDER), part) for c, part in enumerate(parts)])
-    got = inbox.wait([(MEAN, c, SENDER) for c in range(3)], time.monotonic() + 1.0)
+    box._deliver("r", [((UPDATE, c, SENDER), part) for c, part in enumerate(parts)])
+    got = inbox.wait([(UPDATE, c, SENDER) for c in range(3)], time.monotonic() + 1.0)
     for c, part in enumerate(parts):
-        assert torch.equal(got[(MEAN, c, SENDER)], part)
+        assert torch.equal(got[(UPDATE, c, SENDER)], part)
 
 
 def test_early_messages_are_delivered_when_their_round_opens():
@@ -411,7 +452,10 @@ def chunk_items(peers: list[str], kinds: list[str], chunks: list[int], layout: L
             for c in chunks:
                 n = layout.chunk_numel(c)
                 tensors = tuple(torch.rand(n, generator=generator) for _ in range(TENSORS_OF[kind]))
-                items.append(Item(peer, kind, c, tensors, steps=c + 1 if kind == STATE else 0))
+                value = float(torch.rand(1, generator=generator)) if kind == NORM else 0.0
+                digest = bytes(range(c, c + DIGEST_BYTES * (1 + c % 2))) if kind == CHECK else b""
+                items.append(Item(peer, kind, c, tensors, steps=c + 1 if kind == STATE else 0, value=value,
+                                  digest=digest))
     return items
 
 
@@ -424,22 +468,23 @@ def check_packing(items: list[Item], batches: list[list[Item]]) -> None:
         assert len({(item.peer, item.kind) for item in batch}) == 1
         chunks = [item.chunk for item in batch]
         assert all(a < b for a, b in zip(chunks, chunks[1:]))
-        assert len(batch) <= collective.MESSAGE_CHUNKS
+        assert len(batch) <= (collective.CHECK_CHUNKS if batch[0].kind == CHECK else collective.MESSAGE_CHUNKS)
         assert sum(t.numel() for item in batch for t in item.tensors) <= collective.MESSAGE_ELEMENTS
     for before, after in zip(batches, batches[1:]):
         if (before[0].peer, before[0].kind) == (after[0].peer, after[0].kind):
             assert before[-1].chunk < after[0].chunk
             elements = sum(t.numel() for item in [*before, after[0]] for t in item.tensors)
-            assert len(before) == collective.MESSAGE_CHUNKS or elements > collective.MESSAGE_ELEMENTS
+            limit = collective.CHECK_CHUNKS if before[0].kind == CHECK else collective.MESSAGE_CHUNKS
+            assert len(before) == limit or elements > collective.MESSAGE_ELEMENTS
 
 
 def test_packed_groups_items_by_peer_and_kind_in_chunk_order():
-    items = chunk_items([OTHER, SENDER, STRANGER], [GRAD, UPDATE, MEAN, STATE], list(range(7)))
+    items = chunk_items([OTHER, SENDER, STRANGER], [GRAD, NORM, UPDATE, CHECK, STATE], list(range(7)))
     shuffled = [items[i] for i in torch.randperm(len(items), generator=torch.Generator().manual_seed(1))]
     batches = collective._packed(shuffled)
     check_packing(shuffled, batches)
     # small items: one message for each (peer, kind)
-    assert len(batches) == 3 * 4
+    assert len(batches) == 3 * 5
     assert all([item.chunk for item in batch] == list(range(7)) for batch in batches)
 
 
@@ -451,11 +496,12 @@ def test_packed_of_nothing_is_no_message():
 def test_packed_stays_within_small_limits(monkeypatch, seed):
     monkeypatch.setattr(collective, "MESSAGE_ELEMENTS", 40)
     monkeypatch.setattr(collective, "MESSAGE_CHUNKS", 3)
+    monkeypatch.setattr(collective, "CHECK_CHUNKS", 2)
     generator = torch.Generator().manual_seed(seed)
     items = []
     for _ in range(60):
         peer = [OTHER, SENDER, STRANGER][int(torch.randint(3, (1,), generator=generator))]
-        kind = [GRAD, UPDATE, MEAN, STATE][int(torch.randint(4, (1,), generator=generator))]
+        kind = [GRAD, NORM, UPDATE, CHECK, STATE][int(torch.randint(5, (1,), generator=generator))]
         chunk = int(torch.randint(100, (1,), generator=generator))
         size = int(torch.randint(1, 21, (1,), generator=generator))  # a state item has two tensors: up to 40
         items.append(Item(peer, kind, chunk, tuple(torch.zeros(size) for _ in range(TENSORS_OF[kind]))))
@@ -483,19 +529,8 @@ def test_packed_lists_at_most_message_chunks_chunks_a_message():
     batches = collective._packed(items)
     check_packing(items, batches)
     assert [len(batch) for batch in batches] == [MESSAGE_CHUNKS, MESSAGE_CHUNKS, 5]
-
-
-def requests_as_send_builds_them(round_key: str, items: list[Item]) -> list[tuple[str, runtime_pb2.ExpertRequest]]:
-    """Mailbox.send's messages, built the same way (without a network)."""
-    requests = []
-    for batch in collective._packed(items):
-        first = batch[0]
-        meta = {"round": round_key, "kind": first.kind, "chunks": [item.chunk for item in batch]}
-        if first.kind == STATE:
-            meta["steps"] = [item.steps for item in batch]
-        tensors = [torch.cat([item.tensors[i] for item in batch]) for i in range(len(first.tensors))]
-        requests.append((first.peer, collective._request(meta, tensors)))
-    return requests
+    checks = [Item(SENDER, CHECK, c, digest=b"d" * DIGEST_BYTES) for c in range(2 * CHECK_CHUNKS + 5)]
+    assert [len(batch) for batch in collective._packed(checks)] == [CHECK_CHUNKS, CHECK_CHUNKS, 5]
 
 
 def check_received(items: list[Item], requests: list[tuple[str, runtime_pb2.ExpertRequest]], layout: Layout,
@@ -517,6 +552,10 @@ def check_received(items: list[Item], requests: list[tuple[str, runtime_pb2.Expe
             assert isinstance(payload, ChunkMoments) and payload.steps == item.steps
             assert torch.equal(payload.exp_avg, item.tensors[0])
             assert torch.equal(payload.exp_avg_sq, item.tensors[1])
+        elif item.kind == NORM:
+            assert payload == item.value
+        elif item.kind == CHECK:
+            assert payload == (item.digest[:DIGEST_BYTES], item.digest[DIGEST_BYTES:] or None)
         else:
             assert torch.equal(payload, item.tensors[0])
 
@@ -526,11 +565,12 @@ def test_packed_messages_parse_back_into_the_items(monkeypatch, limits):
     if limits is not None:  # (the receiver checks the same constants, patched alike)
         monkeypatch.setattr(collective, "MESSAGE_ELEMENTS", limits[0])
         monkeypatch.setattr(collective, "MESSAGE_CHUNKS", limits[1])
-    items = chunk_items([OTHER, STRANGER], [GRAD, UPDATE, MEAN, STATE], [0, 1, 3, 4, 6])
+        monkeypatch.setattr(collective, "CHECK_CHUNKS", limits[1])
+    items = chunk_items([OTHER, STRANGER], [GRAD, NORM, UPDATE, CHECK, STATE], [0, 1, 3, 4, 6])
     items += chunk_items([SENDER], [STATE], [6, 2, 5], seed=1)  # (the last chunk is short)
-    requests = requests_as_send_builds_them("7:r", items)
+    requests = collective._requests("7:r", items)
     if limits is None:
-        assert len(requests) == 2 * 4 + 1
+        assert len(requests) == 2 * 5 + 1
     check_received(items, requests, PACK_LAYOUT, "7:r")
 
 
@@ -538,12 +578,12 @@ def test_packed_messages_of_many_chunks_parse_back_into_the_items():
     layout = Layout([(3 * MESSAGE_CHUNKS + 7,)], chunk_elements=1)
     chunks = list(range(layout.num_chunks))
     items = chunk_items([OTHER], [UPDATE, STATE], chunks, layout=layout)
-    requests = requests_as_send_builds_them("r", items)
+    requests = collective._requests("r", items)
     assert len(requests) == 2 * 4
     check_received(items, requests, layout, "r")
 
 
-def test_send_packs_its_items_and_norms_into_messages_that_parse_back():
+def test_send_packs_its_items_into_messages_that_parse_back_and_passes_them_through_its_seam():
     box = Mailbox(p2p=None, loop=SimpleNamespace(run=lambda coro, timeout: asyncio.run(coro)), prefix="x",
                   layout=PACK_LAYOUT, send_timeout=1.0)
     captured = []
@@ -552,14 +592,15 @@ def test_send_packs_its_items_and_norms_into_messages_that_parse_back():
         captured.extend(requests)
 
     box._send_all = send_all
-    items = chunk_items([OTHER, STRANGER], [GRAD, UPDATE, MEAN, STATE], list(range(7)), seed=2)
-    sent = box.send("3:s", items, time.monotonic() + 10.0, norm=([OTHER, STRANGER], 1.5))
-    assert sent == sum(len(t.buffer) for _, req in captured for t in req.tensors)
-    assert sent == sum(t.numel() for item in items for t in item.tensors) * 4
-    norms = [(peer, req) for peer, req in captured if not req.tensors]
-    assert sorted(peer for peer, _ in norms) == sorted([OTHER, STRANGER])
-    for _, req in norms:
-        assert box._parse(req, SENDER) == ("3:s", [((NORM, 0, SENDER), 1.5)])
-    check_received(items, [(peer, req) for peer, req in captured if req.tensors], PACK_LAYOUT, "3:s")
+    items = chunk_items([OTHER, STRANGER], [GRAD, NORM, UPDATE, CHECK, STATE], list(range(7)), seed=2)
+    sent = box.send("3:s", items, time.monotonic() + 10.0)
+    assert sent == sum(len(t.buffer) for _, req in captured for t in req.tensors) + \
+        sum(len(req.metadata) for _, req in captured)
+    assert sent > sum(t.numel() for item in items for t in item.tensors) * 4
+    check_received(items, captured, PACK_LAYOUT, "3:s")
     captured.clear()
     assert box.send("3:s", [], time.monotonic() + 10.0) == 0 and captured == []
+    # what a server sends passes through its outbound seam (a test's liar), and only what it returns goes out
+    box.outbound = lambda out: [item for item in out if item.kind != UPDATE]
+    box.send("3:s", items, time.monotonic() + 10.0)
+    check_received([item for item in items if item.kind != UPDATE], captured, PACK_LAYOUT, "3:s")

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from swarm.backend import Overloaded
+from swarm.checkpoint.claims import step_bound
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, peer_id
 from swarm.experts import ExpertHost, expert_checkpoints, load_experts, save_experts
@@ -140,6 +141,16 @@ class ExpertServer:
         that no live host has starts from its initial weights (said loudly once the run has trained)."""
         hosts = [r for r in self.records.lookup_expert_hosts()
                  if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
+        # A host's step is its own claim: one far ahead of what most of the run's servers announce is no donor
+        # (the lower median of every ONLINE stage server's and expert host's step, plus the checkpoint lead).
+        servers = self.records.lookup_all_servers(self.config.stages.num_stages)
+        bound = step_bound([r.step for found in servers.values() for r in found if r.state == ServerState.ONLINE.value]
+                           + [r.step for r in hosts])
+        for r in hosts:
+            if bound is not None and r.step > bound:
+                log.warning("not taking expert states from %s: its step %d is beyond step %d, the furthest the run's "
+                            "servers make believable", r.peer_id, r.step, bound)
+        hosts = [r for r in hosts if bound is None or r.step <= bound]
         fresh = []
         for e in self.experts:
             donors = sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)

@@ -270,6 +270,17 @@ class StageBalancer:
         state.banned_until = max(state.banned_until, self.clock() + duration)
         return duration
 
+    def ban(self, peer_id: str, seconds: float) -> None:
+        """Ban the server for `seconds` whatever its calls said (it was caught answering wrongly): counted
+        as a failure, and its estimates dropped, since the answers that made them cannot be trusted."""
+        state = self.servers.get(peer_id)
+        if state is None:
+            return
+        state.failures += 1
+        state.banned_until = max(state.banned_until, self.clock() + seconds)
+        state.service.clear()
+        state.latency.clear()
+
     def pardon(self, peer_id: str) -> None:
         """Take back one failure reported for the server, and its ban: the fault turned out to be ours.
 

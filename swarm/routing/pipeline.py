@@ -20,6 +20,10 @@ is a claim like any other. It bans the server (briefly for `busy` and `not_ready
 full) and the call goes to another. A request that is really ours at fault is refused by every
 server of the stage: then the micro-batch is dropped after one refusal from each, and those bans
 are taken back (`StageBalancer.pardon`), so a bad micro-batch of ours costs no server its place.
+
+A well-formed reply may still be wrong: some are spot-checked against other servers of the stage
+(swarm.routing.spot_checks); a server caught is banned for the balancer's longest ban and the call
+retried elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -56,6 +61,7 @@ from swarm.protocol import (
 )
 from swarm.protocol.messages import check_moe_lost
 from swarm.routing.balancer import StageBalancer, Ticket
+from swarm.routing.spot_checks import SPOT_CHECK_RATE, Finding, SpotCheck, agree, minority
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +99,9 @@ class PipelineStats:
     bad_replies: int = 0  # of them, replies that did not fit the request (shape, dtype, non-finite, no loss)
     error_replies: Counter = field(default_factory=Counter)  # of them, error replies by code
     refused: int = 0  # micro-batches dropped because every server of a stage refused them as bad requests
+    spot_checks: int = 0  # replies checked against a witness
+    disputes: int = 0  # of them, replies a witness disagreed with
+    caught: Counter = field(default_factory=Counter)  # servers banned by a spot check, by stage
     stage_failures: Counter = field(default_factory=Counter)  # failures by stage
     stage_bad_replies: Counter = field(default_factory=Counter)  # bad replies by stage
     waiting_stages: set[int] = field(default_factory=set)
@@ -111,6 +120,8 @@ class RemotePipeline:
         balancer_factory: Callable[[], StageBalancer] = StageBalancer,
         hidden_size: int | None = None,
         limits: WireLimits = DEFAULT_LIMITS,
+        spot_check_rate: float = SPOT_CHECK_RATE,
+        rng: random.Random | None = None,
     ):
         self.p2p = p2p
         self.run_id = run_id
@@ -121,6 +132,8 @@ class RemotePipeline:
         self.settings = settings or PipelineSettings()
         self.balancers = [balancer_factory() for _ in range(num_stages)]
         self.stats = PipelineStats()
+        self.spot_check_rate = spot_check_rate  # 0: no spot checks, not even of probes
+        self.rng = rng or random.Random()
         self.stage_steps: dict[int, int] = {}  # the optimizer step each stage's server last replied with
         self._servers_changed = asyncio.Event()
 
@@ -199,6 +212,7 @@ class RemotePipeline:
             if ticket is None:
                 await self._wait_for_servers(stage, deadline)
                 continue
+            probe = balancer.on_probation(ticket.peer_id)
             self.stats.calls += 1
             try:
                 reply = await self._attempt(stage, request, ticket, refused)
@@ -206,11 +220,61 @@ class RemotePipeline:
                 # After a failure, a refused request or a cancellation the task is no longer the
                 # server's; a reported success already closed the ticket, so this does nothing then.
                 balancer.release(ticket)
+            if reply is not None and self._check_due(probe) and await self._caught(stage, request, reply,
+                                                                                   ticket.peer_id):
+                reply = None  # wrong: retried on another server, like a failure
             if reply is not None:
                 if reply.server_step is not None:
                     self.stage_steps[stage] = reply.server_step
                 return reply
             tried.add(ticket.peer_id)
+
+    def _check_due(self, probe: bool) -> bool:
+        return self.spot_check_rate > 0 and (probe or self.rng.random() < self.spot_check_rate)
+
+    async def _caught(self, stage: int, request: StageRequest, reply: StageReply, peer: str) -> bool:
+        """Spot-check the reply (see swarm.routing.spot_checks): whether its server was caught wrong."""
+        check = SpotCheck.of(request, reply, peer, stage == self.num_stages - 1)
+        if check is None:
+            return False
+        first = await self._witness(stage, check, {peer})
+        if first is None:
+            return False
+        self.stats.spot_checks += 1
+        if agree(check.claim, first):
+            return False
+        self.stats.disputes += 1
+        second = await self._witness(stage, check, {peer, first.peer})
+        wrong = None if second is None else minority(check.claim, first, second)
+        if wrong is None:
+            log.warning("spot check of stage %d %s on %s: witness %s disagrees and no third server settles it",
+                        stage, request.kind, peer, first.peer)
+            return False
+        balancer = self.balancers[stage]
+        balancer.ban(wrong, balancer.ban_max)
+        self.stats.caught[stage] += 1
+        log.warning("spot check of stage %d %s: server %s answered wrongly (the other two of %s agree); banned for "
+                    "%.0fs", stage, request.kind, wrong, sorted({peer, first.peer, second.peer}), balancer.ban_max)
+        return wrong == peer
+
+    async def _witness(self, stage: int, check: SpotCheck, exclude: set[str]) -> Finding | None:
+        """What a server of the stage picked at random (not by speed: an instant liar is the fastest) says."""
+        balancer = self.balancers[stage]
+        others = [p for p in balancer.available(exclude) if not balancer.on_probation(p)]
+        others = others or balancer.available(exclude)
+        if not others:
+            return None
+        peer = self.rng.choice(sorted(others))
+        size = int(check.request.inputs.shape[0])
+        tickets = [balancer.charge(peer, size, FORWARD) for _ in check.witness_requests]
+        try:
+            replies = await asyncio.gather(*(self._attempt(stage, r, t)
+                                             for r, t in zip(check.witness_requests, tickets)))
+        finally:
+            for ticket in tickets:
+                balancer.release(ticket)
+        self.stats.calls += len(tickets)
+        return None if any(r is None for r in replies) else check.finding(peer, replies)
 
     def _check_refusals(self, stage: int, kind: str, refused: dict[str, str]) -> None:
         """Drop the micro-batch if every listed server of the stage called the request bad: the fault is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -50,9 +51,10 @@ def answer(stage: int, request: StageRequest, num_stages: int) -> StageReply:
 class FakePipeline(RemotePipeline):
     """A pipeline whose one RPC seam, `_send`, runs `behaviour` instead of the network."""
 
-    def __init__(self, servers: dict[int, list[str]], behaviour: Behaviour | None = None):
+    def __init__(self, servers: dict[int, list[str]], behaviour: Behaviour | None = None, spot_check_rate: float = 0.0):
         self.clock = FakeClock()
-        super().__init__(None, "test-run", len(servers), balancer_factory=lambda: StageBalancer(clock=self.clock))
+        super().__init__(None, "test-run", len(servers), balancer_factory=lambda: StageBalancer(clock=self.clock),
+                         spot_check_rate=spot_check_rate, rng=random.Random(0))
         self.behaviour = behaviour or self.healthy
         self.sent: list[tuple[int, str, str]] = []
         self.update_servers(servers)

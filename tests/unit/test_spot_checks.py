@@ -1,0 +1,253 @@
+"""Spot checks of replies that are well formed but wrong (issue 26): a server answering with zeros, noise, a
+flipped or scaled gradient or a made-up loss is caught by witnesses and banned; honest servers, on real
+stages of the model in float32 and bfloat16, never are. The routing runs without a network (FakePipeline)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from swarm.config import ModelConfig, OptimizerConfig, RunConfig, StagesConfig
+from swarm.model.stages import build_stage
+from swarm.protocol import BACKWARD, FORWARD, StageReply, StageRequest
+from swarm.routing.spot_checks import (
+    OUTPUT_TOLERANCE,
+    SLOPE_RATIO,
+    Finding,
+    SpotCheck,
+    agree,
+    minority,
+    relative_distance,
+    slopes_agree,
+)
+from tests.unit.test_routing_pipeline import CALL_TIMEOUT, FakePipeline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+
+def run_config(num_stages: int) -> RunConfig:
+    """A model a few milliseconds a call on a CPU: 3 blocks of width 32, sequences of 16, micro-batches of 4."""
+    model = ModelConfig(vocab_size=256, seq_len=16, n_layer=3, n_head=2, d_model=32)
+    return RunConfig(run_id="spot-checks", model=model, stages=StagesConfig(num_stages=num_stages),
+                     optimizer=OptimizerConfig(batch_size=8, micro_batch_size=4)).validate()
+
+
+CONFIG = run_config(3)
+STEP = 3  # every server's optimizer step, unless a test says otherwise
+
+
+class Stages:
+    """The run's real stages (the same weights on every server); a server computes like a StageBackend."""
+
+    def __init__(self, num_stages: int):
+        torch.manual_seed(0)
+        self.modules = [build_stage(run_config(num_stages), i) for i in range(num_stages)]
+        self.last = num_stages - 1
+
+    def answer(self, stage: int, request: StageRequest, bf16: bool = False) -> StageReply:
+        module = self.modules[stage]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if request.kind == FORWARD:
+                with torch.no_grad():
+                    out = module(request.inputs, request.targets)
+                return StageReply([out.float()], server_step=STEP)
+            x = request.inputs if stage == 0 else request.inputs.detach().float().requires_grad_(True)
+            out = module(x, request.targets)
+            if stage == self.last:
+                (out * x.shape[0]).backward()  # the gradient of the loss summed over the micro-batch
+            else:
+                out.backward(request.grad_outputs.to(out.dtype))
+        for p in module.parameters():
+            p.grad = None
+        info = {"loss": float(out.detach())} if stage == self.last else {}
+        return StageReply([] if stage == 0 else [x.grad.float()], server_step=STEP, info=info)
+
+
+def micro_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (CONFIG.optimizer.micro_batch_size, CONFIG.model.seq_len)
+    return (torch.randint(0, CONFIG.model.vocab_size, shape, generator=g),
+            torch.randint(0, CONFIG.model.vocab_size, shape, generator=g))
+
+
+def lie_on(kind: str, lie: Callable[[StageReply], StageReply]) -> Callable[[StageRequest, StageReply], StageReply]:
+    return lambda request, reply: lie(reply) if request.kind == kind else reply
+
+
+def tensors(reply: StageReply, change: Callable[[torch.Tensor], torch.Tensor]) -> StageReply:
+    return StageReply([change(t) for t in reply.tensors], reply.server_step, reply.info)
+
+
+LIES: dict[str, Callable[[StageRequest, StageReply], StageReply]] = {  # what a liar does to its honest reply
+    "zero output": lie_on(FORWARD, lambda r: tensors(r, torch.zeros_like)),
+    "noise output": lie_on(FORWARD, lambda r: tensors(r, torch.randn_like)),
+    "zero gradient": lie_on(BACKWARD, lambda r: tensors(r, torch.zeros_like)),
+    "flipped gradient": lie_on(BACKWARD, lambda r: tensors(r, torch.neg)),
+    "gradient x 10": lie_on(BACKWARD, lambda r: tensors(r, lambda t: 10 * t)),
+    "noise gradient": lie_on(BACKWARD, lambda r: tensors(r, lambda t: torch.randn_like(t) * t.std())),
+    "made-up loss": lie_on(BACKWARD, lambda r: StageReply(r.tensors, r.server_step, {**r.info, "loss": 3.0})
+                           if "loss" in r.info else r),
+}
+
+
+class Swarm:
+    """A FakePipeline over real stages: servers named 'liar*' answer with `lie`, the others honestly."""
+
+    def __init__(self, servers: dict[int, list[str]], lie: str | None = None, rate: float = 1.0,
+                 bf16: frozenset[str] = frozenset()):
+        self.stages = Stages(len(servers))
+        self.lie, self.bf16 = lie, bf16
+        self.calls: Counter = Counter()  # (peer, kind) -> calls answered
+        self.sent_to_first: list[torch.Tensor] = []  # the gradients stage 0's backwards were given
+        self.pipeline = FakePipeline(servers, self.behaviour, spot_check_rate=rate)
+
+    async def behaviour(self, stage: int, peer: str, request: StageRequest) -> StageReply:
+        self.pipeline.clock.now += 0.001 if peer.startswith("liar") else 0.01  # a liar is the fastest
+        self.calls[peer, request.kind] += 1
+        if stage == 0 and request.kind == BACKWARD:
+            self.sent_to_first.append(request.grad_outputs)
+        reply = self.stages.answer(stage, request, bf16=peer in self.bf16)
+        return LIES[self.lie](request, reply) if peer.startswith("liar") and self.lie else reply
+
+    def trip(self, seed: int) -> float:
+        x, y = micro_batch(seed)
+        return asyncio.run(asyncio.wait_for(self.pipeline.train(x, y, f"t:0:{seed}"), CALL_TIMEOUT))
+
+    def honest_trip(self, seed: int) -> tuple[float, torch.Tensor]:
+        """The loss of micro-batch `seed`, and the gradient stage 0 gets, as honest servers compute them."""
+        x, y = micro_batch(seed)
+        stages, inputs = self.stages, [x]
+        for stage in range(stages.last):
+            inputs.append(stages.answer(stage, StageRequest(FORWARD, stage, "h", inputs[-1])).tensors[0])
+        reply = stages.answer(stages.last, StageRequest(BACKWARD, stages.last, "h", inputs[-1], targets=y))
+        loss = reply.info["loss"]
+        for stage in range(stages.last - 1, 0, -1):
+            reply = stages.answer(stage, StageRequest(BACKWARD, stage, "h", inputs[stage],
+                                                      grad_outputs=reply.tensors[0]))
+        return loss, reply.tensors[0]
+
+
+# --- the comparisons --------------------------------------------------------------------------------
+
+def test_relative_distance_and_slopes():
+    a = torch.randn(4, 16, 32)
+    assert relative_distance(a, a) == 0.0
+    assert relative_distance(a, torch.zeros_like(a)) == pytest.approx(1.0)
+    assert relative_distance(a, a * (1 + OUTPUT_TOLERANCE / 2)) < OUTPUT_TOLERANCE
+    assert relative_distance(a, -a) == pytest.approx(2.0)
+    assert slopes_agree(1.0, 1.0) and slopes_agree(1.0, SLOPE_RATIO) and slopes_agree(0.0, 0.0)
+    assert not slopes_agree(1.0, -1.0) and not slopes_agree(1.0, SLOPE_RATIO * 1.01) and not slopes_agree(1.0, 0.0)
+
+
+def test_the_minority_is_the_one_the_other_two_agree_against():
+    a, b, c = Finding("a", loss=2.0, slope=1.0), Finding("b", loss=2.01, slope=1.1), Finding("c", loss=2.0, slope=-1.0)
+    assert agree(a, b) and not agree(a, c)
+    assert minority(c, a, b) == "c" and minority(a, c, b) == "c" and minority(a, b, c) == "c"
+    assert minority(a, b, Finding("d", loss=2.0, slope=1.0)) is None  # all agree
+    assert minority(a, c, Finding("e", loss=9.0, slope=1.0)) is None  # no two agree
+
+
+def test_nothing_checkable_is_not_checked():
+    x, y = micro_batch(0)
+    assert SpotCheck.of(StageRequest(BACKWARD, 0, "r", x, grad_outputs=torch.ones(4, 16, 32)), StageReply([]), "a",
+                        last=False) is None  # a first stage's backward returns no gradient
+    assert SpotCheck.of(StageRequest(FORWARD, 2, "r", torch.ones(4, 16, 32), targets=y), StageReply([torch.tensor(2.)]),
+                        "a", last=True) is None  # an evaluation
+    lost = StageReply([torch.ones(4, 16, 32)], info={"moe_lost": [(1, [0])]})
+    assert SpotCheck.of(StageRequest(FORWARD, 0, "r", x), lost, "a", last=False) is None  # went without an expert
+
+
+# --- liars are caught, honest servers never are -------------------------------------------------------
+
+@pytest.mark.parametrize("lie", list(LIES))
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["first stage", "middle stage", "last stage"])
+def test_a_wrong_reply_is_caught_banned_and_never_used(lie: str, stage: int):
+    servers = {s: ["h1", "h2"] for s in range(3)}
+    servers[stage] = ["h1", "h2", "liar"]
+    swarm = Swarm(servers, lie)
+    for seed in range(6):
+        loss, grad = swarm.honest_trip(seed)
+        assert swarm.trip(seed) == pytest.approx(loss, rel=1e-5)  # the liar's answer was never used...
+        torch.testing.assert_close(swarm.sent_to_first[-1], grad, rtol=1e-4, atol=1e-6)  # ...not even upstream
+    stats, balancer = swarm.pipeline.stats, swarm.pipeline.balancers[stage]
+    harmless = (stage == 0 and "gradient" in lie) or (stage == 2 and "output" in lie) or \
+        (stage < 2 and lie == "made-up loss")  # nothing of the lie reaches the trainer there
+    if harmless:
+        assert not stats.caught
+    else:
+        assert stats.caught == {stage: 1}
+        state = balancer.servers["liar"]
+        assert state.banned_until - swarm.pipeline.clock.now >= balancer.ban_max - 1 and not state.measured
+
+
+def test_honest_servers_in_float32_and_bfloat16_never_disagree():
+    servers = {s: ["a", "b", "c-bf16"] for s in range(3)}  # one replica computes in bfloat16 (another device)
+    swarm = Swarm(servers, bf16=frozenset({"c-bf16"}))
+    for seed in range(40):
+        swarm.trip(seed)
+    stats = swarm.pipeline.stats
+    assert stats.spot_checks >= 100 and stats.disputes == 0 and not stats.caught, stats
+
+
+def test_two_servers_alone_cannot_settle_a_dispute():
+    swarm = Swarm({0: ["h"], 1: ["h1", "liar"], 2: ["h"]}, "flipped gradient")
+    for seed in range(4):
+        swarm.trip(seed)
+    stats = swarm.pipeline.stats
+    assert stats.disputes >= 1 and not stats.caught  # which of the two lies, nothing says
+    assert all(s.banned_until == 0 for s in swarm.pipeline.balancers[1].servers.values())
+
+
+def test_a_lying_witness_is_banned_and_the_reply_it_disputed_kept():
+    servers = {0: ["h"], 1: ["a", "b", "liar"], 2: ["h"]}
+    swarm = Swarm(servers, "noise output")
+    pipeline = swarm.pipeline
+    for peer in ("a", "b"):  # a and b answered before; the liar is a newcomer, picked as a witness
+        pipeline.balancers[1].report_success(pipeline.balancers[1].charge(peer, 4, FORWARD))
+    pipeline.rng = random.Random(3)
+    for seed in range(20):
+        loss, _ = swarm.honest_trip(seed)
+        assert swarm.trip(seed) == pytest.approx(loss, rel=1e-5)
+    assert pipeline.stats.caught == {1: 1}
+    assert "liar" not in pipeline.balancers[1].available()
+
+
+def test_a_newcomers_probe_is_checked_at_any_rate():
+    servers = {0: ["h"], 1: ["a", "b"], 2: ["h"]}
+    swarm = Swarm(servers, "noise output", rate=1e-9)
+    for seed in range(3):
+        swarm.trip(seed)
+    assert swarm.pipeline.stats.spot_checks <= 2  # a's probe (b, its witness, answered then); none since
+    swarm.pipeline.update_servers({0: ["h"], 1: ["a", "b", "liar"], 2: ["h"]})
+    for seed in range(3, 10):
+        loss, _ = swarm.honest_trip(seed)
+        assert swarm.trip(seed) == pytest.approx(loss, rel=1e-5)
+    assert swarm.calls["liar", FORWARD] == 1 and swarm.pipeline.stats.caught == {1: 1}  # its first reply was its last
+
+
+def test_no_checks_at_rate_zero():
+    swarm = Swarm({0: ["h"], 1: ["a", "liar"], 2: ["h"]}, "noise output", rate=0.0)
+    for seed in range(3):
+        swarm.trip(seed)
+    assert swarm.pipeline.stats.spot_checks == 0 and swarm.pipeline.stats.calls == 3 * 5
+
+
+def test_what_spot_checks_cost_in_calls():
+    """At the default rate, past the probes: about 1/32 of the checkable calls get a witness (one forward
+    for a forward, two for a backward)."""
+    servers = {s: ["a", "b"] for s in range(3)}
+    swarm = Swarm(servers, rate=1 / 32)
+    for seed in range(200):
+        swarm.trip(seed)
+    stats = swarm.pipeline.stats
+    primary = 200 * 5  # forwards of stages 0 and 1, backwards of 2, 1 and 0
+    extra = stats.calls - primary
+    print(f"{extra} witness calls for {primary} calls ({extra / primary:.1%}), {stats.spot_checks} checks")
+    assert stats.spot_checks <= 2 * 6 + 2 * 200 * 4 / 32  # the probes, and twice the expected random share
+    assert extra <= 0.1 * primary

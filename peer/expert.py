@@ -28,6 +28,8 @@ from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecord
 from swarm.experts import ExpertHost, expert_checkpoints, load_experts, save_experts
 from swarm.protocol import (
     BAD_REQUEST,
+    BUSY,
+    DEFAULT_FIRST_BYTE_TIMEOUT,
     DEFAULT_LIMITS,
     DEFAULT_RECEIVE_TIMEOUT,
     INTERNAL,
@@ -46,6 +48,7 @@ from swarm.protocol import (
 )
 from swarm.protocol.framing import gather_frames, to_frames
 from swarm.protocol.messages import error_frames, raise_if_error
+from swarm.protocol.slots import CallerSlots
 
 from .handling import CountingHandler
 
@@ -53,6 +56,7 @@ log = logging.getLogger("swarm.expert")
 
 LOOP_CALL_TIMEOUT = 30.0
 STATE_TIMEOUT = 60.0  # for one expert's state to arrive from a host that has it
+STATE_SLOTS = 4  # expert state requests answered at once (each holds a copy of one expert's state)
 
 
 @dataclass
@@ -280,16 +284,28 @@ class ExpertStateService(ServicerBase):
 
     def __init__(self, server: ExpertServer):
         self.server = server
+        # each reply holds a copy of one expert's state until it is sent: a few at once, one per caller
+        self.slots = CallerSlots(STATE_SLOTS, per_caller=1, what="state requests", total_name="state slots")
 
     async def rpc_state(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                         ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for frame in await self._answer(requests):
-            yield frame
+        caller = str(context.remote_id)
+        refused = self.slots.try_take(caller)
+        if refused is not None:
+            for frame in error_frames(BUSY, refused):
+                yield frame
+            return
+        try:
+            for frame in await self._answer(requests):
+                yield frame
+        finally:
+            self.slots.give_back(caller)
 
     async def _answer(self, requests: AsyncIterator) -> list:
         limits = WireLimits(max_message_bytes=DEFAULT_LIMITS.max_metadata_bytes, max_tensors=0)
         try:
-            meta, _ = await asyncio.wait_for(gather_frames(requests, limits), DEFAULT_RECEIVE_TIMEOUT)
+            # a joiner asks at once: a silent stream gets its slot back within the first-byte deadline
+            meta, _ = await asyncio.wait_for(gather_frames(requests, limits), DEFAULT_FIRST_BYTE_TIMEOUT)
             host = self.server.host
             if self.server.state != ServerState.ONLINE or host is None:
                 return error_frames(NOT_READY, "not ONLINE")

@@ -34,9 +34,10 @@ from swarm.zero import ChunkMoments, Plan
 # one with the same digest (a second preimage, not a birthday collision); 8 bytes keep a message of 1024
 # chunks' digests within the metadata limit
 DIGEST_BYTES = 8
-# two owners sum the squares of the same float32 values in float64, perhaps in another order: they
-# differ by about 1e-15 relative, far below this, and a lie within it moves the norm by nothing that matters
-NORM_RTOL = 1e-9
+# two owners take the norm of the same float32 values in float32, perhaps in another order (another CPU's
+# vector width): they differ by about 1e-7 relative, well below this, and a lie within it moves the global
+# norm, and the clipping, by nothing that matters
+NORM_RTOL = 1e-5
 UPDATE, NORM = "update", "norm"
 
 
@@ -55,17 +56,20 @@ def moments_digest(moments: ChunkMoments) -> bytes:
 
 
 def chunk_square_sums(values: torch.Tensor, sizes: Sequence[int]) -> list[float]:
-    """Sum of squares (float64) of each consecutive piece of `values` of the given sizes."""
-    squares = values.double().square()
+    """Sum of squares of each consecutive piece of float32 `values` of the given sizes (from float32 norms:
+    a fifth of the time of float64 sums, and precise to about 1e-7, enough to clip by)."""
     sums: list[float] = []
     start = 0
     if sizes and len(set(sizes[:-1])) == 1:  # all but perhaps the last the same: one reduction over a view
         size, full = sizes[0], len(sizes) - 1
-        sums = squares[:size * full].view(full, size).sum(dim=1).tolist() if size else [0.0] * full
+        if size:
+            sums = torch.linalg.vector_norm(values[:size * full].view(full, size), dim=1).double().square().tolist()
+        else:
+            sums = [0.0] * full
         start = size * full
         sizes = sizes[-1:]
     for size in sizes:
-        sums.append(float(squares[start:start + size].sum()))
+        sums.append(float(torch.linalg.vector_norm(values[start:start + size]).double().square()))
         start += size
     return sums
 

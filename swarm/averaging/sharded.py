@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.collective import RoundResult, run_round
 from swarm.averaging.crosscheck import summary
 from swarm.averaging.errors import AveragingError
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
 from swarm.averaging.process import total_samples
 from swarm.averaging.progress import StageView, round_of
+from swarm.averaging.zero_round import RoundResult, run_round
 from swarm.zero import MemberInfo, Plan, PlanError, make_plan
 
 log = logging.getLogger(__name__)
@@ -60,13 +60,14 @@ class ShardedRounds:
         `own` were this server's."""
         shards = self.optimizer.shards
         self._round_pause = ROUND_RETRY_PAUSE
+        samples = sum(min(n, self.max_member_samples) for n in plan.samples.values())  # (as the round counted them)
         with self._state_lock:
             if result.update is None:  # a non-finite gradient norm: every member skips alike
                 stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
-                         "samples": plan.total_samples, "skipped": True}
+                         "samples": samples, "skipped": True}
             else:
                 kept = self._layout.flatten(self.optimizer.params) if result.dropped else None
-                stats = self.optimizer.step_sharded(result.update, plan.total_samples, result.grad_norm)
+                stats = self.optimizer.step_sharded(result.update, samples, result.grad_norm)
                 if kept is not None:  # (weight decay too: a dropped chunk is exactly as it was)
                     self._restore_chunks(kept, result.dropped)
                 shards.replace(result.moments, self.optimizer.step_count)
@@ -80,6 +81,12 @@ class ShardedRounds:
                         "left): their moments start again from zero", self.stage, len(result.fresh), plan.step)
         for line in summary(result.disputes, self.peer_id):
             log.warning("stage %d: step %d: %s", self.stage, plan.step + 1, line)
+        if result.capped:
+            log.warning("stage %d: step %d: %s claimed more than %d samples: counted as that many", self.stage,
+                        plan.step + 1, result.capped, self.max_member_samples)
+        for member, count in result.left_out.items():
+            log.warning("stage %d: step %d: left out %d chunks of %s's gradient (non-finite values)", self.stage,
+                        plan.step + 1, count, member)
         if result.refused_moments:
             log.warning("stage %d: step %d: refused the moments of %d chunks from %s: a co-owner's differ",
                         self.stage, plan.step + 1, len(result.refused_moments),
@@ -154,5 +161,5 @@ class ShardedRounds:
             self._alone_since = None
         result = run_round(self._mailbox, round_key, plan, self.peer_id, self._layout.flatten(grads),
                            shards.chunks if held else {}, self._hyper,
-                           time.monotonic() + self.config.allreduce_timeout)
+                           time.monotonic() + self.config.allreduce_timeout, self.max_member_samples)
         return plan, late, result

@@ -12,7 +12,10 @@ Map of the subsystem, from people-facing entry points down to pure logic::
     loop.py       BackgroundLoop: our asyncio thread for P2P handlers and calls
     identity.py   Identity / load_identity: one RSA key, the libp2p identity and the signer of our records
     keys.py       key layout ({run_id}_config, _metrics, _run_checkpoint, _experts, _stage{k}, _checkpoints{k}),
-                  owner-marked subkeys, validators (RunRecordGuard: what a node accepts at a run's keys)
+                  owner-marked subkeys, validators (RunRecordGuard: what a node accepts at a run's keys;
+                  StoreBounds: the size and lifetime any value may have)
+    storage.py    BoundedStorage: what a node keeps for others, bounded in bytes, entries and lifetime,
+                  shared among signers (every node's storage and cache, installed by start_dht)
     private.py    SwarmKey: a private swarm's secret (its run's network id, run_info's name, the sealed config)
     schemas.py    ServerRecord, ExpertHostRecord, RunConfigRecord, PeerMetricsRecord, CheckpointRecord,
                   RunCheckpointRecord: strict, tolerant of unknown fields

@@ -212,7 +212,7 @@ def join_run(
     try:
         info = request_run_info(dht, loop, initial_peers, timeout=max(0.0, deadline - time.monotonic()),
                                 swarm_key=swarm_key)
-        add_run_validators(dht, info.run_id)
+        add_run_validators(dht, info.run_id, coordinator_key=info.coordinator_key)
         records = SwarmRecords(dht, info.run_id, identity, swarm_key=swarm_key)
         return dht, info, _wait_for_run_config(records, info, deadline)
     except BaseException:

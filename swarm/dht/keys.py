@@ -239,6 +239,29 @@ class RunRecordGuard(RecordValidatorBase):
         return RunRecordGuard, (self.run_id,)
 
 
+MAX_SUBKEY_BYTES = 1024  # an owner marker of a 4096-bit RSA key is ~740 bytes, a peer id ~40
+SIGNATURE_BYTES = 1024  # what a signature adds to a record's value (~270 bytes for a 2048-bit key)
+
+
+class StoreBounds(RecordValidatorBase):
+    """Refuses, at any key, a value no run record could be or an expiry further than any record's.
+
+    Checked first (before signatures are verified or values parsed), so a flood of oversized or
+    long-lived values costs a node little; storage.py bounds what it then keeps, key by key.
+    """
+
+    @property
+    def priority(self) -> int:
+        return 20
+
+    def validate(self, record: DHTRecord) -> bool:
+        return (len(record.value) <= MAX_RECORD_BYTES + SIGNATURE_BYTES and len(record.subkey) <= MAX_SUBKEY_BYTES + 8
+                and record.expiration_time <= get_dht_time() + MAX_RECORD_LIFETIME)
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, StoreBounds)
+
+
 def schema_validator(run_id: str) -> SchemaValidator:
     """Type-checks every record under `run_id`; keys of other subsystems (averaging) pass through."""
     return RunSchemaValidator(run_id)
@@ -250,8 +273,9 @@ def run_validators(run_id: str) -> list[RecordValidatorBase]:
 
 
 def make_validators(run_id: str | None, private_key: RSAPrivateKey) -> list[RecordValidatorBase]:
-    """Signature checks (and signing of our own records), plus the run's rules once the run id is known."""
-    validators: list[RecordValidatorBase] = [RSASignatureValidator(private_key)]
+    """Size and lifetime bounds, signature checks (and signing of our own records), plus the run's rules
+    once the run id is known."""
+    validators: list[RecordValidatorBase] = [StoreBounds(), RSASignatureValidator(private_key)]
     if run_id is not None:
         validators += run_validators(run_id)
     return validators

@@ -17,7 +17,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.errors import BootstrapError, DHTProcessGone, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
 from swarm.dht.identity import Identity, create_private_file
-from swarm.dht.keys import make_validators, run_validators
+from swarm.dht.keys import RunRecordGuard, make_validators, run_validators
+from swarm.dht.storage import install_bounded_storage
 
 DEFAULT_STARTUP_TIMEOUT = 30.0  # p2pd start + first contact with the initial peers
 DEFAULT_RPC_TIMEOUT = 3.0  # one DHT RPC to one peer (hivemind's wait_timeout)
@@ -101,6 +102,8 @@ def start_dht(
         )
         try:
             dht.wait_until_ready(timeout=startup_timeout)
+            # from its first moments on, what others store here is bounded (storage.py)
+            call_in_dht(dht, _BoundStorage(run_id, [identity.owner_key]), startup_timeout)
         except Exception as e:
             dht.shutdown()
             raise _startup_error(e, initial, hosts, startup_timeout) from e
@@ -108,6 +111,16 @@ def start_dht(
             dht.shutdown()
             raise
     return dht
+
+
+class _BoundStorage:
+    # A picklable callable: the run's keys are computed in the DHT process (their ids would not fit the pipe)
+    def __init__(self, run_id: str | None, trusted: list[bytes]):
+        self.run_id, self.trusted = run_id, trusted
+
+    async def __call__(self, _dht: hivemind.DHT, node: Any) -> None:
+        run_keys = RunRecordGuard(self.run_id).key_ids if self.run_id is not None else []
+        install_bounded_storage(node.protocol, self.trusted, run_keys)
 
 
 @contextlib.contextmanager
@@ -149,27 +162,32 @@ def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multi
     return SwarmDHTError(f"the DHT node failed to start: {type(error).__name__}: {message}")
 
 
-def add_run_validators(dht: hivemind.DHT, run_id: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
-    """Start checking the run's records (owner rules and schemas) on a DHT started with run_id=None."""
-    call_in_dht(dht, _AddValidators(run_validators(run_id)), timeout)
+def add_run_validators(dht: hivemind.DHT, run_id: str, timeout: float = DEFAULT_CALL_TIMEOUT,
+                       coordinator_key: bytes | None = None) -> None:
+    """Start checking the run's records (owner rules and schemas) on a DHT started with run_id=None.
+
+    The records `coordinator_key` (an owner marker) signs are never dropped from this node's storage.
+    """
+    trusted = [coordinator_key] if coordinator_key is not None else []
+    call_in_dht(dht, _AddValidators(run_validators(run_id), trusted), timeout)
 
 
 class _AddValidators:
     # A picklable callable (hivemind.DHT.add_validators would wait on its DHT process without a timeout)
-    def __init__(self, validators: list[Any]):
-        self.validators = validators
+    def __init__(self, validators: list[Any], trusted: list[bytes]):
+        self.validators, self.trusted = validators, trusted
 
     async def __call__(self, _dht: hivemind.DHT, node: Any) -> None:
         protocol = node.protocol
         protocol.record_validator.extend(self.validators)
         # A node that joined before it knew the run stored and cached the run's records unchecked (hivemind
         # caches what others find on the nodes nearest to it): a stranger's plain value could sit there and
-        # win over every signed record. Drop them all: their owners renew them, other nodes hold them.
-        for guard in self.validators:
-            for key_id in getattr(guard, "key_ids", ()):
-                for held in (protocol.storage, protocol.cache):
-                    if key_id in held:
-                        del held[key_id]
+        # win over every signed record. The storage drops them all as it learns the run's keys: their owners
+        # renew them, other nodes hold them.
+        install_bounded_storage(protocol, self.trusted)
+        run_keys = [key_id for guard in self.validators for key_id in getattr(guard, "key_ids", ())]
+        for held in (protocol.storage, protocol.cache):
+            held.set_run_keys(run_keys)
 
 
 def require_alive(dht: hivemind.DHT, what: str) -> None:

@@ -311,3 +311,16 @@ def test_the_update_lock_orders_the_threads_of_one_process():
         lock.release()
     assert lock.acquire(False)
     lock.release()
+
+
+def test_a_dht_node_asks_of_its_storage_and_cache_only_what_bounded_storage_answers():
+    """swarm/dht/storage.py puts BoundedStorage in place of DHTProtocol's `storage` and `cache`."""
+    from hivemind.dht import node, protocol
+
+    from swarm.dht.storage import BoundedStorage
+
+    sources = inspect.getsource(protocol) + inspect.getsource(node)
+    called = set(re.findall(r"\b(?:storage|cache)\.(\w+)\(", sources))
+    assert called == {"store", "store_subkey", "get", "items"}
+    assert all(callable(getattr(BoundedStorage, name, None)) for name in called)
+    assert "self.storage, self.cache = " in inspect.getsource(protocol.DHTProtocol.create)

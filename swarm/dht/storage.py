@@ -62,10 +62,12 @@ class StorageLimits:
 
 MiB = 1 << 20
 RUN_RECORD = MAX_RECORD_BYTES + SIGNATURE_BYTES
-# Honest figures for scale: a server's records take ~1-2 KB each (a checkpoint list ~3 KB), a run config
-# or run checkpoint up to a few tens of KB; a swarm of 1,000 peers holds ~6 MB in all, spread over its nodes.
-STORAGE_LIMITS = StorageLimits(run=PoolLimits(6 * MiB, 1024, RUN_RECORD), other=PoolLimits(MiB, 256, OTHER_VALUE_BYTES))
-CACHE_LIMITS = StorageLimits(run=PoolLimits(2 * MiB, 1024, RUN_RECORD),
+# For scale: a swarm of 1,000 peers (64 stages x 8 servers, 488 trainers) with the largest records each kind
+# allows holds ~7 MB in all (tests/unit/test_dht_storage.py); a node holds it all only in a swarm of at most
+# 5 nodes (hivemind's num_replicas), otherwise its share of the keys. Cached copies of others' are bounded apart.
+STORAGE_LIMITS = StorageLimits(run=PoolLimits(8 * MiB, 4096, RUN_RECORD),
+                               other=PoolLimits(2 * MiB, 256, OTHER_VALUE_BYTES))
+CACHE_LIMITS = StorageLimits(run=PoolLimits(2 * MiB, 4096, RUN_RECORD),
                              other=PoolLimits(MiB // 4, 256, OTHER_VALUE_BYTES))
 
 

@@ -95,7 +95,8 @@ async def _flood(target: str, owner: bytes, attacker: str, scale: float, _dht, n
         await protocol.call_store(peer, keys, values, expiration, subkeys=subkeys, in_cache=in_cache)
         sent += sum(map(len, values)) + sum(len(s) for s in subkeys or ())
 
-    # 1. at every key of the run, its own signed record, padded to just under the guard's limit (~48 MiB)
+    # 1. at every key of the run, its own signed record, padded to just under the guard's limit, stored (~48 MiB)
+    # and cached (~12 MiB, a quarter of the keys)
     fields = [(dht_key(RUN_ID, f), f) for f in run_fields()]
     fields += [(progress_key(RUN_ID, k), "") for k in range(MAX_STAGES)]
     fields = fields[:max(1, int(len(fields) * scale))]
@@ -109,8 +110,10 @@ async def _flood(target: str, owner: bytes, attacker: str, scale: float, _dht, n
             values.append(protocol.record_validator.sign_value(DHTRecord(key_id.to_bytes(), subkey, value, expiration)))
             keys.append(key_id)
         await send(keys, values, expiration, subkeys=[owner] * len(keys))
-    # 2. made-up keys: small values, stored (30 MiB) and cached (10 MiB); 3. one key, 1 KB subkeys (2 MiB)
-    for total, in_cache in ((30 * MiB, False), (10 * MiB, True), (2 * MiB, None)):
+        if start % 64 == 0:
+            await send(keys, values, expiration, subkeys=[owner] * len(keys), in_cache=True)
+    # 2. made-up keys: small values, stored (25 MiB) and cached (8 MiB); 3. one key, 1 KB subkeys (2 MiB)
+    for total, in_cache in ((25 * MiB, False), (8 * MiB, True), (2 * MiB, None)):
         for _ in range(max(1, int(total * scale) // (4000 * 200))):
             if in_cache is None:
                 keys = [DHTID.generate(source=f"one-key-{os.getpid()}")] * 4000

@@ -6,17 +6,36 @@ import tracemalloc
 from types import SimpleNamespace
 
 import pytest
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
-from hivemind.utils import get_dht_time
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.dht import load_identity
+from swarm.averaging.progress import ProgressRecord
+from swarm.config import RunConfig
+from swarm.dht import (
+    CheckpointRecord,
+    ExpertHostRecord,
+    HeldCheckpoint,
+    PeerMetricsRecord,
+    RunCheckpointRecord,
+    RunCheckpointStage,
+    RunConfigRecord,
+    ServerRecord,
+    ServerState,
+    SwarmKey,
+    load_identity,
+)
 from swarm.dht import storage as storage_module
 from swarm.dht.keys import MAX_RECORD_LIFETIME, MAX_SUBKEY_BYTES
+from swarm.dht.schemas import MAX_HELD_CHECKPOINTS, MAX_HOSTED_EXPERTS, MAX_STAGES
 from swarm.dht.storage import (
     ENTRY_OVERHEAD,
     OTHER_VALUE_BYTES,
     RUN_RECORD,
+    STORAGE_LIMITS,
     BoundedStorage,
     PoolLimits,
     StorageLimits,
@@ -183,3 +202,52 @@ def test_a_flood_of_made_up_keys_stays_within_the_budget(flood):
         storage.store(DHTID.generate(source=f"junk{i}"), b"j" * 200, later(600))
     assert storage.used_bytes <= 100 * (200 + 16 + ENTRY_OVERHEAD) and storage.entries <= 100
     assert storage.store(OTHER_KEY, b"1", later(5), subkey=b"peer")  # an averager's declaration still goes in
+
+
+def _signed(value: dict, signer: RSASignatureValidator, owner: bytes) -> tuple[bytes, bytes]:
+    """(subkey, value) as a node stores them: msgpack'd, the value signed by its owner."""
+    record = DHTRecord(RUN_KEY.to_bytes(), MSGPackSerializer.dumps(owner), MSGPackSerializer.dumps(value), later())
+    return owner, signer.sign_value(record)
+
+
+def test_the_largest_honest_records_fit_with_room_to_spare():
+    identity = load_identity(None)
+    signer, peer = RSASignatureValidator(identity.signing_key), identity.peer_id
+    config = RunConfig(run_id="r" * 64 + "-" + "f" * 24)
+    config.stages.num_stages = MAX_STAGES
+    held = [HeldCheckpoint(step=2**40, manifest_id="a" * 64, size=2**40)] * MAX_HELD_CHECKPOINTS
+    stages = [RunCheckpointStage(stage=k, step=2**40, manifest_id="a" * 64) for k in range(MAX_STAGES)]
+    address = "a" * 245 + ".example:65535"  # the longest metrics address a record takes
+    records = {
+        "config": RunConfigRecord(run_id=config.run_id, config_yaml=SwarmKey(b"k" * 32).seal(config.to_yaml()),
+                                  coordinator_peer_id=peer),
+        "run checkpoint": RunCheckpointRecord(peer_id=peer, state_hash="a" * 64, step=2**40, manifest_id="a" * 64,
+                                              stages=stages),
+        "server": ServerRecord(peer_id=peer, stage=255, state=ServerState.JOINING, throughput=1e9, step=2**40,
+                               metrics_addr=address),
+        "checkpoints": CheckpointRecord(peer_id=peer, stage=255, state_hash="a" * 64, checkpoints=held),
+        "expert host": ExpertHostRecord(peer_id=peer, experts=list(range(MAX_HOSTED_EXPERTS)),
+                                        state=ServerState.ONLINE, throughput=1e9, metrics_addr=address),
+        "metrics": PeerMetricsRecord(peer_id=peer, role="trainer", step=2**40, samples_per_second=1e9,
+                                     samples=2**50, time=get_dht_time(), stage=255, loss=1.5, metrics_addr=address),
+        "progress": ProgressRecord(peer_id=peer, step=2**40, samples=2**40, round_id="a" * 64, group=2**20,
+                                   priority=1e9, updated=get_dht_time(), fingerprint=[1e9, 1e9], averaging=True),
+    }
+    sizes = {name: len(_signed(record.to_wire(), signer, identity.owner_key)[1]) for name, record in records.items()}
+    assert sizes["run checkpoint"] <= RUN_RECORD / 2, sizes  # the largest: every stage of a 256-stage run
+    assert max(sizes.values()) == sizes["run checkpoint"], sizes
+    assert len(identity.owner_key) <= MAX_SUBKEY_BYTES / 2
+    # hivemind's averaging, at keys of no run: a float or None (state sources), a bool (group keys)
+    peer_bytes = PeerID.from_base58(peer).to_bytes()
+    assert max(len(MSGPackSerializer.dumps(v)) for v in (1e300, None, True)) <= OTHER_VALUE_BYTES / 16
+    # a swarm of 1,000 peers, 64 stages x 8 servers (server, checkpoint list, progress, metrics each) and 488
+    # trainers, every record at its largest and all on one node: the run's pool holds it, with room to spare;
+    # the averaging keys too (a state source and a group key per server)
+    marker = len(identity.owner_key)
+    per_server = sum(sizes[n] + marker + ENTRY_OVERHEAD for n in ("server", "checkpoints", "metrics", "progress"))
+    coordinator = sum(sizes[n] + marker + ENTRY_OVERHEAD for n in ("config", "run checkpoint", "metrics"))
+    whole = (64 * 8 * per_server + 488 * (sizes["metrics"] + marker + ENTRY_OVERHEAD) + coordinator
+             + 64 * (sizes["checkpoints"] + marker + ENTRY_OVERHEAD))  # the coordinator's archive, every stage
+    assert whole <= STORAGE_LIMITS.run.budget * 0.9, whole
+    averaging = 64 * 8 * 2 * (len(peer_bytes) + 9 + ENTRY_OVERHEAD)
+    assert averaging <= STORAGE_LIMITS.other.budget * 0.75, averaging

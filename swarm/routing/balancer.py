@@ -74,6 +74,7 @@ class ServerState:
     failures: int = 0
     banned_until: float = 0.0
     missing_since: float | None = None  # None while the latest lookup lists it
+    caught_at: float = float("-inf")  # when it was last caught answering wrongly (`ban`)
 
     @property
     def measured(self) -> bool:
@@ -240,7 +241,7 @@ class StageBalancer:
     def report_success(self, ticket: Ticket) -> None:
         """The server answered: update its estimates of the ticket's kind and lift any ban."""
         state = self._close(ticket)
-        if state is None:
+        if state is None or ticket.sent <= state.caught_at:  # an answer from before it was caught clears nothing
             return
         done = self.clock()
         size = max(ticket.size, 1)
@@ -277,7 +278,8 @@ class StageBalancer:
         if state is None:
             return
         state.failures += 1
-        state.banned_until = max(state.banned_until, self.clock() + seconds)
+        state.caught_at = self.clock()
+        state.banned_until = max(state.banned_until, state.caught_at + seconds)
         state.service.clear()
         state.latency.clear()
 

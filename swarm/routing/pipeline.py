@@ -29,6 +29,7 @@ retried elsewhere.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -61,7 +62,7 @@ from swarm.protocol import (
 )
 from swarm.protocol.messages import check_moe_lost
 from swarm.routing.balancer import StageBalancer, Ticket
-from swarm.routing.spot_checks import SPOT_CHECK_RATE, Finding, SpotCheck, agree, minority
+from swarm.routing.spot_checks import SPOT_CHECK_RATE, SpotCheck, Witnesses
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class RemotePipeline:
         self.stats = PipelineStats()
         self.spot_check_rate = spot_check_rate  # 0: no spot checks, not even of probes
         self.rng = rng or random.Random()
+        self.witnesses = [Witnesses(stage, balancer, functools.partial(self._attempt, stage), self.rng, self.stats)
+                          for stage, balancer in enumerate(self.balancers)]
         self.stage_steps: dict[int, int] = {}  # the optimizer step each stage's server last replied with
         self._servers_changed = asyncio.Event()
 
@@ -212,69 +215,40 @@ class RemotePipeline:
             if ticket is None:
                 await self._wait_for_servers(stage, deadline)
                 continue
-            probe = balancer.on_probation(ticket.peer_id)
+            check = self._check_of(stage, request, balancer.on_probation(ticket.peer_id))
+            witnesses = self.witnesses[stage]
+            # A forward's witness computes at the same moment, so at the same optimizer step.
+            early = None if check is None or check.slopes else \
+                asyncio.ensure_future(witnesses.ask(check, {ticket.peer_id}))
             self.stats.calls += 1
+            reply = None
             try:
-                reply = await self._attempt(stage, request, ticket, refused)
+                # A checked reply counts as the server's success only once the check passes: till then
+                # a probing server stays on probation, one call at a time.
+                reply = await self._attempt(stage, request, ticket, refused, report=check is None)
+                if reply is not None and check is not None:
+                    first = None if early is None else await early
+                    if await witnesses.rejects(check, check.claim(ticket.peer_id, reply), first):
+                        reply = None  # wrong: retried on another server, like a failure
+                    else:
+                        balancer.report_success(ticket)
             finally:
                 # After a failure, a refused request or a cancellation the task is no longer the
                 # server's; a reported success already closed the ticket, so this does nothing then.
                 balancer.release(ticket)
-            if reply is not None and self._check_due(probe) and await self._caught(stage, request, reply,
-                                                                                   ticket.peer_id):
-                reply = None  # wrong: retried on another server, like a failure
+                if early is not None and not early.done():
+                    early.cancel()
             if reply is not None:
                 if reply.server_step is not None:
                     self.stage_steps[stage] = reply.server_step
                 return reply
             tried.add(ticket.peer_id)
 
-    def _check_due(self, probe: bool) -> bool:
-        return self.spot_check_rate > 0 and (probe or self.rng.random() < self.spot_check_rate)
-
-    async def _caught(self, stage: int, request: StageRequest, reply: StageReply, peer: str) -> bool:
-        """Spot-check the reply (see swarm.routing.spot_checks): whether its server was caught wrong."""
-        check = SpotCheck.of(request, reply, peer, stage == self.num_stages - 1)
-        if check is None:
-            return False
-        first = await self._witness(stage, check, {peer})
-        if first is None:
-            return False
-        self.stats.spot_checks += 1
-        if agree(check.claim, first):
-            return False
-        self.stats.disputes += 1
-        second = await self._witness(stage, check, {peer, first.peer})
-        wrong = None if second is None else minority(check.claim, first, second)
-        if wrong is None:
-            log.warning("spot check of stage %d %s on %s: witness %s disagrees and no third server settles it",
-                        stage, request.kind, peer, first.peer)
-            return False
-        balancer = self.balancers[stage]
-        balancer.ban(wrong, balancer.ban_max)
-        self.stats.caught[stage] += 1
-        log.warning("spot check of stage %d %s: server %s answered wrongly (the other two of %s agree); banned for "
-                    "%.0fs", stage, request.kind, wrong, sorted({peer, first.peer, second.peer}), balancer.ban_max)
-        return wrong == peer
-
-    async def _witness(self, stage: int, check: SpotCheck, exclude: set[str]) -> Finding | None:
-        """What a server of the stage picked at random (not by speed: an instant liar is the fastest) says."""
-        balancer = self.balancers[stage]
-        others = [p for p in balancer.available(exclude) if not balancer.on_probation(p)]
-        others = others or balancer.available(exclude)
-        if not others:
+    def _check_of(self, stage: int, request: StageRequest, probe: bool) -> SpotCheck | None:
+        """The spot check of this call, if it gets one: every probe's, else at `spot_check_rate`."""
+        if self.spot_check_rate <= 0 or not (probe or self.rng.random() < self.spot_check_rate):
             return None
-        peer = self.rng.choice(sorted(others))
-        size = int(check.request.inputs.shape[0])
-        tickets = [balancer.charge(peer, size, FORWARD) for _ in check.witness_requests]
-        try:
-            replies = await asyncio.gather(*(self._attempt(stage, r, t)
-                                             for r, t in zip(check.witness_requests, tickets)))
-        finally:
-            for ticket in tickets:
-                balancer.release(ticket)
-        self.stats.calls += len(tickets)
-        return None if any(r is None for r in replies) else check.finding(peer, replies)
+        return SpotCheck.of(request, stage == self.num_stages - 1)
 
     def _check_refusals(self, stage: int, kind: str, refused: dict[str, str]) -> None:
         """Drop the micro-batch if every listed server of the stage called the request bad: the fault is
@@ -292,9 +266,9 @@ class RemotePipeline:
                             f"{message}")
 
     async def _attempt(self, stage: int, request: StageRequest, ticket: Ticket,
-                       refused: dict[str, str] | None = None) -> StageReply | None:
-        """One call on the ticket's server: its reply (reported a success) or None (reported a failure);
-        a server that calls the request bad is added to `refused`."""
+                       refused: dict[str, str] | None = None, report: bool = True) -> StageReply | None:
+        """One call on the ticket's server: its reply (reported a success, if `report`) or None (reported a
+        failure); a server that calls the request bad is added to `refused`."""
         balancer, peer, kind = self.balancers[stage], ticket.peer_id, request.kind
         timeout = balancer.timeout(ticket, self.settings.timeout_multiplier, self.settings.timeout_floor,
                                    self.settings.request_timeout)
@@ -322,7 +296,8 @@ class RemotePipeline:
             log.warning("stage %d %s on %s replied %s; banned for %.0fs, retrying", stage, kind, peer[-8:], problem,
                         ban)
             return None
-        balancer.report_success(ticket)
+        if report:
+            balancer.report_success(ticket)
         reply.server = peer
         return reply
 

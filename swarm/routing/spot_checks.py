@@ -6,48 +6,64 @@ gradients poison every stage upstream. So now and then (`SPOT_CHECK_RATE`, and a
 probe: its first answer, or its first since a failure) the trainer asks a *witness*, another server
 of the stage chosen at random (speed would pick an instant liar), for evidence it can compare:
 
-- a forward's output: the witness runs the same forward; the outputs must agree within
-  `OUTPUT_TOLERANCE` (relative L2 distance), compared only at the same optimizer step (one step moves
-  a stage's outputs by up to tens of percent) and when no remote expert was lost;
-- a backward's input gradient g (every stage but the first; the last stage's fused call too): the
-  witness evaluates the stage at h + eps*u and h - eps*u, u = g / |g|, forward only, so nothing is
-  accumulated twice. Their difference estimates the derivative along u, which g claims is |g|; on
-  the last stage their mean is the loss, which the reply claims too. Central differences at
-  eps = `PROBE_STEP` * |h| are within a few percent of the true derivative, in bfloat16 and with
-  mixture-of-experts routing too (measured on configs/tiny.yaml and moe.yaml); the bound on their
-  ratio (`SLOPE_RATIO`) also covers a step taken between the reply and the witness's forwards.
+- a forward's output: the witness runs the same forward at the same time (one optimizer step moves
+  a stage's outputs by up to 100% early in a run, so only replies of the same moment compare); the
+  outputs must agree within `OUTPUT_TOLERANCE` (relative L2 distance);
+- a backward's input gradient g (every stage but the first, the last stage's fused call included):
+  once g is known, the witness evaluates the stage at h + eps*u and h - eps*u, u = g / |g|, forward
+  only, so no gradient is accumulated twice. Their difference estimates the derivative along u,
+  which g claims is |g|; on the last stage their mean is the loss, which the reply claims too.
+  Central differences at eps = `PROBE_STEP` * |h| are within 2% of the true derivative, in bfloat16
+  and with mixture-of-experts routing too; the tolerances (`SLOPE_RATIO`, `LOSS_TOLERANCE`) also
+  cover a step taken in between (early in a run of configs/tiny.yaml one step moves the derivative
+  by up to 0.44x and the loss by 9%).
 
-When the witness disagrees, a second witness decides: the one of the three the other two agree
-against is banned (`StageBalancer.ban`), its peer id logged; a rejected reply's call is retried on
-another server. Two servers alone cannot say which is wrong: the disagreement is logged, nothing is
-banned. What a check catches is gross: zeros, noise, a flipped or scaled-up gradient, a made-up loss.
-A reply within the tolerances (a gradient with some noise added, scaled by less than `SLOPE_RATIO`)
-passes, as does a lie the witnesses share (two colluding servers checked by each other).
+When the witness disagrees a second one decides: the one of the three the other two agree against
+is wrong. If its reported optimizer step is one the others do not report, a step may explain it
+(replicas apply a step a few milliseconds apart): it gets a strike, and `STRIKES` among its last
+`STRIKE_WINDOW` checks of that kind count as wrong, so a server cannot hide behind made-up steps,
+nor clear its record with honest answers of the other kind. A wrong
+server is banned for its balancer's longest ban, its peer id logged; a wrong reply (or a struck
+one) is not used: the call is retried on another server. Two servers alone cannot say which is
+wrong: the dispute is logged. What a check catches is gross: zeros, noise, a flipped or scaled-up
+gradient, a made-up loss. A reply within the tolerances (a gradient with some noise added, scaled
+by less than `SLOPE_RATIO`) passes, and so does a lie two witnesses share (colluding servers).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import random
 import secrets
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from swarm.protocol import BACKWARD, FORWARD, StageReply, StageRequest
+from swarm.routing.balancer import StageBalancer, Ticket
+
+log = logging.getLogger(__name__)
 
 SPOT_CHECK_RATE = 1 / 32  # of the calls whose reply can be checked; a server's probes are always checked
 OUTPUT_TOLERANCE = 0.25  # forward outputs agree within this relative L2 distance
-LOSS_TOLERANCE = 0.1  # losses agree within this relative difference (a step between them moves it ~1%)
+LOSS_TOLERANCE = 0.25  # losses agree within this relative difference
 SLOPE_RATIO = 4.0  # derivatives agree if of the same sign and within this factor of each other
 PROBE_STEP = 1e-2  # eps of the central differences, relative to the norm of the stage's input
+STRIKES = 3  # disputes lost with another step as excuse, among a server's last STRIKE_WINDOW checks of a kind,
+STRIKE_WINDOW = 12  # that count as one lost without (an honest server has one now and then, rarely 3 in 12)
 TINY = 1e-12  # below this a norm or a derivative counts as zero
 
 
 @dataclass
 class Finding:
-    """What one server says about the quantity a check compares."""
+    """What one server says about the quantity a check compares, and at which optimizer step."""
 
     peer: str
+    step: int | None = None
     output: torch.Tensor | None = None  # forward: the stage's output
     loss: float | None = None  # last stage: the micro-batch's mean loss
     slope: float | None = None  # backward: the derivative of the objective along the probe direction
@@ -67,55 +83,51 @@ def slopes_agree(a: float, b: float) -> bool:
 
 
 def agree(a: Finding, b: Finding) -> bool:
-    """Whether two findings say the same, within the tolerances."""
+    """Whether two findings say the same, within the tolerances (their steps aside)."""
     if a.output is not None and b.output is not None and relative_distance(a.output, b.output) > OUTPUT_TOLERANCE:
         return False
-    if a.loss is not None and b.loss is not None and abs(a.loss - b.loss) > LOSS_TOLERANCE * max(abs(a.loss),
-                                                                                                  abs(b.loss)):
+    if a.loss is not None and b.loss is not None and \
+            abs(a.loss - b.loss) > LOSS_TOLERANCE * max(abs(a.loss), abs(b.loss)):
         return False
     return a.slope is None or b.slope is None or slopes_agree(a.slope, b.slope)
 
 
-def minority(claim: Finding, first: Finding, second: Finding) -> str | None:
-    """The peer the other two agree against, or None if no two of the three agree (or all do)."""
+def minority(claim: Finding, first: Finding, second: Finding) -> Finding | None:
+    """The one the other two agree against, or None if no two of the three agree (or all do)."""
     ab, ac, bc = agree(claim, first), agree(claim, second), agree(first, second)
     if bc and not ab and not ac:
-        return claim.peer
+        return claim
     if ac and not ab and not bc:
-        return first.peer
+        return first
     if ab and not ac and not bc:
-        return second.peer
+        return second
     return None
 
 
 class SpotCheck:
-    """One reply to check: the claim it makes, the requests a witness answers, what its answers say."""
+    """One call to check: the claim its reply makes, the requests a witness answers, what they say."""
 
-    def __init__(self, request: StageRequest, reply: StageReply, peer: str, last: bool):
-        self.request, self.reply, self.last = request, reply, last
-        self.claim = Finding(peer)
-        self.witness_requests: list[StageRequest] = []
+    def __init__(self, request: StageRequest, last: bool):
+        self.request, self.last = request, last
+        self.outputs = request.kind == FORWARD and not last  # an evaluation (the last stage's forward) is not
+        self.slopes = request.kind == BACKWARD and request.stage > 0  # the first stage returns no gradient
+        # A forward's witness is asked at once, with the call; a backward's once its gradient is known.
+        self.witness_requests = [self._forward(request.inputs)] if self.outputs else []
         self.eps = 0.0
-        self.direction: torch.Tensor | None = None
-        if request.kind == FORWARD and not last:
-            self.claim.output = reply.tensors[0]
-            self.witness_requests = [self._forward(request.inputs)]
-        elif request.kind == BACKWARD and reply.tensors:
-            self._slope_check()
 
     @classmethod
-    def of(cls, request: StageRequest, reply: StageReply, peer: str, last: bool) -> SpotCheck | None:
-        """The check of this reply, or None if it has nothing checkable (a first stage's backward, an
-        evaluation, a call that went without some remote experts)."""
-        if "moe_lost" in reply.info or request.moe_lost:
-            return None
-        check = cls(request, reply, peer, last)
-        return check if check.witness_requests else None
+    def of(cls, request: StageRequest, last: bool) -> SpotCheck | None:
+        """The check of a call, or None if its reply will have nothing checkable."""
+        check = cls(request, last)
+        return check if (check.outputs or check.slopes) and not request.moe_lost else None
 
-    def _slope_check(self) -> None:
-        request, reply = self.request, self.reply
-        h = request.inputs.detach().float()
-        grad = reply.tensors[0].detach().float()
+    def claim(self, peer: str, reply: StageReply) -> Finding | None:
+        """What the reply claims; None if it cannot be compared (it went without some remote experts)."""
+        if "moe_lost" in reply.info:
+            return None
+        if self.outputs:
+            return Finding(peer, reply.server_step, output=reply.tensors[0])
+        h, grad = self.request.inputs.detach().float(), reply.tensors[0].detach().float()
         norm = float(grad.norm())
         if norm < TINY:  # a zero gradient claims a zero derivative in every direction: try any one
             direction = torch.randn(h.shape, generator=torch.Generator().manual_seed(secrets.randbits(62)))
@@ -124,12 +136,10 @@ class SpotCheck:
             direction = grad / norm
         self.eps = PROBE_STEP * float(h.norm())
         if self.eps < TINY:
-            return
-        self.direction = direction
-        self.claim.slope = norm
-        if self.last:
-            self.claim.loss = float(reply.info["loss"])
+            return None
         self.witness_requests = [self._forward(h + self.eps * direction), self._forward(h - self.eps * direction)]
+        loss = float(reply.info["loss"]) if self.last else None
+        return Finding(peer, reply.server_step, loss=loss, slope=norm)
 
     def _forward(self, inputs: torch.Tensor) -> StageRequest:
         r = self.request
@@ -137,23 +147,98 @@ class SpotCheck:
         return StageRequest(FORWARD, r.stage, f"{r.request_id[:200]}:{secrets.token_hex(4)}", inputs,
                             targets=r.targets if self.last else None, wire_dtype=r.wire_dtype)
 
-    def finding(self, peer: str, replies: list[StageReply]) -> Finding | None:
-        """What a witness's replies say; None if they cannot be compared (another step, experts lost)."""
+    def finding(self, peer: str, replies: Sequence[StageReply]) -> Finding | None:
+        """What a witness's replies say; None if they cannot be compared (experts lost, steps apart)."""
         if any("moe_lost" in reply.info for reply in replies):
             return None
-        if self.claim.output is not None:
-            if replies[0].server_step != self.reply.server_step:
-                return None
-            return Finding(peer, output=replies[0].tensors[0])
-        steps = [reply.server_step for reply in replies]
-        if self.reply.server_step is not None and any(s is None or abs(s - self.reply.server_step) > 1 for s in steps):
-            return None  # a server steps during a backward: one step apart is as close as they can be
+        steps = {reply.server_step for reply in replies}
+        if len(steps) > 1:  # it stepped between its two forwards
+            return None
+        step = steps.pop()
+        if self.outputs:
+            return Finding(peer, step, output=replies[0].tensors[0])
         plus, minus = (reply.tensors[0].detach().float() for reply in replies)
         if self.last:  # the mean loss: the objective is the loss summed over the micro-batch
             n = int(self.request.inputs.shape[0])
-            slope = n * (float(plus) - float(minus)) / (2 * self.eps)
-            finding = Finding(peer, loss=(float(plus) + float(minus)) / 2, slope=slope)
+            found = Finding(peer, step, loss=(float(plus) + float(minus)) / 2,
+                            slope=n * (float(plus) - float(minus)) / (2 * self.eps))
         else:
             grad_outputs = self.request.grad_outputs.detach().float()
-            finding = Finding(peer, slope=float((grad_outputs * (plus - minus)).sum()) / (2 * self.eps))
-        return finding if math.isfinite(finding.slope) else None
+            found = Finding(peer, step, slope=float((grad_outputs * (plus - minus)).sum()) / (2 * self.eps))
+        return found if math.isfinite(found.slope) else None
+
+
+Attempt = Callable[[StageRequest, Ticket], Awaitable[StageReply | None]]
+
+
+class Witnesses:
+    """Asks the witnesses of one stage and settles disputes; keeps the strikes of its servers."""
+
+    def __init__(self, stage: int, balancer: StageBalancer, attempt: Attempt, rng: random.Random, stats):
+        self.stage, self.balancer, self.attempt, self.rng = stage, balancer, attempt, rng
+        self.stats = stats  # the pipeline's PipelineStats: calls, spot_checks, disputes, caught
+        self.record: dict[tuple[str, str], deque[bool]] = {}  # (peer, kind) -> its last checks: struck or not
+
+    async def ask(self, check: SpotCheck, exclude: set[str]) -> Finding | None:
+        """What a server of the stage picked at random (not by speed: an instant liar is the fastest) says."""
+        balancer = self.balancer
+        others = [p for p in balancer.available(exclude) if not balancer.on_probation(p)]
+        others = others or balancer.available(exclude)
+        if not others or not check.witness_requests:
+            return None
+        peer = self.rng.choice(sorted(others))
+        size = int(check.request.inputs.shape[0])
+        tickets = [balancer.charge(peer, size, FORWARD) for _ in check.witness_requests]
+        try:
+            replies = await asyncio.gather(*(self.attempt(r, t) for r, t in zip(check.witness_requests, tickets)))
+        finally:
+            for ticket in tickets:
+                balancer.release(ticket)
+        self.stats.calls += len(tickets)
+        return None if any(r is None for r in replies) else check.finding(peer, replies)
+
+    async def rejects(self, check: SpotCheck, claim: Finding | None, first: Finding | None) -> bool:
+        """Judge a reply's claim with the first witness's finding (asked before, or now if None): whether
+        the reply must not be used."""
+        if claim is None:
+            return False
+        if first is None and check.slopes:
+            first = await self.ask(check, {claim.peer})
+        if first is None:
+            return False
+        self.stats.spot_checks += 1
+        kind = check.request.kind
+        if agree(claim, first):
+            self._note(claim.peer, kind, struck=False)
+            self._note(first.peer, kind, struck=False)
+            return False
+        self.stats.disputes += 1
+        second = await self.ask(check, {claim.peer, first.peer})
+        wrong = None if second is None else minority(claim, first, second)
+        if wrong is None:
+            log.warning("spot check of stage %d %s on %s: witness %s disagrees and no third server settles it",
+                        self.stage, check.request.kind, claim.peer, first.peer)
+            return False
+        others = [f for f in (claim, first, second) if f is not wrong]
+        for f in others:
+            self._note(f.peer, kind, struck=False)
+        excused = wrong.step is not None and all(f.step is not None and f.step != wrong.step for f in others)
+        if not excused or self._note(wrong.peer, kind, struck=True) >= STRIKES:
+            self.record.pop((wrong.peer, kind), None)
+            self.balancer.ban(wrong.peer, self.balancer.ban_max)
+            self.stats.caught[self.stage] += 1
+            log.warning("spot check of stage %d %s: server %s answered wrongly (the other two of %s agree); banned "
+                        "for %.0fs", self.stage, check.request.kind, wrong.peer, sorted(f.peer for f in others),
+                        self.balancer.ban_max)
+        return wrong is claim
+
+    def strikes(self, peer: str, kind: str) -> int:
+        return sum(self.record.get((peer, kind), ()))
+
+    def _note(self, peer: str, kind: str, struck: bool) -> int:
+        """Add a check's outcome to the server's record; its strikes now."""
+        if len(self.record) > 2 * len(self.balancer.servers) + 2:  # servers the balancer forgot, forgotten here
+            self.record = {key: value for key, value in self.record.items() if key[0] in self.balancer.servers}
+        record = self.record.setdefault((peer, kind), deque(maxlen=STRIKE_WINDOW))
+        record.append(struck)
+        return sum(record)

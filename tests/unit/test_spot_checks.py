@@ -91,6 +91,11 @@ LIES: dict[str, Callable[[StageRequest, StageReply], StageReply]] = {  # what a 
     "flipped gradient": lie_on(BACKWARD, lambda r: tensors(r, torch.neg)),
     "gradient x 10": lie_on(BACKWARD, lambda r: tensors(r, lambda t: 10 * t)),
     "noise gradient": lie_on(BACKWARD, lambda r: tensors(r, lambda t: torch.randn_like(t) * t.std())),
+    # a step of its own, so that no witness is ever at the step it claims
+    "noise output, another step": lie_on(FORWARD, lambda r: StageReply([torch.randn_like(r.tensors[0])],
+                                                                      r.server_step + 1, r.info)),
+    "flipped gradient, another step": lie_on(BACKWARD, lambda r: StageReply([-t for t in r.tensors],
+                                                                            r.server_step + 5, r.info)),
     "made-up loss": lie_on(BACKWARD, lambda r: StageReply(r.tensors, r.server_step, {**r.info, "loss": 3.0})
                            if "loss" in r.info else r),
 }
@@ -104,6 +109,7 @@ class Swarm:
         self.stages = Stages(len(servers))
         self.lie, self.bf16 = lie, bf16
         self.calls: Counter = Counter()  # (peer, kind) -> calls answered
+        self.once: dict[str, Callable[[StageReply], StageReply]] = {}  # peer -> what it does to its next reply
         self.sent_to_first: list[torch.Tensor] = []  # the gradients stage 0's backwards were given
         self.pipeline = FakePipeline(servers, self.behaviour, spot_check_rate=rate)
 
@@ -113,6 +119,8 @@ class Swarm:
         if stage == 0 and request.kind == BACKWARD:
             self.sent_to_first.append(request.grad_outputs)
         reply = self.stages.answer(stage, request, bf16=peer in self.bf16)
+        if peer in self.once:
+            reply = self.once.pop(peer)(reply)
         return LIES[self.lie](request, reply) if peer.startswith("liar") and self.lie else reply
 
     def trip(self, seed: int) -> float:
@@ -148,19 +156,19 @@ def test_relative_distance_and_slopes():
 def test_the_minority_is_the_one_the_other_two_agree_against():
     a, b, c = Finding("a", loss=2.0, slope=1.0), Finding("b", loss=2.01, slope=1.1), Finding("c", loss=2.0, slope=-1.0)
     assert agree(a, b) and not agree(a, c)
-    assert minority(c, a, b) == "c" and minority(a, c, b) == "c" and minority(a, b, c) == "c"
+    assert minority(c, a, b) is c and minority(a, c, b) is c and minority(a, b, c) is c
     assert minority(a, b, Finding("d", loss=2.0, slope=1.0)) is None  # all agree
     assert minority(a, c, Finding("e", loss=9.0, slope=1.0)) is None  # no two agree
 
 
 def test_nothing_checkable_is_not_checked():
     x, y = micro_batch(0)
-    assert SpotCheck.of(StageRequest(BACKWARD, 0, "r", x, grad_outputs=torch.ones(4, 16, 32)), StageReply([]), "a",
-                        last=False) is None  # a first stage's backward returns no gradient
-    assert SpotCheck.of(StageRequest(FORWARD, 2, "r", torch.ones(4, 16, 32), targets=y), StageReply([torch.tensor(2.)]),
-                        "a", last=True) is None  # an evaluation
-    lost = StageReply([torch.ones(4, 16, 32)], info={"moe_lost": [(1, [0])]})
-    assert SpotCheck.of(StageRequest(FORWARD, 0, "r", x), lost, "a", last=False) is None  # went without an expert
+    h = torch.ones(4, 16, 32)
+    assert SpotCheck.of(StageRequest(BACKWARD, 0, "r", x, grad_outputs=h), last=False) is None  # no gradient back
+    assert SpotCheck.of(StageRequest(FORWARD, 2, "r", h, targets=y), last=True) is None  # an evaluation
+    assert SpotCheck.of(StageRequest(BACKWARD, 1, "r", h, grad_outputs=h, moe_lost=[(1, [0])]), last=False) is None
+    check = SpotCheck.of(StageRequest(FORWARD, 0, "r", x), last=False)
+    assert check.claim("a", StageReply([h], info={"moe_lost": [(1, [0])]})) is None  # went without an expert
 
 
 # --- liars are caught, honest servers never are -------------------------------------------------------
@@ -193,6 +201,27 @@ def test_honest_servers_in_float32_and_bfloat16_never_disagree():
         swarm.trip(seed)
     stats = swarm.pipeline.stats
     assert stats.spot_checks >= 100 and stats.disputes == 0 and not stats.caught, stats
+
+
+def test_a_witness_a_step_apart_gets_a_strike_not_a_ban():
+    """Replicas apply a step milliseconds apart: a witness that answered just before (its output one step
+    behind, so unlike the others') is not banned for it; an agreeing check clears its strike."""
+    servers = {0: ["a", "b", "c"], 1: ["h"], 2: ["h"]}
+    swarm = Swarm(servers)
+    swarm.trip(0)  # every server of stage 0 answers once (probes and witnesses)
+    pipeline, witnesses = swarm.pipeline, swarm.pipeline.witnesses[0]
+    pipeline.rng = random.Random(1)
+    swarm.once["c"] = lambda r: StageReply([r.tensors[0] * 3], STEP - 1, r.info)  # answered before its step
+    seed = 1
+    while "c" in swarm.once and seed < 30:  # until c was a witness (or answered a call), and lost
+        loss, _ = swarm.honest_trip(seed)
+        assert swarm.trip(seed) == pytest.approx(loss, rel=1e-5)
+        seed += 1
+    assert witnesses.strikes("c", FORWARD) == 1 and pipeline.stats.disputes == 1
+    assert "c" in pipeline.balancers[0].available()
+    for later in range(seed, seed + 40):  # honest from now on: never banned
+        swarm.trip(later)
+    assert not pipeline.stats.caught and witnesses.strikes("c", FORWARD) <= 1
 
 
 def test_two_servers_alone_cannot_settle_a_dispute():

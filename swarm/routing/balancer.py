@@ -27,6 +27,8 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
   load that has since gone, does not shut a server out for good.
 - Every choice returns a `Ticket`; `report_success`, `report_failure` or `release` (a cancelled call)
   closes it, and only the first of these counts, so outstanding work cannot leak.
+- A server caught answering wrongly (`ban`, from a spot check) loses its estimates and is banned; an
+  answer of a call sent before that lifts nothing.
 - A failure bans the server for `ban_base * 2**(failures-1)` seconds, capped at `ban_max`; a success
   resets the count. A `brief` failure (the server said it is full: busy, not ready) counts the same
   but bans from `brief_ban_base` instead: a loaded honest server is back within a second or two,

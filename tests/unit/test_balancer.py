@@ -474,3 +474,23 @@ def test_a_pardon_takes_back_one_failure_and_its_ban():
     b.pardon("b")  # never failed: nothing to take back
     b.pardon("gone")
     assert b.servers["b"].failures == 0
+
+
+def test_a_server_caught_answering_wrongly_is_banned_and_measured_anew():
+    clock = FakeClock()
+    b = balancer(clock, "a", "liar", ban_base=15, ban_max=300)
+    measured(b, clock, "a", 0.01)
+    measured(b, clock, "liar", 0.0001)  # instant: the fastest
+    late = b.charge("liar", SIZE, FORWARD)  # in flight when it is caught
+    b.ban("liar", 300)
+    assert "liar" not in b.available() and b.on_probation("liar") and not b.servers["liar"].measured
+    clock.now += 1
+    b.report_success(late)  # an answer sent before it was caught lifts nothing, measures nothing
+    assert "liar" not in b.available() and not b.servers["liar"].measured and not b.servers["liar"].open
+    clock.now += 300
+    probe = b.choose(SIZE, FORWARD)
+    assert probe.peer_id == "liar"  # back, on probation: one call...
+    assert b.choose(SIZE, FORWARD).peer_id == "a"  # ...at a time
+    b.report_success(probe)
+    assert not b.on_probation("liar")
+    b.ban("gone", 300)  # a server the balancer does not know: nothing to do

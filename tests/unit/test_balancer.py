@@ -478,19 +478,19 @@ def test_a_pardon_takes_back_one_failure_and_its_ban():
 
 def test_a_server_caught_answering_wrongly_is_banned_and_measured_anew():
     clock = FakeClock()
-    b = balancer(clock, "a", "liar", ban_base=15, ban_max=300)
-    measured(b, clock, "a", 0.01)
-    measured(b, clock, "liar", 0.0001)  # instant: the fastest
-    late = b.charge("liar", SIZE, FORWARD)  # in flight when it is caught
-    b.ban("liar", 300)
-    assert "liar" not in b.available() and b.on_probation("liar") and not b.servers["liar"].measured
+    b = balancer(clock, "z", "0-liar", ban_base=15, ban_max=300)  # the liar wins ties
+    measured(b, clock, "z", 0.01)
+    measured(b, clock, "0-liar", 0.0001)  # instant: the fastest
+    late = b.charge("0-liar", SIZE, FORWARD)  # in flight when it is caught
+    b.ban("0-liar", 300)
+    assert "0-liar" not in b.available() and b.on_probation("0-liar") and not b.servers["0-liar"].measured
     clock.now += 1
     b.report_success(late)  # an answer sent before it was caught lifts nothing, measures nothing
-    assert "liar" not in b.available() and not b.servers["liar"].measured and not b.servers["liar"].open
+    assert "0-liar" not in b.available() and not b.servers["0-liar"].measured and not b.servers["0-liar"].open
     clock.now += 300
     probe = b.choose(SIZE, FORWARD)
-    assert probe.peer_id == "liar"  # back, on probation: one call...
-    assert b.choose(SIZE, FORWARD).peer_id == "a"  # ...at a time
+    assert probe.peer_id == "0-liar"  # back, on probation: one call...
+    assert b.choose(SIZE, FORWARD).peer_id == "z"  # ...at a time
     b.report_success(probe)
-    assert not b.on_probation("liar")
+    assert not b.on_probation("0-liar")
     b.ban("gone", 300)  # a server the balancer does not know: nothing to do

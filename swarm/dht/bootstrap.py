@@ -32,7 +32,7 @@ from swarm.dht.node import (
     peer_id_of,
     start_dht,
 )
-from swarm.dht.private import SwarmKey
+from swarm.dht.private import SEALED_PREFIX, SwarmKey
 from swarm.dht.records import SwarmRecords
 
 logger = logging.getLogger(__name__)
@@ -67,14 +67,23 @@ class RunInfo:
         return cls(**{name: fields[name] for name in types})
 
 
-class RunInfoServicer(ServicerBase):
-    """Answers ``rpc_run_info`` with this peer's RunInfo (hivemind's ExpertInfo carries msgpack bytes)."""
+RUN_INFO_PURPOSE = "run-info"  # what a private swarm's run_info answer is sealed for (see private.py)
 
-    def __init__(self, info: RunInfo):
+
+class RunInfoServicer(ServicerBase):
+    """Answers ``rpc_run_info`` with this peer's RunInfo (hivemind's ExpertInfo carries msgpack bytes).
+
+    In a private swarm the answer is sealed with the swarm key: libp2p's identify protocol tells
+    anyone who dials this peer the name it answers under, so whoever asks may be a stranger.
+    """
+
+    def __init__(self, info: RunInfo, swarm_key: SwarmKey | None = None):
         self.info = info
+        answer = info.to_bytes()
+        self._answer = answer if swarm_key is None else swarm_key.seal_bytes(answer, RUN_INFO_PURPOSE)
 
     async def rpc_run_info(self, request: runtime_pb2.ExpertInfo, context: P2PContext) -> runtime_pb2.ExpertInfo:
-        return runtime_pb2.ExpertInfo(serialized_info=self.info.to_bytes())
+        return runtime_pb2.ExpertInfo(serialized_info=self._answer)
 
 
 def run_info_namespace(swarm_key: SwarmKey | None) -> str:
@@ -87,7 +96,7 @@ def serve_run_info(
     swarm_key: SwarmKey | None = None,
 ) -> RunInfoServicer:
     """Answer run_info requests from now on, on `dht`'s libp2p daemon (handlers live in `loop`)."""
-    servicer = RunInfoServicer(info)
+    servicer = RunInfoServicer(info, swarm_key)
 
     async def register() -> None:
         p2p = await dht.replicate_p2p()
@@ -122,7 +131,8 @@ def request_run_info(
                     f"are they swarm peers of a running coordinator? {hint}"
                 )
             try:
-                return loop.run(_ask_run_info(dht, peer, min(rpc_timeout, left), namespace), left + 1.0)
+                answer = loop.run(_ask_run_info(dht, peer, min(rpc_timeout, left), namespace), left + 1.0)
+                return RunInfo.from_bytes(_unsealed_answer(answer, swarm_key))
             except Exception as e:  # an unreachable or misbehaving peer: note why, try the next one
                 failures[peer] = _one_line(e)
                 logger.debug("run_info from %s failed: %s", peer, failures[peer])
@@ -135,12 +145,19 @@ def _one_line(error: Exception, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-async def _ask_run_info(dht: hivemind.DHT, peer: PeerID, timeout: float, namespace: str) -> RunInfo:
+async def _ask_run_info(dht: hivemind.DHT, peer: PeerID, timeout: float, namespace: str) -> bytes:
     # replicate_p2p blocks this loop on the DHT process the first time; loop.run bounds the caller anyway
     p2p = await dht.replicate_p2p()
     stub = RunInfoServicer.get_stub(p2p, peer, namespace=namespace)
     response = await stub.rpc_run_info(runtime_pb2.ExpertInfo(), timeout=timeout)
-    return RunInfo.from_bytes(response.serialized_info)
+    return response.serialized_info
+
+
+def _unsealed_answer(answer: bytes, swarm_key: SwarmKey | None) -> bytes:
+    """A run_info answer as RunInfo.from_bytes reads it; an older peer of a private swarm answers unsealed."""
+    if swarm_key is None or not answer.startswith(SEALED_PREFIX.encode()):
+        return answer
+    return swarm_key.open_bytes(answer, RUN_INFO_PURPOSE)
 
 
 INITIAL_PEERS_FILE_PREFIX = "@"  # `--initial-peers @FILE`: the multiaddrs are in FILE (compose, scripts)

@@ -8,9 +8,11 @@ nodes of the same DHT. The key keeps them out of the run instead, by what they c
   stage's RPC namespace and every averaging group key and handler is named from it, so a stranger
   can neither find the run's records, nor call its servers, nor match into its averaging groups;
 - the ``run_info`` RPC that tells a newcomer which run an initial peer serves answers under a name
-  derived from the key, so a stranger who dials a peer learns nothing;
+  derived from the key, and its answer is sealed: libp2p's identify protocol lists every handler
+  name a peer serves to whoever dials it, so the name alone keeps nobody out;
 - the run config is sealed (AES-256-GCM under a key derived from the swarm key) in its DHT record,
-  so a DHT node that happens to store it cannot read it.
+  and the record names the run as SEALED_RUN_ID rather than by its network id, so a DHT node that
+  happens to store it learns neither.
 
 A swarm key file holds 64 hex digits (32 random bytes); `swarm-coordinator --swarm-key FILE` creates
 it if missing, and volunteers start with a copy.
@@ -36,6 +38,7 @@ from swarm.dht.identity import create_private_file
 KEY_BYTES = 32
 TAG_HEX = 24  # 96 bits of the network id a stranger would have to guess
 SEALED_PREFIX = "sealed:v1:"  # a sealed value: this prefix, then base64 of nonce + ciphertext
+SEALED_RUN_ID = "sealed"  # what a private swarm's config record says its run is: the run id is inside the seal
 _NONCE_BYTES = 12
 _KEY_FILE = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -71,6 +74,23 @@ class SwarmKey:
             blob = base64.b64decode(sealed[len(SEALED_PREFIX):], validate=True)
             return AESGCM(self._derive("seal")).decrypt(blob[:_NONCE_BYTES], blob[_NONCE_BYTES:], None).decode()
         except (ValueError, InvalidTag, UnicodeDecodeError):
+            raise ValueError("it was sealed with another swarm key, or changed") from None
+
+
+    def seal_bytes(self, data: bytes, purpose: str) -> bytes:
+        """`data` encrypted and authenticated for one `purpose` (it opens for that purpose only)."""
+        nonce = os.urandom(_NONCE_BYTES)
+        return SEALED_PREFIX.encode() + nonce + AESGCM(self._derive("seal")).encrypt(nonce, data, purpose.encode())
+
+    def open_bytes(self, sealed: bytes, purpose: str) -> bytes:
+        """The bytes `seal_bytes` sealed for `purpose`; ValueError if not sealed by this key for it, or changed."""
+        prefix = SEALED_PREFIX.encode()
+        if not sealed.startswith(prefix):
+            raise ValueError("it is not sealed")
+        blob = sealed[len(prefix):]
+        try:
+            return AESGCM(self._derive("seal")).decrypt(blob[:_NONCE_BYTES], blob[_NONCE_BYTES:], purpose.encode())
+        except (ValueError, InvalidTag):
             raise ValueError("it was sealed with another swarm key, or changed") from None
 
 

@@ -23,7 +23,7 @@ from swarm.dht.keys import (
     stage_field,
 )
 from swarm.dht.node import peer_id, require_alive, wait_future
-from swarm.dht.private import SwarmKey, is_sealed
+from swarm.dht.private import SEALED_RUN_ID, SwarmKey, is_sealed
 from swarm.dht.schemas import (
     CheckpointRecord,
     ExpertHostRecord,
@@ -65,8 +65,11 @@ class SwarmRecords:
             raise ValueError(f"config is for run {config.run_id!r}, these records are for {self.run_id!r}")
         if self._peer_id is None:
             self._peer_id = peer_id(self.dht, self._timeout(timeout))
-        text = config.to_yaml() if self.swarm_key is None else self.swarm_key.seal(config.to_yaml())
-        record = RunConfigRecord(run_id=self.run_id, config_yaml=text, coordinator_peer_id=self._peer_id)
+        if self.swarm_key is None:
+            run_id, text = self.run_id, config.to_yaml()
+        else:  # a private swarm's run id is its network id: only the seal may hold it
+            run_id, text = SEALED_RUN_ID, self.swarm_key.seal(config.to_yaml())
+        record = RunConfigRecord(run_id=run_id, config_yaml=text, coordinator_peer_id=self._peer_id)
         return self._store(CONFIG_FIELD, record, ttl, timeout)
 
     def fetch_run_config(self, coordinator_key: bytes | None, timeout: float | None = None) -> RunConfig:
@@ -94,7 +97,9 @@ class SwarmRecords:
         record = RunConfigRecord.from_wire(value)
         if record is None:
             raise RunConfigInvalid(f"the run config record of run {self.run_id!r} does not fit the schema")
-        if record.run_id != self.run_id:
+        # a sealed config names its run inside the seal (checked below); older coordinators named it outside too
+        sealed_here = record.run_id == SEALED_RUN_ID and is_sealed(record.config_yaml)
+        if record.run_id != self.run_id and not sealed_here:
             raise RunConfigInvalid(f"the run config record says run {record.run_id!r}, expected {self.run_id!r}")
         ignored: list[str] = []  # settings of a newer version: this peer runs without them
         try:

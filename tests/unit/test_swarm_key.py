@@ -43,3 +43,20 @@ def test_sealed_text_opens_only_with_its_key_and_unchanged():
     for wrong, key in ((sealed, b), (tampered, a), ("model: {}", a), (SEALED_PREFIX + "!!", a)):
         with pytest.raises(ValueError):
             key.open(wrong)
+
+
+def test_sealed_bytes_open_only_with_their_key_and_for_their_purpose():
+    a, b = SwarmKey(b"a" * 32), SwarmKey(b"b" * 32)
+    sealed = a.seal_bytes(b"run info naming run-0123", "run-info")
+    assert b"run-0123" not in sealed and sealed.startswith(SEALED_PREFIX.encode())
+    assert a.open_bytes(sealed, "run-info") == b"run info naming run-0123"
+    with pytest.raises(ValueError):
+        b.open_bytes(sealed, "run-info")
+    with pytest.raises(ValueError):
+        a.open_bytes(sealed, "config")  # sealed for one purpose, it opens for no other
+    with pytest.raises(ValueError):
+        a.open_bytes(sealed[:-1] + bytes([sealed[-1] ^ 1]), "run-info")
+    with pytest.raises(ValueError):
+        a.open_bytes(b"plain", "run-info")
+    with pytest.raises(ValueError):  # nor does a sealed run config open as sealed bytes
+        a.open_bytes(a.seal("text").encode(), "run-info")

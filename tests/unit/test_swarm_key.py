@@ -6,8 +6,9 @@ import stat
 
 import pytest
 
-from swarm.dht import SwarmDHTError, load_swarm_key
-from swarm.dht.private import SEALED_PREFIX, SwarmKey, is_sealed
+from swarm.config import RunConfig
+from swarm.dht import RunConfigInvalid, RunConfigRecord, SwarmDHTError, SwarmRecords, load_identity, load_swarm_key
+from swarm.dht.private import SEALED_PREFIX, SEALED_RUN_ID, SwarmKey, is_sealed
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,3 +61,20 @@ def test_sealed_bytes_open_only_with_their_key_and_for_their_purpose():
         a.open_bytes(b"plain", "run-info")
     with pytest.raises(ValueError):  # nor does a sealed run config open as sealed bytes
         a.open_bytes(a.seal("text").encode(), "run-info")
+
+
+def test_a_private_config_record_names_no_run_and_older_ones_still_read():
+    key = SwarmKey(b"a" * 32)
+    network_id = key.network_id("run")
+    config = RunConfig(run_id=network_id)
+    records = SwarmRecords(None, network_id, load_identity(None), swarm_key=key)
+    sealed = key.seal(config.to_yaml())
+    new = RunConfigRecord(run_id=SEALED_RUN_ID, config_yaml=sealed, coordinator_peer_id="Qm").to_wire()
+    old = RunConfigRecord(run_id=network_id, config_yaml=sealed, coordinator_peer_id="Qm").to_wire()
+    assert records._parse_run_config(new) == records._parse_run_config(old) == config
+    with pytest.raises(RunConfigInvalid, match="start with --swarm-key"):  # a peer without the key is told why
+        SwarmRecords(None, network_id, load_identity(None))._parse_run_config(new)
+    other = RunConfigRecord(run_id=SEALED_RUN_ID, config_yaml=key.seal(RunConfig(run_id=key.network_id("x")).to_yaml()),
+                            coordinator_peer_id="Qm").to_wire()
+    with pytest.raises(RunConfigInvalid, match="is for run"):  # the run inside the seal is checked
+        records._parse_run_config(other)

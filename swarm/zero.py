@@ -264,6 +264,23 @@ def adam_chunks(moments: Sequence[ChunkMoments], grads: Sequence[torch.Tensor], 
     return stepped, updates
 
 
+def moments_bounded(moments: ChunkMoments, beta1: float, beta2: float) -> bool:
+    """Whether `moments` could have come from AdamW on any gradients: m**2 <= K * v elementwise.
+
+    With m and v the betas' averages of g and g**2, Cauchy-Schwarz gives m**2 <= K * v with
+    K = (1 - beta1)**2 / ((1 - beta2) * (1 - beta1**2 / beta2)) (1.36 at 0.9, 0.95) whatever the gradients
+    were, if beta1**2 < beta2. Moments from another peer that break it would make updates as large as they
+    like (a tiny v under a large m); within it an update stays within a few times an honest one
+    (|m_hat| / sqrt(v_hat) <= sqrt(K) * sqrt(1 - beta2**t) / (1 - beta1**t)).
+    """
+    if beta1**2 >= beta2:  # (no such bound: take them)
+        return True
+    k = (1 - beta1) ** 2 / ((1 - beta2) * (1 - beta1**2 / beta2))
+    m, v = moments.exp_avg.double(), moments.exp_avg_sq.double()
+    # (slack for float32 rounding of honest moments; the smallest normal float32, for v rounded to zero)
+    return bool((m.square() <= v * (k * (1 + 1e-3)) + 1e-38).all())
+
+
 def clip_coefficient(partial_sums: Sequence[float], grad_clip: float) -> tuple[float, float]:
     """(global gradient norm, the factor to scale every chunk's gradient by) from the owners' partial
     sums of squares, summed in a fixed order so every member gets the same bits; the factor is what

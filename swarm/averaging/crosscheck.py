@@ -16,7 +16,8 @@ Each member then decides the same way for every chunk from what it got:
   both owners (one of them lied or was lied to; nothing here tells which).
 
 A receiver of a chunk's moments (an owner that did not hold them) also compares their hash with each
-co-owner's and refuses moments that disagree (it then does not hold the chunk after the round).
+co-owner's and refuses moments that disagree, or that no AdamW could have made (swarm.zero.moments_bounded,
+the only check where the sender is the chunk's one holder); it then does not hold the chunk after the round.
 """
 
 from __future__ import annotations

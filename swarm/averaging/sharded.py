@@ -88,7 +88,8 @@ class ShardedRounds:
             log.warning("stage %d: step %d: left out %d chunks of %s's gradient (non-finite values)", self.stage,
                         plan.step + 1, count, member)
         if result.refused_moments:
-            log.warning("stage %d: step %d: refused the moments of %d chunks from %s: a co-owner's differ",
+            log.warning("stage %d: step %d: refused the moments of %d chunks from %s: a co-owner's differ, or no "
+                        "AdamW could have made them",
                         self.stage, plan.step + 1, len(result.refused_moments),
                         sorted({plan.primary[c] for c in result.refused_moments}))
         self.metrics.chunk_transfers["received"].inc(result.transfers_in)

@@ -38,7 +38,7 @@ from swarm.averaging.crosscheck import (
     settle_norms,
     settle_updates,
 )
-from swarm.zero import ChunkMoments, Plan, adam_chunks, clip_coefficient
+from swarm.zero import ChunkMoments, Plan, adam_chunks, clip_coefficient, moments_bounded
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RoundResult:
     fresh: list[int] = field(default_factory=list)  # chunks nobody held: stepped from zero moments
     disputes: list[Dispute] = field(default_factory=list)  # chunks whose owners disagreed (crosscheck)
     dropped: list[int] = field(default_factory=list)  # chunks left as they were: update 0, moments kept
-    refused_moments: list[int] = field(default_factory=list)  # moments sent here that a co-owner contradicted
+    refused_moments: list[int] = field(default_factory=list)  # moments sent here a co-owner or AdamW contradicts
     capped: list[str] = field(default_factory=list)  # members that claimed more samples than counted
     left_out: dict[str, int] = field(default_factory=dict)  # member: chunks of its gradient left out (non-finite)
 
@@ -143,7 +143,8 @@ class _Round:
             raise RoundFailed("a non-finite update")
         for c in [c for c in theirs if me in plan.receivers[c] and c not in result.dropped]:
             state = got[(STATE, c, plan.primary[c])]
-            if all(got[(CHECK, c, q)][1] == moments_digest(state) for q in plan.co_owners[c]):
+            if moments_bounded(state, hyper.beta1, hyper.beta2) and \
+                    all(got[(CHECK, c, q)][1] == moments_digest(state) for q in plan.co_owners[c]):
                 stepped[c] = state
                 result.transfers_in += 1
             else:

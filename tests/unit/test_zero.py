@@ -23,6 +23,7 @@ from swarm.zero import (
     adam_chunk,
     clip_coefficient,
     make_plan,
+    moments_bounded,
     targets,
 )
 
@@ -390,6 +391,27 @@ def test_adam_chunk_matches_torch_adamw(weight_decay):
         torch.testing.assert_close(moments.exp_avg, state["exp_avg"], atol=1e-7, rtol=1e-5)
         torch.testing.assert_close(moments.exp_avg_sq, state["exp_avg_sq"], atol=1e-7, rtol=1e-5)
     assert not torch.equal(param, start)  # the steps did move the parameter
+
+
+def test_moments_of_any_gradients_are_bounded_and_forged_ones_are_not():
+    gen = torch.Generator().manual_seed(3)
+    moments = ChunkMoments.zeros(64)
+    assert moments_bounded(moments, 0.9, 0.95)
+    k = 0.01 / (0.05 * (1 - 0.81 / 0.95))
+    for step in range(300):
+        if step < 60:
+            grad = torch.randn(64, generator=gen) * 10.0 ** float(torch.randint(-6, 6, (1,), generator=gen))
+        else:  # gradients growing by beta2 / beta1 a step bring m**2 / v nearest the bound
+            grad = torch.full((64,), (0.95 / 0.9) ** (step - 60))
+        moments, _ = adam_chunk(moments, grad, 0.9, 0.95, 1e-8)
+        assert moments_bounded(moments, 0.9, 0.95), step
+    m, v = moments.exp_avg.double(), moments.exp_avg_sq.double()
+    assert float((m.square() / v).max()) > 0.99 * k  # (the bound is all but reached, and still held)
+    # a large first moment over a tiny second one: an update as large as a liar likes
+    assert not moments_bounded(ChunkMoments(torch.ones(4), torch.zeros(4), 5), 0.9, 0.95)
+    assert not moments_bounded(ChunkMoments(torch.tensor([0.0, 2.0]), torch.tensor([1.0, 2.0]), 5), 0.9, 0.95)
+    assert moments_bounded(ChunkMoments(torch.tensor([0.0, 1.6]), torch.tensor([1.0, 2.0]), 5), 0.9, 0.95)
+    assert moments_bounded(ChunkMoments(torch.ones(4), torch.zeros(4), 5), 0.99, 0.95)  # (no bound exists)
 
 
 def test_adam_chunk_leaves_the_gradient_alone():

@@ -193,9 +193,13 @@ class Swarm:
         for member, box in self.boxes.items():
             box._send_all = self._sender(member)
         generator = torch.Generator().manual_seed(seed)
-        self.truth = {c: ChunkMoments(torch.randn(LAYOUT.chunk_numel(c), generator=generator) * 0.01,
-                                      torch.rand(LAYOUT.chunk_numel(c), generator=generator) * 1e-4, 6)
-                      for c in range(LAYOUT.num_chunks)}
+        self.truth = {}  # moments of 6 steps on random gradients
+        for c in range(LAYOUT.num_chunks):
+            moments = ChunkMoments.zeros(LAYOUT.chunk_numel(c))
+            for _ in range(6):
+                moments = adam_chunks([moments], [torch.randn(moments.exp_avg.numel(), generator=generator) * 0.01],
+                                      HYPER.beta1, HYPER.beta2, HYPER.eps)[0][0]
+            self.truth[c] = moments
         self.grads = {m: torch.randn(LAYOUT.numel, generator=generator) for m in self.members}
         self.samples = {m: 4 for m in self.members}
         owners = make_plan(LAYOUT, {m: MemberInfo(6, 4, LAYOUT.hash, frozenset(range(LAYOUT.num_chunks)))
@@ -340,8 +344,9 @@ def test_a_receiver_refuses_moments_a_co_owner_contradicts():
     assert all(newcomer in plan.receivers[c] and plan.co_owners[c] for c in given)
     liar = plan.primary[given[0]]
     poisoned = [c for c in given if plan.primary[c] == liar]
+    # (moments some AdamW could have made, so that only the co-owner's digest tells them apart)
     swarm.boxes[liar].outbound = lie_about(STATE, lambda item: replace(
-        item, tensors=(item.tensors[0] + 1.0, item.tensors[1] * 0)))
+        item, tensors=(item.tensors[0] * 0.5, item.tensors[1])))
     results = swarm.run()
     result = results[newcomer]
     assert result.refused_moments == poisoned
@@ -394,3 +399,21 @@ def test_a_members_non_finite_chunk_is_left_out_and_everyone_still_steps():
         assert torch.equal(result.update, results[others[0]].update)
     # each of chunk 4's two owners left it out, and said so
     assert sorted(r.left_out.get(liar, 0) for r in results.values()) == [0, 1, 1]
+
+
+def test_a_sole_holder_cannot_hand_a_joiner_moments_no_adamw_could_make():
+    # r = 2: a joiner's co-target is the chunk's one holder; nobody can vouch for the moments it hands over,
+    # but moments with m**2 > K * v (a tiny v under a large m: updates as large as it likes) are refused
+    swarm = Swarm([A, B, C, D], 2)
+    newcomer = swarm.members[3]
+    swarm.held[newcomer] = {}
+    plan = swarm.plan()
+    given = [c for c in range(LAYOUT.num_chunks) if newcomer in plan.receivers[c]]
+    assert given and not any(plan.co_owners[c] for c in given)
+    liar = plan.primary[given[0]]
+    forged = [c for c in given if plan.primary[c] == liar]
+    swarm.boxes[liar].outbound = lie_about(STATE, lambda item: replace(
+        item, tensors=(item.tensors[0] * 0 + 1.0, item.tensors[1] * 0)))
+    result = swarm.run()[newcomer]
+    assert result.refused_moments == forged
+    assert set(given) - set(forged) <= set(result.moments)  # the honest holders' moments are taken

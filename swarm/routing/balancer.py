@@ -240,12 +240,13 @@ class StageBalancer:
 
     # --- how calls ended -------------------------------------------------------------------------
 
-    def report_success(self, ticket: Ticket) -> None:
-        """The server answered: update its estimates of the ticket's kind and lift any ban."""
+    def report_success(self, ticket: Ticket, answered: float | None = None) -> None:
+        """The server answered (at `answered` on the balancer's clock, if that was before now: a reply
+        checked before it counts): update its estimates of the ticket's kind and lift any ban."""
         state = self._close(ticket)
         if state is None or ticket.sent <= state.caught_at:  # an answer from before it was caught clears nothing
             return
-        done = self.clock()
+        done = self.clock() if answered is None else answered
         size = max(ticket.size, 1)
         if ticket.sent >= state.stale_at:  # a re-test: the old estimates no longer count
             state.service.clear()

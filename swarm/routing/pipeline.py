@@ -227,11 +227,12 @@ class RemotePipeline:
                 # a probing server stays on probation, one call at a time.
                 reply = await self._attempt(stage, request, ticket, refused, report=check is None)
                 if reply is not None and check is not None:
+                    answered = balancer.clock()  # its speed is its own, the check's time left out
                     first = None if early is None else await early
                     if await witnesses.rejects(check, check.claim(ticket.peer_id, reply), first):
                         reply = None  # wrong: retried on another server, like a failure
                     else:
-                        balancer.report_success(ticket)
+                        balancer.report_success(ticket, answered)
             finally:
                 # After a failure, a refused request or a cancellation the task is no longer the
                 # server's; a reported success already closed the ticket, so this does nothing then.

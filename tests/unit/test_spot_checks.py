@@ -280,3 +280,22 @@ def test_what_spot_checks_cost_in_calls():
     print(f"{extra} witness calls for {primary} calls ({extra / primary:.1%}), {stats.spot_checks} checks")
     assert stats.spot_checks <= 2 * 6 + 2 * 200 * 4 / 32  # the probes, and twice the expected random share
     assert extra <= 0.1 * primary
+
+
+def test_a_checked_probe_is_timed_without_its_check():
+    """The witness's time is not the checked server's: a newcomer is measured as fast as it answered."""
+    servers = {0: ["h"], 1: ["a", "b"], 2: ["h"]}
+    swarm = Swarm(servers)
+    slow_witness = swarm.behaviour
+
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        reply = await slow_witness(stage, peer, request)
+        if stage == 1 and peer == "b":
+            swarm.pipeline.clock.now += 5.0  # b answers in 5 s
+        return reply
+
+    swarm.pipeline.behaviour = behaviour
+    swarm.pipeline.rng = random.Random(0)
+    swarm.trip(0)  # a's probe (0.01 s), witnessed by b (5 s)
+    balancer = swarm.pipeline.balancers[1]
+    assert balancer.expected_seconds_per_sample("a", FORWARD) < 0.01

@@ -18,6 +18,7 @@ Pure logic, no I/O (the collective that carries it is :mod:`swarm.averaging.coll
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -279,6 +280,17 @@ def moments_bounded(moments: ChunkMoments, beta1: float, beta2: float) -> bool:
     m, v = moments.exp_avg.double(), moments.exp_avg_sq.double()
     # (slack for float32 rounding of honest moments; the smallest normal float32, for v rounded to zero)
     return bool((m.square() <= v * (k * (1 + 1e-3)) + 1e-38).all())
+
+
+@functools.cache
+def update_bound(beta1: float, beta2: float) -> float:
+    """The largest |u| an AdamW update can have from moments within :func:`moments_bounded` (inf if none):
+    sqrt(K) * sqrt(1 - beta2**t) / (1 - beta1**t) at its worst step count t (2.6 at betas 0.9, 0.95)."""
+    if beta1**2 >= beta2:
+        return math.inf
+    k = (1 - beta1) ** 2 / ((1 - beta2) * (1 - beta1**2 / beta2))
+    worst = max(max(math.sqrt(1 - beta2**t) / (1 - beta1**t) for t in range(1, 100_000)), 1.0)  # (t -> inf: 1)
+    return math.sqrt(k) * worst * (1 + 1e-3)  # (slack for float32 rounding)
 
 
 def clip_coefficient(partial_sums: Sequence[float], grad_clip: float) -> tuple[float, float]:

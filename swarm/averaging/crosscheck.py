@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.zero import ChunkMoments, Plan
+from swarm.zero import ChunkMoments, Layout, Plan
 
 # 8 bytes of sha256: a liar that knows the honest result would need about 2**64 tries to find another
 # one with the same digest (a second preimage, not a birthday collision); 8 bytes keep a message of 1024
@@ -39,7 +39,7 @@ DIGEST_BYTES = 8
 # vector width): they differ by about 1e-7 relative, well below this, and a lie within it moves the global
 # norm, and the clipping, by nothing that matters
 NORM_RTOL = 1e-5
-UPDATE, NORM = "update", "norm"
+UPDATE, NORM, BOUND = "update", "norm", "bound"
 
 
 def digest(*tensors: torch.Tensor, steps: int | None = None) -> bytes:
@@ -138,6 +138,19 @@ def settle_updates(plan: Plan, digests: Mapping[tuple[int, str], bytes]) -> list
     return disputes
 
 
+def out_of_bound(plan: Plan, updates: torch.Tensor, layout: Layout, bound: float) -> list[Dispute]:
+    """A dispute for each chunk whose update (in the flat `updates`) no AdamW step could have: the one check
+    of a chunk nobody else computes (a single holder, or r = 1); every chunk gets it."""
+    if math.isinf(bound) or not _largest(updates) > bound:  # (one pass over all; a nan is refused elsewhere)
+        return []
+    return [Dispute(c, BOUND, plan.primary[c], (), kept=False) for c in range(layout.num_chunks)
+            if _largest(updates[slice(*layout.bounds(c))]) > bound]
+
+
+def _largest(values: torch.Tensor) -> float:
+    return float(values.abs().max()) if values.numel() else 0.0
+
+
 def dropped(disputes: Sequence[Dispute]) -> list[int]:
     """The chunks that stay as they were before the round: their primary's result was outvoted or undecided."""
     return sorted({d.chunk for d in disputes if not d.kept})
@@ -154,5 +167,8 @@ def summary(disputes: Sequence[Dispute], me: str) -> list[str]:
         others = ", ".join("this server" if peer == me else peer for peer in dissenters)
         verdict = "kept by a majority of owners" if kept else "not stepped (dropped from this round)"
         who = "this server" if primary == me else f"primary {primary}"
-        lines.append(f"{count} chunks: the {what} of {who} disagrees with that of {others}; {verdict}")
+        if what == BOUND:
+            lines.append(f"{count} chunks: the update of {who} is larger than any AdamW step; {verdict}")
+        else:
+            lines.append(f"{count} chunks: the {what} of {who} disagrees with that of {others}; {verdict}")
     return lines

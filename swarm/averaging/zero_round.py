@@ -34,11 +34,12 @@ from swarm.averaging.crosscheck import (
     digest,
     dropped,
     moments_digest,
+    out_of_bound,
     owners_of,
     settle_norms,
     settle_updates,
 )
-from swarm.zero import ChunkMoments, Plan, adam_chunks, clip_coefficient, moments_bounded
+from swarm.zero import ChunkMoments, Plan, adam_chunks, clip_coefficient, moments_bounded, update_bound
 
 
 @dataclass
@@ -132,15 +133,16 @@ class _Round:
                     else:
                         digests[(c, o)] = got[(CHECK, c, o)][0]
         disputes += settle_updates(plan, digests)
-        result.disputes, result.dropped = disputes, dropped(disputes)
-        for c in result.dropped:  # left as it was: no update, and its owners keep the moments they had
-            update_of[c] = torch.zeros(self.layout.chunk_numel(c))
-            stepped.pop(c, None)
-            if c in moments:
-                stepped[c] = moments[c]
         result.update = torch.cat([update_of[c] for c in self.chunks])
         if not math.isfinite(float(result.update.sum())):  # (a sum is finite if every element is, and cheap)
             raise RoundFailed("a non-finite update")
+        disputes += out_of_bound(plan, result.update, self.layout, update_bound(hyper.beta1, hyper.beta2))
+        result.disputes, result.dropped = disputes, dropped(disputes)
+        for c in result.dropped:  # left as it was: no update, and its owners keep the moments they had
+            self.chunk_of(result.update, c).zero_()
+            stepped.pop(c, None)
+            if c in moments:
+                stepped[c] = moments[c]
         for c in [c for c in theirs if me in plan.receivers[c] and c not in result.dropped]:
             state = got[(STATE, c, plan.primary[c])]
             if moments_bounded(state, hyper.beta1, hyper.beta2) and \

@@ -25,6 +25,7 @@ from swarm.zero import (
     make_plan,
     moments_bounded,
     targets,
+    update_bound,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -412,6 +413,26 @@ def test_moments_of_any_gradients_are_bounded_and_forged_ones_are_not():
     assert not moments_bounded(ChunkMoments(torch.tensor([0.0, 2.0]), torch.tensor([1.0, 2.0]), 5), 0.9, 0.95)
     assert moments_bounded(ChunkMoments(torch.tensor([0.0, 1.6]), torch.tensor([1.0, 2.0]), 5), 0.9, 0.95)
     assert moments_bounded(ChunkMoments(torch.ones(4), torch.zeros(4), 5), 0.99, 0.95)  # (no bound exists)
+
+
+def test_no_adamw_update_is_larger_than_update_bound():
+    bound = update_bound(0.9, 0.95)
+    assert 2.5 < bound < 2.7
+    assert update_bound(0.99, 0.95) == math.inf
+    gen = torch.Generator().manual_seed(4)
+    largest = 0.0
+    for pattern in range(3):  # random, growing by beta2 / beta1 a step (m**2 / v near its bound), one spike
+        moments = ChunkMoments.zeros(64)
+        for step in range(200):
+            if pattern == 0:
+                grad = torch.randn(64, generator=gen) * 10.0 ** float(torch.randint(-6, 6, (1,), generator=gen))
+            elif pattern == 1:
+                grad = torch.full((64,), (0.95 / 0.9) ** step)
+            else:
+                grad = torch.full((64,), 1e6 if step == 1 else 1e-6)
+            moments, update = adam_chunk(moments, grad, 0.9, 0.95, 1e-8)
+            largest = max(largest, float(update.abs().max()))
+    assert 1.0 < largest <= bound
 
 
 def test_adam_chunk_leaves_the_gradient_alone():

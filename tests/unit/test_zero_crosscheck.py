@@ -417,3 +417,25 @@ def test_a_sole_holder_cannot_hand_a_joiner_moments_no_adamw_could_make():
     result = swarm.run()[newcomer]
     assert result.refused_moments == forged
     assert set(given) - set(forged) <= set(result.moments)  # the honest holders' moments are taken
+
+
+def test_an_update_larger_than_any_adamw_step_is_dropped_even_where_nobody_else_computes_the_chunk():
+    # r = 1: each chunk has one owner, and nothing to compare it with but what AdamW can produce
+    swarm = Swarm([A, B, C], 1)
+    liar = swarm.members[1]
+    plan = swarm.plan()
+    lied = plan.primary_of(liar)
+    assert lied and not any(plan.co_owners[c] for c in lied)
+    swarm.boxes[liar].outbound = lie_about(UPDATE, lambda item: replace(item, tensors=(item.tensors[0] * 0 + 10.0,)))
+    results = swarm.run()
+    reference = swarm.honest_update()
+    for member in swarm.members:
+        if member != liar:
+            result = results[member]
+            assert result.dropped == lied
+            for c in range(LAYOUT.num_chunks):
+                expected = torch.zeros(LAYOUT.chunk_numel(c)) if c in lied else reference[chunk_slice(c)]
+                torch.testing.assert_close(result.update[chunk_slice(c)], expected, rtol=1e-5, atol=1e-7)
+            assert summary(result.disputes, member) == [
+                f"{len(lied)} chunks: the update of primary {liar} is larger than any AdamW step; not stepped "
+                "(dropped from this round)"]

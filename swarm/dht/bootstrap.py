@@ -33,7 +33,7 @@ from swarm.dht.node import (
     start_dht,
 )
 from swarm.dht.private import SEALED_PREFIX, SwarmKey
-from swarm.dht.records import SwarmRecords
+from swarm.dht.records import SwarmRecords, other_publishers
 
 logger = logging.getLogger(__name__)
 
@@ -238,15 +238,21 @@ def join_run(
 
 
 def _wait_for_run_config(records: SwarmRecords, info: RunInfo, deadline: float) -> RunConfig:
-    """Fetch the coordinator's config, retrying until `deadline`: it may not have reached our neighbors yet."""
+    """Fetch the coordinator's config, retrying until `deadline`: it may not have reached our neighbors yet.
+
+    A config signed by anyone else (a coordinator restarted with a new identity) is never taken instead:
+    the error then names its signers and what to do.
+    """
+    others: tuple[str, ...] = ()
     while True:
         left = deadline - time.monotonic()
         try:
             return records.fetch_run_config(info.coordinator_key, timeout=max(left, 0.1))
-        except (RunConfigNotFound, DHTRequestTimeout):  # RunConfigInvalid won't improve by waiting
+        except (RunConfigNotFound, DHTRequestTimeout) as e:  # RunConfigInvalid won't improve by waiting
+            others = getattr(e, "others", others)
             if deadline - time.monotonic() <= 0:
                 raise RunConfigNotFound(
                     f"joined run {info.run_id!r} but found no run config signed by its coordinator "
                     f"(peer {info.coordinator_peer_id}) in the DHT: is the coordinator still running?"
-                ) from None
+                    + other_publishers(others), others) from None
         time.sleep(min(_RETRY_PAUSE, max(0.0, deadline - time.monotonic())))

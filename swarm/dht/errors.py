@@ -16,7 +16,15 @@ class BootstrapError(SwarmDHTError):
 
 
 class RunConfigNotFound(SwarmDHTError):
-    """No run config signed by the expected coordinator is visible in the DHT (yet)."""
+    """No run config signed by the expected coordinator is visible in the DHT (yet).
+
+    `others` are the peer ids of whoever else publishes one for the run (a coordinator restarted
+    with a new identity, or a stranger): never trusted in the coordinator's place.
+    """
+
+    def __init__(self, message: str, others: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.others = others
 
 
 class RunConfigInvalid(SwarmDHTError):

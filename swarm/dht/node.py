@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import gc
 import os
+import re
 import signal
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -14,6 +15,7 @@ from typing import Any
 import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from swarm.dht.errors import BootstrapError, DHTProcessGone, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
 from swarm.dht.identity import Identity, create_private_file
@@ -138,9 +140,21 @@ def _identity_file(identity: Identity) -> Iterator[str]:
         yield path
 
 
+# hivemind refuses to bootstrap from a peer whose DHT time (the wall clock) is MAX_DHT_TIME_DISCREPANCY_SECONDS off
+_CLOCK_SKEW = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
+
+
 def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multiaddr], timeout: float) -> Exception:
     """Translate hivemind's startup failures into one actionable line."""
     message = str(error)
+    skew = _CLOCK_SKEW.search(message)
+    if skew is not None:
+        off = float(skew.group(1)) - float(skew.group(2))
+        return SwarmDHTError(
+            f"this machine's clock is {abs(off):.0f}s {'ahead of' if off > 0 else 'behind'} the initial peer's, and "
+            f"peers refuse clocks more than {MAX_DHT_TIME_DISCREPANCY_SECONDS}s apart (records expire by the clock): "
+            "set the clock right (enable NTP, e.g. `timedatectl set-ntp true`) and start again"
+        )
     if "address already in use" in message:
         listen = " ".join(str(maddr) for maddr in hosts)
         return SwarmDHTError(f"cannot listen on {listen}: the port is taken, choose another (or port 0)")

@@ -20,6 +20,7 @@ from swarm.dht.keys import (
     RUN_CHECKPOINT_FIELD,
     checkpoints_field,
     dht_key,
+    peer_id_of_owner,
     stage_field,
 )
 from swarm.dht.node import peer_id, require_alive, wait_future
@@ -78,13 +79,15 @@ class SwarmRecords:
         Raises RunConfigNotFound if there is none (yet), RunConfigInvalid if it cannot be used.
         """
         published = self._get_owned([CONFIG_FIELD], timeout)[0]
+        others: tuple[str, ...] = ()
         if coordinator_key is not None:
+            others = tuple(sorted(str(peer_id_of_owner(owner)) for owner in published if owner != coordinator_key))
             published = {owner: value for owner, value in published.items() if owner == coordinator_key}
         if not published:
             raise RunConfigNotFound(
-                f"no run config for run {self.run_id!r} signed by the coordinator is in the DHT: "
-                "is the coordinator running, and did it finish starting?"
-            )
+                f"no run config for run {self.run_id!r} signed by the coordinator "
+                f"({peer_id_of_owner(coordinator_key) if coordinator_key else 'any'}) is in the DHT: "
+                "is the coordinator running, and did it finish starting?" + other_publishers(others), others)
         if len(published) > 1:
             raise RunConfigNotFound(
                 f"{len(published)} peers published a run config for run {self.run_id!r}; "
@@ -225,6 +228,16 @@ class SwarmRecords:
             for future in futures:
                 future.cancel()  # no-op for finished ones; frees the DHT process from the rest
         return [_unexpired_subkeys(result) for result in results]
+
+
+def other_publishers(others: tuple[str, ...]) -> str:
+    """What to tell a peer when peers other than its coordinator publish a config for the run."""
+    if not others:
+        return ""
+    return (f" {len(others)} other peer(s) publish one ({', '.join(others[:3])}): a coordinator restarted with a "
+            "new identity, or a stranger. A peer trusts only the coordinator its initial peer vouched for: to "
+            "follow a new coordinator, join through its own address (and give a coordinator --identity so it "
+            "keeps its identity across restarts)")
 
 
 def _unexpired_subkeys(result: Any) -> dict[bytes, Any]:

@@ -48,8 +48,8 @@ time   the same stage, n members: rounds on random gradients (the same on both s
        and hivemind's DHT and averaging processes, where the unsharded all-reduce runs); mean over
        members, median over rounds. n x (the two numbers' sum) / the machine's cores bounds the whole
        step's time from below; on 2 cores both sides are CPU-bound.
-       Caveat: zero sends (2(n-1) + r - 1)/n x the gradient (a primary also sends the clipped mean to
-       each co-owner), i.e. more than the all-reduce when r > 1.
+       Caveat: zero sends (r+1)(n-1)/n x the gradient (every owner of a chunk gets every member's
+       gradient, so co-owners can cross-check the primary), i.e. more than the all-reduce when r > 1.
        A round that fails (either side) is reported and the pair measured once more on fresh groups;
        a member process that dies or does not answer within REPLY_TIMEOUT fails that n.
 loss   configs/tiny.yaml as one stage (the whole ~0.87M-parameter model, num_stages = 1; 423 chunks at

@@ -22,6 +22,7 @@ from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
 from swarm.protocol import stage_wire_limits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
+from swarm.routing.spot_checks import SPOT_CHECK_RATE
 
 log = logging.getLogger("swarm.trainer")
 
@@ -93,6 +94,12 @@ class TrainerMetrics:
                                   "(shape, dtype, non-finite values)", labels=["stage"])
         banned = GaugeMetricFamily("swarm_trainer_banned_servers", "A stage's servers this trainer bans now",
                                    labels=["stage"])
+        caught = CounterMetricFamily("swarm_trainer_caught_servers", "Servers banned because witnesses of their "
+                                     "stage disagreed with their reply (spot checks)", labels=["stage"])
+        errors = CounterMetricFamily("swarm_trainer_error_replies", "Error replies from servers, by code (each is "
+                                     "that server's failure)", labels=["code"])
+        checks = CounterMetricFamily("swarm_trainer_spot_checks", "Replies checked against a witness, and of them "
+                                     "those a witness disagreed with", labels=["outcome"])
         pipeline = self.pipeline
         if pipeline is not None:
             stats = pipeline.stats
@@ -101,7 +108,12 @@ class TrainerMetrics:
                 failures.add_metric(label, stats.stage_failures.get(stage, 0))
                 bad.add_metric(label, stats.stage_bad_replies.get(stage, 0))
                 banned.add_metric(label, len(balancer.listed()) - len(balancer.available()))
-        yield from (failures, bad, banned)
+                caught.add_metric(label, stats.caught.get(stage, 0))
+            for code, count in sorted(stats.error_replies.items()):
+                errors.add_metric([code], count)
+            checks.add_metric(["agreed"], stats.spot_checks - stats.disputes)
+            checks.add_metric(["disputed"], stats.disputes)
+        yield from (failures, bad, banned, caught, errors, checks)
 
 
 class Trainer:
@@ -160,7 +172,9 @@ class Trainer:
         config = self.config
         self.pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire, settings,
                                        self.balancer_factory, hidden_size=config.model.d_model,
-                                       limits=stage_wire_limits(config.model, config.optimizer.micro_batch_size))
+                                       limits=stage_wire_limits(config.model, config.optimizer.micro_batch_size),
+                                       # with dropout two honest replicas' forwards differ: no witness can judge
+                                       spot_check_rate=0.0 if config.model.dropout > 0 else SPOT_CHECK_RATE)
         self.metrics.pipeline = self.pipeline
         future = asyncio.run_coroutine_threadsafe(self._main(), self.loop.loop)
         try:

@@ -19,20 +19,26 @@ Map of the subsystem, from what a server uses down to pure logic::
                  so a full batch is known at once rather than at the next DHT read
     sharded.py   StageAverager's rounds when the moments are sharded (averaging.zero): meet, plan, run
                  the collective, apply; a failed round changes nothing and is tried again
-    collective.py  a sharded round (averaging.zero): gradients reduce-scattered to each chunk's owners,
-                 their updates all-gathered, moments handed to new owners; libp2p messages, checked
-                 (the layout, ownership and chunk AdamW are pure logic in swarm.zero)
+    zero_round.py  one member's side of a sharded round (averaging.zero): gradients sent to every owner
+                 of each chunk, each owner steps its chunks, the primary's updates gathered, moments
+                 handed to new owners
+    crosscheck.py  how a chunk's owners compare results (updates by hash, sums of squares), and the
+                 bounds on chunks nobody else computes; pure
+    collective.py  the mailbox of sharded rounds: libp2p messages, checked (the layout, ownership and
+                 chunk AdamW are pure logic in swarm.zero)
     process.py   AveragingProcess: hivemind's DecentralizedAverager (a forked process: matchmaking,
                  all-reduce, state serving) with every timeout from the config and bounded calls
     metrics.py   AveragingMetrics: swarm_averaging_* Prometheus metrics
-    progress.py  ProgressRecord, stage_view(): what the records mean (ready, behind, diverged, a step
-                 no majority backs); pure
+    progress.py  ProgressRecord, stage_view(), backs_state(): what the records mean (ready, behind,
+                 diverged), and whether the stage's established servers back a state; pure (who is
+                 established: the tracker's swarm.tenure book)
     codecs.py    pure-torch compression codecs installed into hivemind
     errors.py    AveragingError and its subclasses
 
 The replica's state (parameters, moments, step, round) is read and replaced only through
 swarm.state.StageState; a state a peer sends is checked there (names, shapes, dtypes, finite) and
-in intake.py (its step and parameters backed by the stage's progress records) before it replaces anything.
+in intake.py (its step and parameters backed by the stage's established servers) before it replaces
+anything.
 
 Every network wait is bounded by a value of ``AveragingConfig`` (see swarm.config).
 """

@@ -6,7 +6,10 @@
                 lookup remembered for a while (pure logic, no I/O)
 - ``pipeline``  RemotePipeline: one micro-batch's forward, loss and backward across the stage
                 servers, retrying failed calls on other servers of the stage; hands each call's
-                balancer ticket back once, however the call ends
+                balancer ticket back once, however the call ends; an error reply of any code is that
+                server's failure
+- ``spot_checks``  replies checked against witnesses of the same stage (every probe, 1 in 32 others);
+                the server the other two disagree with is banned
 """
 
 from swarm.routing.balancer import StageBalancer, Ticket

@@ -62,6 +62,9 @@ def agree(a: Peer, b: Peer) -> bool:
     return all(math.isclose(x, y, rel_tol=FINGERPRINT_RTOL) for x, y in zip(first[1], first[3]))
 
 
+# a minute of separate programs: make test-swarms and make test-repeat's loop, not make test (its 10-minute budget)
+@pytest.mark.swarms
+@pytest.mark.repeated
 @pytest.mark.timeout(240)
 def test_sigkill_of_a_server_during_a_round_leaves_the_others_training_and_in_sync(
         procs: ProcSet, tiny_config_path: Path, tmp_path: Path):

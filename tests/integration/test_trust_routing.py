@@ -119,6 +119,9 @@ class StrangerServer:
             self._announce()
 
 
+# separate programs for most of a minute: make test-swarms and make test-repeat's loop, not make test
+@pytest.mark.swarms
+@pytest.mark.repeated
 @pytest.mark.timeout(120)
 def test_a_server_refusing_every_call_gets_its_probes_and_training_goes_on(
         procs: ProcSet, tiny_config_path: Path, tmp_path: Path):

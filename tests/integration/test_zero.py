@@ -137,6 +137,8 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.swarms  # (about 25 s of killing and rejoining: make test-swarms and make test-repeat, not make test)
+@pytest.mark.repeated
 def test_a_sigkilled_member_loses_no_moment_and_a_joiner_takes_over_its_chunks():
     config = zero_config("zero-churn", 2)
     batches = [[[micro_batch(config, 10 * step + i)] for i in range(SERVERS)] for step in range(3)]

@@ -36,9 +36,11 @@ class Downloads:
 
     def __init__(self):
         self.skipped: list[list[str]] = []
+        self.only: list[list[str] | None] = []
 
-    def download_state(self, timeout, stop, exclude, max_bytes):
+    def download_state(self, timeout, stop, exclude, max_bytes, only=None):
         self.skipped.append(sorted(exclude))
+        self.only.append(only)
         return None
 
 
@@ -54,7 +56,7 @@ def test_a_sender_of_an_incomplete_state_is_asked_again_soon_and_one_of_a_bad_st
     registry = CollectorRegistry()
     process = Downloads()
     taker = StateIntake(state, process, AveragingMetrics(registry, 1), lambda: [], 1e-6, threading.Event(),
-                        own=lambda: None, established=set)
+                        own=lambda: None, established=lambda: {"cut", "liar", "honest"})
     problem = taker.refuse(({}, [], "cut"), StateIncomplete("the state names 5 tensors but only 3 came"))
     assert isinstance(problem, StateIncomplete)
     taker.refuse(({}, [], "liar"), StateRejected("its step 99 is beyond the stage's"))
@@ -64,4 +66,13 @@ def test_a_sender_of_an_incomplete_state_is_asked_again_soon_and_one_of_a_bad_st
     clock[0] += intake.REFUSED_PEER_SECONDS
     taker.fetch(1.0)
     assert process.skipped == [["cut", "liar"], ["liar"], []]
+    assert process.only == [["cut", "honest", "liar"]] * 3  # downloads go to established servers only
     assert registry.get_sample_value("swarm_averaging_rejected_states_total", {"stage": "1"}) == 1.0
+
+
+def test_nothing_is_downloaded_while_no_server_of_the_stage_is_established(clock):
+    state = type("S", (), {"stage": 1, "nbytes": lambda self: 100})()
+    process = Downloads()
+    taker = StateIntake(state, process, AveragingMetrics(CollectorRegistry(), 1), lambda: [], 1e-6,
+                        threading.Event(), own=lambda: None, established=set)
+    assert taker.fetch(1.0) is None and process.skipped == []

@@ -200,12 +200,14 @@ def test_a_transfer_lease_is_cut_off_when_the_fetcher_stops_taking_frames():
     """Checkpoint serving: progress (frames taken) keeps a transfer's slot; none for a while cuts it off."""
     from swarm.checkpoint.serving import _CallerSlot, _Lease
 
+    PROGRESS_TIMEOUT = 2.0
+
     async def scenario():
         slots = CallerSlots(total=2, per_caller=1, newcomers=2)
 
         async def transfer(frames: int, gap: float) -> None:
             assert slots.try_take("fetcher") is None
-            lease = _Lease(_CallerSlot(slots, "fetcher"), 60.0, progress_timeout=0.3,
+            lease = _Lease(_CallerSlot(slots, "fetcher"), 60.0, progress_timeout=PROGRESS_TIMEOUT,
                            task=asyncio.current_task())
             try:
                 for _ in range(frames):
@@ -214,7 +216,9 @@ def test_a_transfer_lease_is_cut_off_when_the_fetcher_stops_taking_frames():
             finally:
                 lease.release()
 
-        await asyncio.wait_for(transfer(frames=10, gap=0.1), SCENARIO_TIMEOUT)  # 1 s in all, never idle 0.3 s
+        # (the gaps are the fetcher's scripted pace: a tenth of the deadline, so a loaded loop cannot
+        # stretch one past it)
+        await asyncio.wait_for(transfer(frames=10, gap=PROGRESS_TIMEOUT / 10), SCENARIO_TIMEOUT)
         assert slots.active == 0
         stalled = asyncio.ensure_future(transfer(frames=1, gap=SCENARIO_TIMEOUT))
         started = time.monotonic()

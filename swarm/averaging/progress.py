@@ -32,6 +32,7 @@ import torch
 from pydantic.v1 import StrictBool, StrictStr, confloat, conint, conlist
 
 from swarm.dht.schemas import WireRecord
+from swarm.tenure import lower_median
 
 INITIAL_ROUND = "init"  # the state every replica starts from: the run's seeded initialization
 MAX_RANKED_GROUP = 1023  # groups larger than this rank as this large
@@ -85,9 +86,8 @@ def step_bound(steps: Sequence[int]) -> int | None:
     Any server may sign a record claiming any step; the lower median does not move however far a
     minority claims to be. None if there are no records.
     """
-    if not steps:
-        return None
-    return sorted(steps)[(len(steps) - 1) // 2] + MAX_STEP_LEAD
+    median = lower_median(steps)
+    return None if median is None else median + MAX_STEP_LEAD
 
 
 def plausible(records: Sequence[ProgressRecord], own_step: int | None = None) -> list[ProgressRecord]:

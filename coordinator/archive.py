@@ -7,6 +7,12 @@ any stage, assembles a run checkpoint of every stage (``<dir>/<run_id>/run/``, w
 reads). It announces both in the DHT and serves them, so a stage whose servers all vanished resumes
 from the coordinator. The coordinator is optional: without it, servers still checkpoint on their
 own disks and serve each other.
+
+Every checkpoint the archive verified it signs (swarm.checkpoint.signing) with its own key, kept at
+``<dir>/<run_id>/coordinator.key``: a stage checkpoint once fetched and installed, a run checkpoint
+once assembled. It uses, announces and serves only checkpoints signed by that key, so a checkpoint
+directory that reached its disk any other way (copied in, left by an older version, restored from a
+mirror) moves nothing; each such one is logged once. ``swarm-export`` takes only signed ones too.
 """
 
 from __future__ import annotations
@@ -20,15 +26,32 @@ from typing import Any
 
 from swarm.checkpoint.claims import believed, step_bound
 from swarm.checkpoint.errors import CheckpointError, CheckpointExists
-from swarm.checkpoint.keeper import held_checkpoints
-from swarm.checkpoint.manifest import MANIFEST_NAME, RunManifest, manifest_id
+from swarm.checkpoint.keeper import MAX_ANNOUNCED
+from swarm.checkpoint.manifest import MANIFEST_NAME, RunManifest, StageManifest, manifest_id
 from swarm.checkpoint.serving import serve_checkpoints
+from swarm.checkpoint.signing import (
+    RUN_KIND,
+    fingerprint,
+    key_digest,
+    key_path,
+    load_or_create_key,
+    public_key_of,
+    sign_checkpoint,
+    stage_kind,
+    verify_signature,
+)
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.checkpoint.transfer import fetch_newest
-from swarm.checkpoint.verify import check_stage, verify_run
+from swarm.checkpoint.verify import check_stage, read_manifest, verify_run
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords
-from swarm.dht.schemas import CheckpointRecord, RunCheckpointRecord, RunCheckpointStage, ServerState
+from swarm.dht.schemas import (
+    CheckpointRecord,
+    HeldCheckpoint,
+    RunCheckpointRecord,
+    RunCheckpointStage,
+    ServerState,
+)
 from swarm.tenure import TenureBook
 
 log = logging.getLogger("swarm.coordinator")
@@ -41,7 +64,8 @@ MAX_BYTES_PER_PARAM = 16
 # A server that stopped keeps its word on the checkpoints it announced this long after it was last seen
 # established (its final checkpoint is written as it leaves)
 HOLDER_GRACE_PERIODS = 6
-MAX_LOGGED_CLAIMS = 1000  # ignored claims remembered so that each is logged once
+MAX_LOGGED_CLAIMS = 1000  # ignored claims (and unsigned checkpoints) remembered so that each is logged once
+MAX_INTACT_IDS = 1000  # signed stage checkpoints seen to verify, remembered so that a poll does not rehash them
 
 
 class RunArchive:
@@ -54,6 +78,13 @@ class RunArchive:
         keep = config.checkpoint.keep
         self.stages = {k: StageCheckpoints(root, config.run_id, k, keep) for k in range(config.stages.num_stages)}
         self.runs = RunCheckpoints(root, config.run_id, keep)
+        # Its own key, not the libp2p identity's: that one may change every start, this must not.
+        self.key_path = key_path(root, config.run_id)
+        self._key = load_or_create_key(self.key_path)
+        self._public_key = public_key_of(self._key)
+        self.fingerprint = fingerprint(self._public_key)
+        self._unsigned: set[str] = set()  # unsigned or foreign checkpoints already logged (bounded)
+        self._intact_ids: set[tuple[str, str]] = set()  # (path, manifest id) of signed stage checkpoints that verify
         self.max_stage_bytes = max_stage_bytes
         self._p2p: Any = None
         self._service: Any = None
@@ -70,8 +101,10 @@ class RunArchive:
     def start(self, p2p: Any) -> None:
         """Serve what this disk holds and announce it (a restarted coordinator is a holder at once)."""
         self._p2p = p2p
+        log.info("signing checkpoints as %s (sha256 of the key %s, kept in %s)", self.fingerprint,
+                 key_digest(self._public_key), self.key_path)
         self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, self._resolve), LOOP_CALL_TIMEOUT)
-        for path in self.runs.entries():  # the newest that verifies (files hashed, tensors not read)
+        for path in self._signed(self.runs.entries(), RUN_KIND):  # the newest that verifies (tensors not read)
             try:
                 manifest, _, _ = verify_run(path, run_id=self.config.run_id, state_hash=self.state_hash,
                                             read_state=False)
@@ -103,7 +136,7 @@ class RunArchive:
 
     def _pull(self, stage: int) -> bool:
         store = self.stages[stage]
-        have = self._newest_step(store)
+        have = self._newest_step(stage)
         records = [r for r in self.records.lookup_checkpoints(stage) if r.peer_id != self.peer_id]
         records = self._believed(stage, records)
         if not any(held.step > have for record in records for held in record.checkpoints):
@@ -121,6 +154,11 @@ class RunArchive:
             return False
         staged, held, holder = fetched
         path = store.install(staged)
+        try:  # fetch_newest verified every byte against the manifest; install verified the files again
+            sign_checkpoint(path, self._key, kind=stage_kind(stage), run_id=self.config.run_id)
+        except (CheckpointError, OSError) as e:  # unsigned, it stays unused: the next poll fetches it again
+            log.error("could not sign the checkpoint of stage %d at step %d (%s): %s", stage, held.step, path, e)
+            return False
         log.info("pulled the checkpoint of stage %d at step %d from %s (%s)", stage, held.step, holder, path)
         return True
 
@@ -151,8 +189,8 @@ class RunArchive:
         """A run checkpoint of every stage's newest verified checkpoint, unless it would be the last one again."""
         newest: dict[int, Path] = {}
         ids: dict[int, str] = {}
-        for stage, store in self.stages.items():
-            found = _newest_intact(store, self.state_hash)
+        for stage in self.stages:
+            found = self._newest_intact(stage)
             if found is None:
                 return False  # not every stage has a checkpoint yet
             ids[stage], newest[stage] = found
@@ -167,6 +205,11 @@ class RunArchive:
         except (CheckpointError, OSError) as e:
             log.error("assembling a run checkpoint failed: %s", e)
             return False
+        try:
+            sign_checkpoint(path, self._key, kind=RUN_KIND, run_id=self.config.run_id)
+        except (CheckpointError, OSError) as e:  # written but unsigned: nobody uses it; the next one is signed
+            log.error("could not sign the run checkpoint %s: %s", path, e)
+            return False
         self._assembled = ids
         log.info("run checkpoint of steps %s written (%s)", [e.step for e in manifest.stages], path)
         return True
@@ -175,12 +218,12 @@ class RunArchive:
         """Renew the records of what this coordinator holds."""
         ttl = self.config.network.record_ttl
         for stage, store in self.stages.items():
-            held = held_checkpoints(store)
+            held = _held(self._signed(store.entries(), stage_kind(stage))[:MAX_ANNOUNCED])
             if held:
                 record = CheckpointRecord(peer_id=self.peer_id, stage=stage, state_hash=self.state_hash,
                                           checkpoints=held)
                 self.records.announce_checkpoints(record, ttl=ttl)
-        newest = self.runs.entries()
+        newest = self._signed(self.runs.entries(), RUN_KIND)
         if newest:
             try:
                 data = (newest[0] / MANIFEST_NAME).read_bytes()
@@ -204,26 +247,64 @@ class RunArchive:
                 log.debug("removing the checkpoint service: %s", e)
 
     def _resolve(self, wanted: str) -> Path | None:
-        for store in self.stages.values():
+        """The signed stage checkpoint with manifest id `wanted` (only what this archive vouches for is served)."""
+        for stage, store in self.stages.items():
             path = store.path_for(wanted)
             if path is not None:
-                return path
+                return path if self._signed([path], stage_kind(stage)) else None
         return None
 
-    @staticmethod
-    def _newest_step(store: StageCheckpoints) -> int:
-        """The step of the newest checkpoint here that verifies (a corrupt ``step*`` directory does not count)."""
-        path = store.newest_intact()
-        return int(path.name.removeprefix("step")) if path is not None else -1
+    def _signed(self, paths: list[Path], kind: str) -> list[Path]:
+        """`paths` less those this archive did not sign as `kind`; each one left out is logged once."""
+        kept = []
+        for path in paths:
+            try:
+                verify_signature(path, kind=kind, run_id=self.config.run_id, expect=self._public_key)
+            except CheckpointError as e:
+                if len(self._unsigned) > MAX_LOGGED_CLAIMS:
+                    self._unsigned.clear()
+                line = f"{path}: {e}"
+                if line not in self._unsigned:
+                    self._unsigned.add(line)
+                    log.warning("not using checkpoint %s, which this coordinator did not sign: %s", path, e)
+                continue
+            kept.append(path)
+        return kept
+
+    def _newest_intact(self, stage: int) -> tuple[str, Path] | None:
+        """(manifest id, path) of the newest checkpoint of `stage` here that this archive signed and whose files
+        verify (its tensors are not read); remembered per manifest id, so a poll does not rehash them."""
+        store = self.stages[stage]
+        for path in self._signed(store.entries(), stage_kind(stage)):
+            try:
+                key = (str(path), manifest_id(read_manifest(path)))
+                if key not in self._intact_ids:
+                    check_stage(path, run_id=store.run_id, stage=stage, state_hash=self.state_hash)
+                    if len(self._intact_ids) > MAX_INTACT_IDS:
+                        self._intact_ids.clear()
+                    self._intact_ids.add(key)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", path, e)
+                continue
+            return key[1], path
+        return None
+
+    def _newest_step(self, stage: int) -> int:
+        """The step of the newest signed checkpoint of `stage` here that verifies (-1: none)."""
+        found = self._newest_intact(stage)
+        return int(found[1].name.removeprefix("step")) if found is not None else -1
 
 
-def _newest_intact(store: StageCheckpoints, state_hash: str) -> tuple[str, Path] | None:
-    """(manifest id, path) of the newest checkpoint in `store` whose files verify (its tensors are not read)."""
-    for path in store.entries():
+def _held(paths: list[Path]) -> list[HeldCheckpoint]:
+    """What a CheckpointRecord lists for the stage checkpoints at `paths` (those whose manifest parses)."""
+    held = []
+    for path in paths:
         try:
-            _, mid = check_stage(path, run_id=store.run_id, stage=store.stage, state_hash=state_hash)
+            data = read_manifest(path)
+            manifest = StageManifest.from_bytes(data)
         except CheckpointError as e:
-            log.warning("skipping checkpoint %s: %s", path, e)
+            log.debug("not announcing %s: %s", path, e)
             continue
-        return mid, path
-    return None
+        held.append(HeldCheckpoint(step=manifest.step, manifest_id=manifest_id(data),
+                                   size=sum(f.size for f in manifest.files.values())))
+    return held

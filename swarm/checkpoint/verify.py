@@ -29,6 +29,10 @@ from swarm.checkpoint.manifest import (
 )
 
 STATE_NAME = "state.safetensors"  # the file every stage checkpoint must list
+# The coordinator's signature of a checkpoint it verified (signing.py). Not listed in the manifest (it signs
+# the manifest's bytes) and never served (serving.py sends the manifest and what it lists), so a listing
+# tolerates it; whether it is there and good is signing.verify_signature's to say, not this module's.
+SIGNATURE_NAME = "SIGNATURE"
 _CHUNK = 1 << 20
 
 
@@ -101,9 +105,11 @@ def check_owner(path: Path, manifest: StageManifest, *, run_id: str, stage: int,
 
 
 def check_listing(path: Path, expected: set[str], directories: bool = False) -> None:
-    """`path` holds the manifest and exactly the `expected` entries: regular files (or real directories)."""
+    """`path` holds the manifest and exactly the `expected` entries: regular files (or real directories).
+
+    A coordinator's SIGNATURE beside the manifest may be there too (it is checked by signing.py)."""
     try:
-        present = set(os.listdir(path)) - {MANIFEST_NAME}
+        present = set(os.listdir(path)) - {MANIFEST_NAME, SIGNATURE_NAME}
         modes = {name: os.lstat(path / name).st_mode for name in expected & present}
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} cannot be listed: {e.strerror}") from None

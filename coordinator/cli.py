@@ -14,6 +14,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.dht import SwarmDHTError, load_swarm_key, write_initial_peers
 from swarm.envflags import apply_env_defaults
 from swarm.logs import setup_logging
+from swarm.protocol import gate
 
 from .discovery import parse_networks
 from .node import Coordinator
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         config.validate()
     except (ConfigError, SwarmDHTError, ValueError) as e:
         sys.exit(f"swarm-coordinator: error: {e}")
-    if swarm_key is not None:
+    if swarm_key is not None:  # before any P2P starts: the DHT process forks from this one
+        gate.install(swarm_key)
         log.info("private swarm: peers need a copy of %s (--swarm-key) to join run %s", args.swarm_key, config.run_id)
 
     stop = threading.Event()

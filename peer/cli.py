@@ -30,6 +30,7 @@ from swarm.dht import (
 from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer, metrics_address
+from swarm.protocol import gate
 
 log = logging.getLogger("swarm.peer")
 
@@ -188,6 +189,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     dht = None
     try:
         swarm_key = load_swarm_key(args.swarm_key) if args.swarm_key else None
+        if swarm_key is not None:  # before any P2P starts: the DHT and averaging processes fork from this one
+            gate.install(swarm_key)
         initial_peers = read_initial_peers(args.initial_peers, args.join_timeout, stop.wait)
         dht, info, config = join_run(initial_peers, identity, loop, host_maddrs=args.host_maddrs,
                                      announce_maddrs=args.announce_maddrs, timeout=args.join_timeout,

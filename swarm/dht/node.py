@@ -20,7 +20,9 @@ from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 from swarm.dht.errors import BootstrapError, DHTProcessGone, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
 from swarm.dht.identity import Identity, create_private_file
 from swarm.dht.keys import RunRecordGuard, make_validators, run_validators
+from swarm.dht.private import SwarmKey
 from swarm.dht.storage import install_bounded_storage
+from swarm.protocol import gate
 
 DEFAULT_STARTUP_TIMEOUT = 30.0  # p2pd start + first contact with the initial peers
 DEFAULT_RPC_TIMEOUT = 3.0  # one DHT RPC to one peer (hivemind's wait_timeout)
@@ -60,10 +62,19 @@ class _DHTProcess(hivemind.DHT):
     handles SIGTERM by setting a flag (swarm-local) would leave a DHT process that SIGTERM, and so
     hivemind's own shutdown ("terminating it the hard way"), can no longer stop, and the program
     waits for it forever at exit.
+
+    With a swarm key, its RPCs are gated by that key (swarm.protocol.gate), whether or not the
+    process that starts it is.
     """
+
+    def __init__(self, *args: Any, swarm_key: SwarmKey | None = None, **kwargs: Any):
+        self._swarm_key = swarm_key  # before hivemind's __init__, which may fork already
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._swarm_key is not None:
+            gate.install(self._swarm_key)
         super().run()
 
 
@@ -76,11 +87,14 @@ def start_dht(
     client_mode: bool = False,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    swarm_key: SwarmKey | None = None,
 ) -> hivemind.DHT:
     """Start a DHT node guarded by the run's validators; with initial peers, join their swarm.
 
     `run_id` may be None while the run is not known yet (see join_run): then only signatures are
     checked until :func:`add_run_validators` is called. Raises BootstrapError if no initial peer answers.
+    With `swarm_key` (a private swarm), the node's RPCs carry and ask for proofs of it (swarm.protocol.gate);
+    so do they when this process installed the gate.
     """
     initial = parse_maddrs(initial_peers, "initial peer", need_peer_id=True)
     hosts = parse_maddrs(host_maddrs, "host multiaddr")
@@ -101,6 +115,7 @@ def start_dht(
             startup_timeout=startup_timeout,  # p2pd launch
             wait_timeout=rpc_timeout,
             bootstrap_timeout=rpc_timeout,  # how long to wait for more initial peers after the first answers
+            swarm_key=swarm_key,
         )
         try:
             dht.wait_until_ready(timeout=startup_timeout)
@@ -108,7 +123,8 @@ def start_dht(
             call_in_dht(dht, _BoundStorage(run_id, [identity.owner_key]), startup_timeout)
         except Exception as e:
             dht.shutdown()
-            raise _startup_error(e, initial, hosts, startup_timeout) from e
+            private = swarm_key is not None or gate.installed() is not None
+            raise _startup_error(e, initial, hosts, startup_timeout, private) from e
         except BaseException:  # KeyboardInterrupt: leave no DHT process behind
             dht.shutdown()
             raise
@@ -144,7 +160,8 @@ def _identity_file(identity: Identity) -> Iterator[str]:
 _CLOCK_SKEW = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
 
 
-def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multiaddr], timeout: float) -> Exception:
+def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multiaddr], timeout: float,
+                   private: bool = False) -> Exception:
     """Translate hivemind's startup failures into one actionable line."""
     message = str(error)
     skew = _CLOCK_SKEW.search(message)
@@ -165,9 +182,12 @@ def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multi
         or "bootstrap failed" in message  # reached, but none answered the DHT ping
     ):
         peers = " ".join(str(maddr) for maddr in initial)
+        # a private swarm's peers answer nobody without its key (swarm.protocol.gate): that looks the same here
+        hint = ("do they belong to the swarm of this --swarm-key?" if private
+                else "is the swarm private? then start with --swarm-key and a copy of its key")
         return BootstrapError(
             f"none of the initial peers ({peers}) answered{f' within {timeout:g}s' if timed_out else ''}: "
-            "is the coordinator running and reachable from this machine?"
+            f"is the coordinator running and reachable from this machine? {hint}"
         )
     if timed_out:
         return SwarmDHTError(f"the DHT node did not start within {timeout:g}s")

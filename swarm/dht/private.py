@@ -1,7 +1,15 @@
 """Private swarms: a shared secret (the swarm key) that peers without it cannot join a run with.
 
-The libp2p daemon bundled with hivemind has no pre-shared-key option, so strangers can still be
-nodes of the same DHT. The key keeps them out of the run instead, by what they cannot know or read:
+The libp2p daemon bundled with hivemind has no pre-shared-key option, so a stranger can still dial
+a private swarm's peers. The key keeps it out all the same:
+
+- every RPC a peer of a private swarm serves (the DHT's, run_info, stages, checkpoints, averaging,
+  expert state) answers only callers that prove they hold the key: a 32-byte HMAC under `rpc_key`
+  of the caller's and the callee's peer ids, checked before the handler reads a byte
+  (swarm.protocol.gate). A stranger cannot even be a node of the swarm's DHT.
+
+In depth, should the key's RPC proofs ever be bypassed, what a stranger could see is named so it
+learns nothing from it:
 
 - the run's network id is ``{run_id}-{tag}``, with a tag of 24 hex digits derived from the key:
   every DHT key of the run (config, servers, metrics, checkpoints, averaging progress), every
@@ -55,6 +63,10 @@ class SwarmKey:
     def network_id(self, run_id: str) -> str:
         """The id the run goes by on the network: its records, RPCs and averaging are named from it."""
         return f"{run_id}-{self._derive(f'network:{run_id}').hex()[:TAG_HEX]}"
+
+    def rpc_key(self) -> bytes:
+        """The key of the proofs a private swarm's RPCs carry (swarm.protocol.gate)."""
+        return self._derive("rpc")
 
     def run_info_namespace(self) -> str:
         """The P2P namespace under which peers of this swarm answer run_info."""

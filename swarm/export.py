@@ -8,7 +8,11 @@ uses its tanh approximation, and the LM head is not tied to the token embedding.
 
 The output directory holds ``model.safetensors`` and ``config.json`` and loads with
 ``transformers.GPT2LMHeadModel.from_pretrained(OUT)``. The pure functions (:func:`hf_config`,
-:func:`to_hf_state`) do no I/O; :func:`main` reads the newest verified run checkpoint.
+:func:`to_hf_state`) do no I/O; :func:`main` reads the newest run checkpoint that verifies and that
+the coordinator signed (swarm.checkpoint.signing): checked against the public half of the key it keeps
+beside its checkpoints (``<root>/<run_id>/coordinator.key``), or against ``--signer FINGERPRINT`` (what
+the coordinator logs as "signing checkpoints as ...") for checkpoints copied elsewhere. A run
+checkpoint copied into the coordinator's directory by any other way is skipped, and the next newest tried.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from safetensors.torch import save_file
@@ -28,6 +32,9 @@ from safetensors.torch import save_file
 from swarm.config import ConfigError, RunConfig
 from swarm.model import Block, Embedding, Head, StageModule
 from swarm.model.gpt import INIT_STD
+
+if TYPE_CHECKING:
+    from swarm.checkpoint.store import RunCheckpoints
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -195,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="directory to write; must be absent or empty")
     p.add_argument("--run-id", help="the run to export (needed when the checkpoint root holds several)")
     p.add_argument("--force", action="store_true", help="overwrite the model files in a non-empty --out")
+    p.add_argument("--signer", metavar="FINGERPRINT", help="export only a run checkpoint signed by this key: the "
+                   "fingerprint the coordinator logs ('signing checkpoints as ...'; 16 hex digits, or the 64 of its "
+                   "key's sha256). Default: the key in <checkpoint-dir>/<run_id>/coordinator.key")
+    p.add_argument("--trust-unsigned", action="store_true", help="also accept a run checkpoint with no signature "
+                   "at all (written by a version that did not sign checkpoints yet); a warning says so")
     return p
 
 
@@ -207,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         _fail(f"--out {out} is not empty (pass --force to overwrite its model files)")
-    config, stage_params, steps, source = _load_newest(args.checkpoint_dir, args.run_id)
+    config, stage_params, steps, source, signer = _load_newest(args.checkpoint_dir, args.run_id, args.signer,
+                                                               args.trust_unsigned)
     try:
         export(config, stage_params, out)
     except ValueError as e:
@@ -215,11 +228,14 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         _fail(f"cannot write {out}: {e}")
     step_list = ", ".join(f"stage {k} step {steps[k]}" for k in sorted(steps))
-    print(f"exported run {config.run_id} ({step_list}) from {source} to {out}", flush=True)
+    signed = f"signed by the coordinator {signer}" if signer else "NOT signed (--trust-unsigned)"
+    print(f"exported run {config.run_id} ({step_list}) from {source} to {out}, {signed}", flush=True)
 
 
-def _load_newest(root: Path | None, run_id: str | None) -> tuple[RunConfig, dict, dict[int, int], Path]:
-    """The run config, every stage's parameters and step, and the newest verified run checkpoint's directory."""
+def _load_newest(root: Path | None, run_id: str | None, signer: str | None, trust_unsigned: bool
+                 ) -> tuple[RunConfig, dict, dict[int, int], Path, str | None]:
+    """The run config, every stage's parameters and step, the directory of the newest run checkpoint that
+    verifies and is signed by the coordinator, and its signer's fingerprint (None: unsigned, and trusted)."""
     from swarm.checkpoint.errors import CheckpointError
     from swarm.checkpoint.store import RunCheckpoints, default_root, find_run_ids
 
@@ -228,16 +244,23 @@ def _load_newest(root: Path | None, run_id: str | None) -> tuple[RunConfig, dict
         _fail(f"--checkpoint-dir {root} is not a directory")
     try:
         run_id = run_id or _only_run(root, find_run_ids(root))
-        found = RunCheckpoints(root, run_id, keep=READ_ONLY_KEEP).newest_verified()
-    except CheckpointError as e:
+        store = RunCheckpoints(root, run_id, keep=READ_ONLY_KEEP)
+    except (CheckpointError, ValueError) as e:
         _fail(str(e))
+    written = store.entries()
+    if not written:
+        _fail(f"no run checkpoint of run {run_id} in {root} (the coordinator writes them under {store.dir})")
+    expect, named = _expected_signer(root, run_id, signer, trust_unsigned)
+    found, reasons = _newest_signed(store, expect, trust_unsigned)
     if found is None:
-        written = sorted((root / run_id / "run").glob("step*"))
-        if not written:
-            _fail(f"no run checkpoint of run {run_id} in {root} (the coordinator writes them under "
-                  f"{root / run_id / 'run'})")
-        _fail(f"none of the {len(written)} run checkpoint(s) of run {run_id} in {root} verifies")
-    run, stages, source = found
+        if any(unsigned for _, unsigned in reasons):
+            hint = ("; a run checkpoint with no signature was written by a version that did not sign, or put there "
+                    "by hand: pass --trust-unsigned to export one anyway")
+        else:
+            hint = ""
+        _fail(f"none of the {len(written)} run checkpoint(s) of run {run_id} in {root} verifies as the coordinator's "
+              f"({named}): " + "; ".join(reason for reason, _ in reasons) + hint)
+    run, stages, source, signed_by = found
     ignored: list[str] = []
     try:
         config = RunConfig.from_yaml(run.config_yaml, ignored)
@@ -256,7 +279,68 @@ def _load_newest(root: Path | None, run_id: str | None) -> tuple[RunConfig, dict
     params = {k: {name.removeprefix("param/"): t for name, t in tensors.items() if name.startswith("param/")}
               for k, (_, tensors) in stages.items()}
     steps = {k: manifest.step for k, (manifest, _) in stages.items()}
-    return config, params, steps, source
+    return config, params, steps, source, signed_by
+
+
+def _expected_signer(root: Path, run_id: str, signer: str | None, trust_unsigned: bool) -> tuple[object, str]:
+    """Whose signature a run checkpoint must bear (a public key, a fingerprint, or None: not checked), and
+    how to name it in messages."""
+    from swarm.checkpoint.errors import CheckpointError
+    from swarm.checkpoint.signing import fingerprint, is_fingerprint, key_path, load_public_key
+
+    if signer is not None:
+        if not is_fingerprint(signer.lower()):
+            _fail(f"--signer {signer!r:.80} is not a key fingerprint: the 16 hex digits the coordinator logs as "
+                  "'signing checkpoints as ...', or the 64 of its key's sha256")
+        return signer.lower(), f"fingerprint {signer.lower()}"
+    path = key_path(root, run_id)
+    if not path.exists():
+        if trust_unsigned:
+            logging.getLogger(__name__).warning("no %s and no --signer: signatures are not checked", path)
+            return None, "unchecked"
+        _fail(f"no coordinator key {path} to check the run checkpoints' signatures with: pass --signer "
+              "FINGERPRINT (the coordinator logs it at start: 'signing checkpoints as ...'), or --trust-unsigned")
+    try:
+        public = load_public_key(path)
+    except CheckpointError as e:
+        _fail(f"{e} (or pass --signer FINGERPRINT)")
+    return public, f"fingerprint {fingerprint(public)}"
+
+
+def _newest_signed(store: RunCheckpoints, expect: object, trust_unsigned: bool
+                   ) -> tuple[tuple | None, list[tuple[str, bool]]]:
+    """The newest run checkpoint in `store` signed by `expect` (or, if `trust_unsigned`, not signed at all)
+    whose every file verifies, as (run manifest, stages, path, signer fingerprint or None); and why each
+    newer one was skipped, with whether it was unsigned."""
+    from swarm.checkpoint.errors import CheckpointError
+    from swarm.checkpoint.signing import RUN_KIND, UnsignedCheckpoint, verify_signature
+
+    log = logging.getLogger(__name__)
+    reasons: list[tuple[str, bool]] = []
+    for path in store.entries():
+        signed_by = None
+        if expect is not None:
+            try:
+                signed_by = verify_signature(path, kind=RUN_KIND, run_id=store.run_id, expect=expect)
+            except UnsignedCheckpoint as e:
+                if not trust_unsigned:
+                    reasons.append((f"run checkpoint {path.name} is not signed by the coordinator", True))
+                    log.warning("skipping run checkpoint %s: %s", path, e)
+                    continue
+            except CheckpointError as e:
+                reasons.append((f"run checkpoint {path.name}: {e}", False))
+                log.warning("skipping run checkpoint %s: %s", path, e)
+                continue
+        try:
+            run, stages = store.load(path)
+        except CheckpointError as e:
+            reasons.append((f"run checkpoint {path.name} does not verify: {e}", False))
+            log.warning("skipping run checkpoint %s: %s", path, e)
+            continue
+        if signed_by is None:
+            log.warning("run checkpoint %s is not signed: exported as --trust-unsigned says", path)
+        return (run, stages, path, signed_by), reasons
+    return None, reasons
 
 
 def _only_run(root: Path, run_ids: list[str]) -> str:

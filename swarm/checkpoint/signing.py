@@ -54,6 +54,10 @@ _FINGERPRINT = re.compile(f"[0-9a-f]{{{FINGERPRINT_HEX}}}|[0-9a-f]{{64}}")
 _PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 
 
+class UnsignedCheckpoint(CheckpointError):
+    """A checkpoint with no SIGNATURE at all (e.g. written by a version that did not sign), not a bad one."""
+
+
 def stage_kind(stage: int) -> str:
     """What a stage checkpoint's signature says it is."""
     return f"stage{stage}"
@@ -174,7 +178,7 @@ def _read_signature(file: Path) -> dict[str, str]:
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {file.parent} is not signed (no {SIGNATURE_NAME})") from None
+        raise UnsignedCheckpoint(f"checkpoint {file.parent} is not signed (no {SIGNATURE_NAME})") from None
     except OSError as e:
         raise CheckpointError(f"{file} cannot be read: {e.strerror}") from None
     try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,15 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from swarm.checkpoint.signing import (
+    RUN_KIND,
+    fingerprint,
+    key_digest,
+    key_path,
+    load_or_create_key,
+    public_key_of,
+    sign_checkpoint,
+)
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.checkpoint.verify import STATE_NAME
 from swarm.config import ModelConfig, MoEConfig, RunConfig, StagesConfig
@@ -126,8 +138,10 @@ def test_cli_refuses_a_non_empty_out(tmp_path: Path):
         main(["--checkpoint-dir", str(tmp_path), "--out", str(out)])
 
 
-def write_run_checkpoint(root: Path, config: RunConfig, stages: list[StageModule], step: int) -> Path:
-    """A run checkpoint as the coordinator writes it: one stage checkpoint per stage, copied into run/."""
+def write_run_checkpoint(root: Path, config: RunConfig, stages: list[StageModule], step: int,
+                         sign: bool = True) -> Path:
+    """A run checkpoint as the coordinator writes it: one stage checkpoint per stage, copied into run/, and signed
+    with the coordinator's key in `root` (made if absent) unless `sign` is False."""
     stage_dirs = {}
     for stage in stages:
         tensors = {f"param/{name}": t for name, t in stage.state_dict().items()}
@@ -135,7 +149,14 @@ def write_run_checkpoint(root: Path, config: RunConfig, stages: list[StageModule
         _, _, stage_dirs[stage.index] = StageCheckpoints(root, config.run_id, stage.index, keep=2).write(
             tensors, step=step + stage.index, num_stages=len(stages), state_hash=config.state_hash(),
             round_id="round", group=1)
-    return RunCheckpoints(root, config.run_id, keep=2).write(config.to_yaml(), config.state_hash(), stage_dirs)[2]
+    path = RunCheckpoints(root, config.run_id, keep=2).write(config.to_yaml(), config.state_hash(), stage_dirs)[2]
+    if sign:
+        sign_checkpoint(path, load_or_create_key(key_path(root, config.run_id)), kind=RUN_KIND, run_id=config.run_id)
+    return path
+
+
+def coordinator_fingerprint(root: Path, run_id: str = "tiny") -> str:
+    return fingerprint(public_key_of(load_or_create_key(key_path(root, run_id))))
 
 
 def test_cli_exports_the_newest_run_checkpoint(stages: list[StageModule], tmp_path: Path, capsys):
@@ -145,6 +166,7 @@ def test_cli_exports_the_newest_run_checkpoint(stages: list[StageModule], tmp_pa
     main(["--checkpoint-dir", str(root), "--out", str(out)])
     printed = capsys.readouterr().out
     assert "run tiny (stage 0 step 7, stage 1 step 8)" in printed and str(newest) in printed and str(out) in printed
+    assert f"signed by the coordinator {coordinator_fingerprint(root)}" in printed
     exported = load_file(out / WEIGHTS_FILE)
     expected = to_hf_state(CONFIG, stage_params(stages))
     assert exported.keys() == expected.keys()
@@ -192,3 +214,88 @@ def test_cli_refuses_a_mixture_of_experts_run_up_front(tmp_path: Path):
     with pytest.raises(SystemExit, match=r"mixture-of-experts model \(model.moe\): a GPT-2 model cannot hold"):
         main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def copied_in(root: Path, config: RunConfig, stages: list[StageModule], step: int, signer_root: Path | None) -> Path:
+    """A run checkpoint made elsewhere (signed by the coordinator of `signer_root`, or not at all if None) and
+    copied into the coordinator's run/ by hand: its manifest and every file verify."""
+    elsewhere = signer_root if signer_root is not None else root.parent / f"elsewhere-{step}"
+    made = write_run_checkpoint(elsewhere, config, stages, step, sign=signer_root is not None)
+    return Path(shutil.copytree(made, root / config.run_id / "run" / made.name))
+
+
+def test_cli_exports_only_a_run_checkpoint_the_coordinator_signed(stages: list[StageModule], tmp_path: Path, capsys,
+                                                                   caplog):
+    root = tmp_path / "ckpt"
+    signed = write_run_checkpoint(root, CONFIG, stages, step=5)
+    zeros = [build_stage(CONFIG, k) for k in range(2)]
+    for stage in zeros:
+        for p in stage.parameters():
+            p.data.zero_()
+    unsigned = copied_in(root, CONFIG, zeros, step=7, signer_root=None)
+    foreign = copied_in(root, CONFIG, zeros, step=9, signer_root=tmp_path / "other-coordinator")
+    assert RunCheckpoints(root, "tiny", keep=9).newest_verified()[2] == foreign  # every one of them verifies
+    mine = coordinator_fingerprint(root)
+
+    main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr()
+    assert f"(stage 0 step 5, stage 1 step 6) from {signed}" in printed.out
+    assert f"signed by the coordinator {mine}" in printed.out
+    assert f"checkpoint {unsigned} is not signed" in caplog.text
+    assert f"is signed by {coordinator_fingerprint(tmp_path / 'other-coordinator')}, not by the coordinator ({mine})" \
+        in caplog.text
+    torch.testing.assert_close(load_file(tmp_path / "out" / WEIGHTS_FILE)["lm_head.weight"],
+                               stages[1].head.proj.weight.detach())
+
+    # Copied elsewhere (no coordinator.key there): the fingerprint the coordinator logged names the signer.
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "tiny" / "run", copy / "tiny" / "run")
+    main(["--checkpoint-dir", str(copy), "--out", str(tmp_path / "out2"), "--signer", mine.upper()])
+    assert f"stage 0 step 5, stage 1 step 6) from {copy / 'tiny' / 'run' / signed.name}" in capsys.readouterr().out
+    whole = key_digest(public_key_of(load_or_create_key(key_path(root, "tiny"))))
+    main(["--checkpoint-dir", str(copy), "--out", str(tmp_path / "out3"), "--signer", whole])
+    assert "stage 0 step 5" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"no coordinator key .*coordinator.key to check .* pass --signer"):
+        main(["--checkpoint-dir", str(copy), "--out", str(tmp_path / "out4")])
+    wrong = "0123456789abcdef"
+    with pytest.raises(SystemExit, match=r"none of the 3 run checkpoint\(s\) of run tiny .* verifies as the "
+                       rf"coordinator's \(fingerprint {wrong}\): run checkpoint step0000000009: .* is signed by .*, "
+                       rf"not by the coordinator \({wrong}\)"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out5"), "--signer", wrong])
+    with pytest.raises(SystemExit, match=r"--signer 'xyz' is not a key fingerprint"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out5"), "--signer", "xyz"])
+    assert not (tmp_path / "out4").exists() and not (tmp_path / "out5").exists()
+
+
+def test_cli_refuses_unsigned_run_checkpoints_unless_told_to_trust_them(stages: list[StageModule], tmp_path: Path,
+                                                                         capsys, caplog):
+    root = tmp_path / "ckpt"
+    written = write_run_checkpoint(root, CONFIG, stages, step=5, sign=False)  # as versions that did not sign
+    with pytest.raises(SystemExit, match=r"no coordinator key .* or --trust-unsigned"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])
+    coordinator_fingerprint(root)  # the coordinator, upgraded, made its key: still nothing it signed
+    with pytest.raises(SystemExit, match=r"verifies as the coordinator's \(fingerprint [0-9a-f]{16}\): run "
+                       r"checkpoint step0000000005 is not signed by the coordinator; .* pass --trust-unsigned"):
+        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])
+    main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out"), "--trust-unsigned"])
+    assert f"from {written} to {tmp_path / 'out'}, NOT signed (--trust-unsigned)" in capsys.readouterr().out
+    assert "is not signed: exported as --trust-unsigned says" in caplog.text
+
+    # --trust-unsigned accepts no signature, not a bad one: a manifest changed after signing stays refused.
+    signed = write_run_checkpoint(root, CONFIG, stages, step=7)
+    manifest = signed / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"created": ', b'"created": 1'))
+    main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out"), "--trust-unsigned", "--force"])
+    assert f"from {written}" in capsys.readouterr().out
+    assert "the signature does not match the checkpoint's manifest" in caplog.text
+
+
+def test_cli_does_not_import_hivemind(stages: list[StageModule], tmp_path: Path):
+    root = tmp_path / "ckpt"
+    write_run_checkpoint(root, CONFIG, stages, step=5)
+    code = ("import sys; from swarm.export import main; main(sys.argv[1:]); "
+            "assert 'hivemind' not in sys.modules, 'swarm-export imported hivemind'")
+    done = subprocess.run([sys.executable, "-c", code, "--checkpoint-dir", str(root), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert "signed by the coordinator" in done.stdout

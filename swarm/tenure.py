@@ -8,8 +8,9 @@ So a decision that moves this peer's state counts only established peers (watche
 keeps its own book: nobody's word about anybody's tenure is taken.
 
 What remains possible: a patient stranger that stays ONLINE for `min_tenure` becomes established and
-has one voice among its stage's established servers; where it is the only other one, it cannot be
-told apart from an honest server (see README, Trust).
+has one voice among its stage's established servers. Where it is the only other one, seniority
+decides (swarm.averaging.progress.seniors): the server that was there first leads, and a peer's claim
+to have been there first is believed only as far back as the reader itself cannot refute it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class TenureBook:
         """How long `peer` has been watched without a gap longer than `grace` (0 if it is not present)."""
         since = self._since.get(peer)
         return 0.0 if since is None else max(0.0, self.clock() - since)
+
+    def since(self, peer: str) -> float | None:
+        """When (on this book's clock) this peer first saw `peer` in its current stretch; None if absent."""
+        return self._since.get(peer)
 
     def established(self, peer: str, min_tenure: float) -> bool:
         return peer in self._since and self.seconds(peer) >= min_tenure

@@ -147,7 +147,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._process.start_process(start_timeout)
         self._intake = StateIntake(state, self._process, self.metrics, lambda: self._tracker.others(),
                                    self._fingerprint_rtol, self._closing, own=self._own_if_started,
-                                   established=self._established)
+                                   established=self._established, elders=lambda: self._tracker.elders())
         self._tracker = StageProgressTracker(dht, prefix, owner_key, peer_id, self.config.progress_period,
                                              self.config.request_timeout, self._own_record, self._on_progress)
 
@@ -309,7 +309,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         """This server's view of its stage now (others as of the last progress read)."""
         own = self._own_record()
         others = [] if self.solo else plausible(self._tracker.others(), own.step)
-        return stage_view(own, others, self._fingerprint_rtol, self._established())
+        return stage_view(own, others, self._fingerprint_rtol, self._established(), self._tracker.elders())
 
     def _established(self) -> set[str]:
         """The stage's servers this one has watched for averaging.min_tenure (swarm.tenure)."""

@@ -6,7 +6,8 @@ is checked here for what only the stage can vouch for (progress.backs_state): it
 established server of the stage (watched for averaging.min_tenure), its step must not lie beyond
 what most established servers publish in their (signed) progress records, this server's own
 counted, and its parameters must be those most established servers at its step publish (their
-fingerprints), at least one of them besides the sender unless the stage has only the two.
+fingerprints), at least one of them besides the sender unless the stage has only the two; then the
+sender must have served the stage before this server did (progress.seniors: the elder leads).
 StageState.check then holds it to this replica's names, shapes and dtypes, and finite values. A
 refused state is logged with its reason and its sender is not asked again for REFUSED_PEER_SECONDS;
 one that came incomplete (its stream ended early, which happens between healthy peers here) only for
@@ -41,9 +42,10 @@ class StateIntake:
 
     def __init__(self, state: StageState, process: AveragingProcess, metrics: AveragingMetrics,
                  others: Callable[[], Sequence[ProgressRecord]], fingerprint_rtol: float, closing: threading.Event,
-                 own: Callable[[], ProgressRecord | None], established: Callable[[], Collection[str]]):
+                 own: Callable[[], ProgressRecord | None], established: Callable[[], Collection[str]],
+                 elders: Callable[[], Collection[str]] | None = None):
         self.state, self.process, self.metrics, self.others = state, process, metrics, others
-        self.own, self.established = own, established
+        self.own, self.established, self.elders = own, established, elders
         self.rtol, self.closing = fingerprint_rtol, closing
         self.max_bytes = 2 * state.nbytes() + 2**20
         self._refused: dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
@@ -68,7 +70,7 @@ class StateIntake:
         info, named = unflatten(metadata, tensors)
         fingerprint = param_fingerprint(self.state.params_of(named))
         problem = backs_state(sender, info.step, fingerprint, self.own(), self.others(), self.established(),
-                              self.rtol)
+                              self.rtol, None if self.elders is None else self.elders())
         if problem is not None:
             raise StateRejected(problem)
         return info, named

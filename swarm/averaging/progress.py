@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,9 @@ class ProgressRecord(WireRecord):
     fingerprint: conlist(confloat(strict=True), min_items=2, max_items=2) | None = None  # param_fingerprint
     # A round for step+1 is under way beside compute: `samples` count towards step+2
     averaging: StrictBool = False
+    # DHT time this server began serving its stage (its current stretch): a claim, believed by each
+    # reader only as far back as it cannot refute it (see seniors)
+    since: confloat(strict=True) | None = None
 
     @property
     def next_batch(self) -> int:
@@ -107,16 +110,46 @@ def voters(others: Sequence[ProgressRecord], established: Collection[str] | None
     return trusted if trusted else list(others)
 
 
+def seniors(own_since: float | None, others: Sequence[ProgressRecord], witnessed: Mapping[str, float],
+            slack: float) -> set[str]:
+    """The servers that were serving the stage before this one (which began at `own_since`; None: it
+    serves nothing yet, so every one is).
+
+    A server's `since` is its own claim. `witnessed` holds when this one first saw each in its current
+    stretch (same clock: DHT time). A server first seen more than `slack` after this one began cannot
+    have been there before: its claim counts back no further than `slack` before it was seen. One
+    already there when this one came cannot be refuted, and its claim stands (a record without one
+    counts from when it was seen). Two honest servers so agree on which came first, and a stranger
+    that joins a server cannot claim to be its elder. `slack` covers a record's way through the DHT
+    and clocks a little apart.
+    """
+    if own_since is None:
+        return {r.peer_id for r in others}
+    elder = set()
+    for r in others:
+        seen = witnessed.get(r.peer_id)
+        if seen is None:
+            continue
+        claimed = seen if r.since is None else r.since
+        if seen - own_since > slack:
+            claimed = max(claimed, seen - slack)
+        if claimed < own_since:
+            elder.add(r.peer_id)
+    return elder
+
+
 def backs_state(sender: str, step: int, fingerprint: Sequence[float] | None, own: ProgressRecord | None,
                 others: Sequence[ProgressRecord], established: Collection[str] | None,
-                rtol: float = EXACT_RTOL) -> str | None:
+                rtol: float = EXACT_RTOL, elders: Collection[str] | None = None) -> str | None:
     """Why the state `sender` offers at `step` must not be adopted, or None if the stage backs it.
 
     Only established servers vote (all, when `established` is None), the sender's own record never: its
     step must be within the bound of the voters' steps, this server's own counted; most voters at its
     step must agree with its fingerprint, and at least one must, unless the stage has no established
-    server besides the sender and this one (a stage of two), where the sender's word is all there is.
-    So no lone claimant moves a stage of three or more, and no new one moves anybody.
+    server besides the sender and this one (a stage of two). There the sender's word is all there is,
+    and it counts only if the sender is this server's elder (`elders`, see :func:`seniors`; unchecked
+    when None): the one that served first leads. So no lone claimant moves a stage of three or more,
+    no new one moves anybody, and one that joins a lone server does not lead it.
     """
     if established is not None and sender not in established:
         return f"{sender} has not been watched long enough to vouch for a state"
@@ -133,6 +166,9 @@ def backs_state(sender: str, step: int, fingerprint: Sequence[float] | None, own
     if agree == 0 and peers:
         return (f"no established server besides {sender} is at step {step} with its parameters "
                 f"({len(peers)} others are established)")
+    if not peers and own is not None and elders is not None and sender not in elders:
+        return (f"{sender} is the stage's only other established server and began serving after this one: "
+                "in a stage of two, the elder leads")
     return None
 
 
@@ -186,20 +222,28 @@ class StageView:
 
 
 def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: float = EXACT_RTOL,
-               established: Collection[str] | None = None) -> StageView:
+               established: Collection[str] | None = None, elders: Collection[str] | None = None) -> StageView:
     """This server's view of the stage, given its own record and the live records of the others.
 
     With `established` (the peers this server watched long enough, swarm.tenure), only their records
     close a batch, count towards it or are waited for (see :func:`voters`), and a server is behind or
-    diverged only from a state the stage backs (:func:`backs_state`): a stranger's record moves nothing.
+    diverged only from a state the stage backs (:func:`backs_state`, with `elders`): a stranger's record
+    moves nothing. Of two diverged replicas in a stage of two, the younger takes the elder's state
+    (whatever their ranks): the elder would not take the younger's.
     """
     others = list(others)
     counted = voters(others, established)
     same_step = [r for r in others if r.step == own.step]
+    lone = established is not None and elders is not None and sum(r.peer_id in established for r in others) == 1
 
     def backed(r: ProgressRecord) -> bool:
         return established is None or backs_state(r.peer_id, r.step, r.fingerprint, own, others, established,
-                                                  rtol) is None
+                                                  rtol, elders) is None
+
+    def outranks(r: ProgressRecord) -> bool:
+        if lone and r.peer_id in established:
+            return r.peer_id in elders
+        return (r.priority, r.peer_id) > (own.priority, own.peer_id)
 
     return StageView(
         step=own.step,
@@ -207,8 +251,9 @@ def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: floa
         group_size=1 + sum(r.step <= own.step for r in counted),
         members=tuple(r.peer_id for r in counted if r.step <= own.step),
         behind=any(r.step > own.step + own.averaging and backed(r) for r in others),
-        closed=any(r.step + r.averaging >= own.next_batch for r in counted),
-        diverged=any((r.priority, r.peer_id) > (own.priority, own.peer_id)
+        # (a server ahead closed it only if its step is believed: else this one would wait for a catch-up it refuses)
+        closed=any(r.step + r.averaging >= own.next_batch and (r.step <= own.step or backed(r)) for r in counted),
+        diverged=any(outranks(r)
                      and (r.round_id != own.round_id or fingerprints_differ(r.fingerprint, own.fingerprint, rtol))
                      and backed(r)
                      for r in same_step),

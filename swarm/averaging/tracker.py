@@ -18,7 +18,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from swarm.averaging.channel import ProgressChannel
-from swarm.averaging.progress import ProgressRecord
+from swarm.averaging.progress import ProgressRecord, seniors
 from swarm.dht.errors import SwarmDHTError
 from swarm.dht.keys import PROGRESS_SUFFIX
 from swarm.dht.node import require_alive, wait_future
@@ -59,7 +59,9 @@ class StageProgressTracker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # how long each other server has been seen in the DHT's reads, without a gap longer than its record's life
-        self._tenure = TenureBook(grace=self.ttl)
+        # (on the DHT's clock, which the records' `since` claims are on too: progress.seniors compares them)
+        self._tenure = TenureBook(clock=get_dht_time, grace=self.ttl)
+        self._serving_since: float | None = None  # DHT time this server first published its progress
 
     def start(self, channel: ProgressChannel | None = None) -> None:
         self._channel = channel
@@ -96,6 +98,14 @@ class StageProgressTracker:
             live = [peer for peer, (_, expiration) in self._others.items() if expiration > now]
             return self._tenure.established_peers(live, min_tenure)
 
+    def elders(self) -> set[str]:
+        """The live servers that were serving this stage before this one began to (progress.seniors)."""
+        with self._lock:
+            now = get_dht_time()
+            live = [record for record, expiration in self._others.values() if expiration > now]
+            witnessed = {r.peer_id: since for r in live if (since := self._tenure.since(r.peer_id)) is not None}
+            return seniors(self._serving_since, live, witnessed, slack=self.ttl)
+
     def refresh(self) -> None:
         """Publish this server's record if it changed (or is getting old), then read everyone's."""
         if self._stop.is_set():  # left: publishing again would undo that
@@ -124,7 +134,11 @@ class StageProgressTracker:
 
     def _stamp(self) -> tuple[ProgressRecord, bool]:
         """This server's record now, stamped with the DHT time it last changed; and whether it just did."""
-        record = self._own_record()
+        with self._lock:
+            if self._serving_since is None:  # this server's first record: it serves its stage from now on
+                self._serving_since = get_dht_time()
+            since = self._serving_since
+        record = self._own_record().copy(update={"since": since})
         with self._lock:
             if record.same_progress(self._current):
                 return self._current, False

@@ -5,7 +5,8 @@ as any volunteer does, serves long enough to be established (averaging.min_tenur
 weights to zeros and its step to the others' + 1 and publishes that (signed with its own key, as
 any server may). Before the trust rules, both honest replicas adopted m's state within about a
 second. Now nobody believes a lone claimant in a stage of three: the honest replicas do not count
-themselves behind, download nothing, and their next round is their own.
+themselves behind, download nothing, and their next round is their own. In a stage of two (one honest
+server and m, which joined it), the elder leads: the honest server keeps its state and steps on.
 """
 
 from __future__ import annotations
@@ -91,3 +92,35 @@ def test_an_established_server_claiming_the_next_step_with_its_own_weights_moves
                                                                                    tensor), name
         moved = sum(float((after_a["params"][n] - honest[0]["params"][n]).norm()) for n in after_a["params"])
         assert 0 < moved < sum(float(t.norm()) for t in honest[0]["params"].values())
+
+
+def test_a_server_that_joined_a_lone_honest_server_cannot_lead_it_with_a_step_ahead():
+    config = make_config("trust-pair")
+    with running_peers(config.run_id, 1) as peers, stage_servers(config, peers, [STAGE]) as (a,), \
+            running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_m,), \
+            stage_servers(config, [peer_m], [STAGE]) as (m,):
+        wait_until_peers_see_each_other([a, m])
+        wait_until(lambda: m.peer_id in a.averager._established(), SEE_TIMEOUT, interval=0.1,
+                   what="m established in a's eyes")
+        assert m.peer_id not in a.averager._tracker.elders()  # m came second
+        assert a.peer_id in m.averager._tracker.elders()  # as m itself sees it
+        honest = snapshot(a)
+        step, downloaded = honest["step"], downloads(a)
+
+        claim_a_step_ahead(m, step + 1)
+        wait_until(lambda: any(r.peer_id == m.peer_id and r.step == step + 1 for r in a.averager._tracker.others()),
+                   SEE_TIMEOUT, interval=0.05, what="a holding m's claim")
+        view = a.averager.view()
+        assert not view.behind and not view.diverged, view
+        assert_same_state(snapshot(a), honest)
+
+        # a steps on its own batch (before, it adopted m's zeros and step; and m's unbelieved step must not
+        # count as having closed a's batch, or a would hold its samples waiting for a catch-up it refuses)
+        for seed in (1, 2, 3):
+            feed(a, micro_batch(config, seed))
+        wait_until(lambda: a.backend.step == step + 1 and not a.averager.busy, ROUND_TIMEOUT, interval=0.1,
+                   what="a stepping on its own batch")
+        after = snapshot(a)
+        assert downloads(a) == downloaded
+        moved = sum(float((after["params"][n] - honest["params"][n]).norm()) for n in after["params"])
+        assert 0 < moved < sum(float(t.norm()) for t in honest["params"].values())

@@ -1,0 +1,77 @@
+"""A stage of two: the server that served first leads, and a stranger that joins a lone server cannot lead it.
+
+progress.seniors decides who came first from each record's `since` claim, believed only as far back as the
+reader cannot refute it (it was not watching yet); backs_state and stage_view use it where the stage has no
+established server besides the sender and this one.
+"""
+
+from __future__ import annotations
+
+from swarm.averaging.progress import ProgressRecord, backs_state, seniors, sharing_priority, stage_view
+
+FP = [1.0, 2.0]
+LIE = [0.0, 0.0]
+SLACK = 5.0
+
+
+def record(peer: str, step: int, fingerprint=FP, round_id: str = "r", group: int = 2,
+           since: float | None = None) -> ProgressRecord:
+    return ProgressRecord(peer_id=peer, step=step, samples=0, round_id=round_id, group=group,
+                          priority=sharing_priority(step, group, round_id, peer), fingerprint=fingerprint,
+                          since=since)
+
+
+def test_a_server_first_seen_well_after_this_one_began_cannot_claim_to_be_older():
+    # a began serving at 100; m first appeared at 200 and claims to have served since 0
+    assert seniors(100.0, [record("m", 5, since=0.0)], {"m": 200.0}, SLACK) == set()
+    # nor just before a: its claim counts back no further than SLACK before it was seen
+    assert seniors(100.0, [record("m", 5, since=99.0)], {"m": 200.0}, SLACK) == set()
+
+
+def test_a_server_already_there_when_this_one_came_is_believed_and_leads():
+    # b began at 150 and first saw a at 151 (a was there): a's claim (100) stands
+    assert seniors(150.0, [record("a", 5, since=100.0)], {"a": 151.0}, SLACK) == {"a"}
+    # and a, which began at 100 and saw b at 152, credits b with no earlier than 147: b is younger
+    assert seniors(100.0, [record("b", 5, since=150.0)], {"b": 152.0}, SLACK) == set()
+    # a record of an older version (no claim) counts from when it was seen
+    assert seniors(150.0, [record("a", 5)], {"a": 149.0}, SLACK) == {"a"}
+    # a server that serves nothing yet (a joiner) counts everyone as its elder; one never seen counts not
+    assert seniors(None, [record("a", 5), record("b", 5)], {"a": 1.0}, SLACK) == {"a", "b"}
+    assert seniors(150.0, [record("a", 5, since=1.0)], {}, SLACK) == set()
+
+
+def test_two_honest_servers_agree_on_who_came_first():
+    for a_since, b_since in ((100.0, 103.0), (100.0, 160.0), (160.0, 100.0)):
+        first_seen_by_a = max(b_since, a_since) + 0.5  # each reads the other's record within a period
+        first_seen_by_b = max(a_since, b_since) + 0.5
+        a_elders = seniors(a_since, [record("b", 5, since=b_since)], {"b": first_seen_by_a}, SLACK)
+        b_elders = seniors(b_since, [record("a", 5, since=a_since)], {"a": first_seen_by_b}, SLACK)
+        assert (a_elders, b_elders) == ((set(), {"a"}) if a_since < b_since else ({"b"}, set()))
+
+
+def test_in_a_stage_of_two_the_newcomer_s_claim_a_step_ahead_moves_the_elder_not():
+    own = record("a", 9, since=100.0)
+    m = record("m", 10, LIE, since=0.0)
+    problem = backs_state("m", 10, LIE, own, [m], {"m"}, elders=set())
+    assert problem is not None and "the elder leads" in problem
+    view = stage_view(own, [m], established={"m"}, elders=set())
+    assert not view.behind and not view.diverged
+    assert not view.closed  # an unbelieved step ahead closes no batch: the elder fills its own and steps
+    # the same claim by an elder is followed (a stage of two has nothing else to go by), as before
+    assert backs_state("m", 10, LIE, own, [m], {"m"}, elders={"m"}) is None
+    assert stage_view(own, [m], established={"m"}, elders={"m"}).behind
+    # a joiner (no state of its own yet) takes the state of the only server there is
+    assert backs_state("m", 10, LIE, None, [m], {"m"}, elders={"m"}) is None
+
+
+def test_of_two_diverged_replicas_the_younger_takes_the_elder_s_state_whatever_their_ranks():
+    # a (elder) made step 10 alone after a lost round: its lone step ranks below b's
+    a = record("a", 10, [9.0, 9.0], round_id="lone", group=1, since=100.0)
+    b = record("b", 10, FP, round_id="r", group=2, since=150.0)
+    assert b.priority > a.priority
+    assert not stage_view(a, [b], established={"b"}, elders=set()).diverged  # the elder keeps its own
+    assert stage_view(b, [a], established={"a"}, elders={"a"}).diverged  # the younger takes the elder's
+    # in a stage of three, ranks decide as before
+    c = record("c", 10, FP, round_id="r", group=2, since=90.0)
+    assert stage_view(a, [b, c], established={"b", "c"}, elders={"c"}).diverged
+    assert not stage_view(b, [a, c], established={"a", "c"}, elders={"a", "c"}).diverged

@@ -6,12 +6,17 @@ stranger that announces itself ONLINE at step 9,999,999,999 and holds (and serve
 own manifest) a checkpoint of zeros at that step. Before the trust rules the archive pulled the
 stranger's within a second and made it the run's newest, swarm-export exported zeros, and a
 restarting server whose disk held a newer honest checkpoint resumed from the stranger's.
+
+And one that needs no network at all: a valid stage checkpoint of zeros dropped into the coordinator's
+own checkpoint directory by hand (or left there by an older version, or restored from a mirror) is
+not assembled into a run checkpoint after a restart, since the coordinator did not sign it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,15 +49,19 @@ def replica(config) -> StageState:
     return StageState(module, StageOptimizer(module, config.optimizer), STAGE, INITIAL_ROUND)
 
 
-def holder(peer: Peer, root: Path, config, step: int, tensors: dict[str, torch.Tensor]) -> StageCheckpoints:
-    """`peer` writes a checkpoint of `tensors` at `step`, serves it, and announces it and itself ONLINE at `step`."""
-    store = StageCheckpoints(root, RUN_ID, STAGE, keep=3)
-    store.write(tensors, step=step, num_stages=1, state_hash=config.state_hash(), round_id="r", group=1)
-    peer.loop.run(serve_checkpoints(peer.p2p(), RUN_ID, store.path_for), LOOP_CALL_TIMEOUT)
-    record = CheckpointRecord(peer_id=peer.peer_id, stage=STAGE, state_hash=config.state_hash(),
+def holder(peer: Peer, root: Path, config, step: int, tensors: dict[str, torch.Tensor], stage: int = STAGE,
+           serve: bool = True) -> StageCheckpoints:
+    """`peer` writes a checkpoint of `tensors` at `step`, serves it (unless it does already), and announces it
+    and itself ONLINE at `step`."""
+    store = StageCheckpoints(root, config.run_id, stage, keep=3)
+    store.write(tensors, step=step, num_stages=config.stages.num_stages, state_hash=config.state_hash(),
+                round_id="r", group=1)
+    if serve:
+        peer.loop.run(serve_checkpoints(peer.p2p(), config.run_id, store.path_for), LOOP_CALL_TIMEOUT)
+    record = CheckpointRecord(peer_id=peer.peer_id, stage=stage, state_hash=config.state_hash(),
                               checkpoints=held_checkpoints(store))
     assert peer.records.announce_checkpoints(record, ttl=120.0)
-    server = ServerRecord(peer_id=peer.peer_id, stage=STAGE, state=ServerState.ONLINE.value, throughput=1.0,
+    server = ServerRecord(peer_id=peer.peer_id, stage=stage, state=ServerState.ONLINE.value, throughput=1.0,
                           step=step)
     assert peer.records.announce_server(server, ttl=120.0)
     return store
@@ -114,3 +123,50 @@ def test_a_far_ahead_checkpoint_is_ignored_by_the_archive_export_and_a_restartin
         assert isinstance(info, StateInfo) and info.step == HONEST_STEP
         assert all(torch.equal(tensors[name], honest[name]) for name in honest)
         assert re.search(f"ignoring a checkpoint claim: {stranger.peer_id}", caplog.text)
+
+
+def test_a_stage_checkpoint_put_on_the_coordinators_disk_by_hand_is_not_assembled(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    config = tiny_config("trust-disk", num_stages=2)
+    honest = {k: replica_of(config, k) for k in range(2)}
+    root = tmp_path / "coordinator"
+    with running_peers(config.run_id, 3) as (coordinator, server0, server1):
+        holder(server1, tmp_path / "server1", config, HONEST_STEP, honest[1], stage=1)
+        # The coordinator pulls (and signs) stage 1's checkpoint; stage 0 has none yet, so no run checkpoint.
+        archived(config, coordinator, root, lambda archive: archive.stages[1].entries())
+
+        # While the coordinator is down, a valid, newer checkpoint of stage 1 (zeros) lands in its directory.
+        dropped = StageCheckpoints(root, config.run_id, 1, keep=3).write(
+            {name: torch.zeros_like(t) for name, t in honest[1].items()}, step=HONEST_STEP + 1, num_stages=2,
+            state_hash=config.state_hash(), round_id="r", group=1)[2]
+        # Stage 0's first checkpoint comes: the restarted coordinator pulls it and assembles a run checkpoint.
+        holder(server0, tmp_path / "server0", config, HONEST_STEP, honest[0], stage=0)
+        runs = RunCheckpoints(root, config.run_id, keep=3)
+        archived(config, coordinator, root, lambda archive: runs.entries())
+
+    run = runs.newest_verified()
+    assert run is not None and [e.step for e in run[0].stages] == [HONEST_STEP, HONEST_STEP]
+    assert all(torch.equal(run[1][1][1][name], honest[1][name]) for name in honest[1])
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"not using checkpoint {dropped}")]
+    assert len(skipped) == 1 and "is not signed" in skipped[0], skipped  # logged once, however many polls
+    assert len(re.findall(r"signing checkpoints as ([0-9a-f]{16}) ", caplog.text)) == 2  # one key, kept
+    assert len(set(re.findall(r"signing checkpoints as ([0-9a-f]{16}) ", caplog.text))) == 1
+
+
+def replica_of(config, stage: int) -> dict[str, torch.Tensor]:
+    module = build_stage(config, stage)
+    return StageState(module, StageOptimizer(module, config.optimizer), stage, INITIAL_ROUND).state_dict()[1]
+
+
+def archived(config, coordinator: Peer, root: Path, done: Callable[[RunArchive], object]) -> None:
+    """Start a coordinator's archive on `root` (as a restarted coordinator would), poll until `done(archive)`,
+    a few more times (nothing else comes of what is on its disk), and close it."""
+    archive = RunArchive(config, root, coordinator.records, coordinator.loop, coordinator.peer_id,
+                         max_stage_bytes=2**30)
+    archive.start(coordinator.p2p())
+    try:
+        wait_until(lambda: archive.poll() or done(archive), PULL_TIMEOUT, interval=0.3, what="the archive pulling")
+        for _ in range(3):
+            archive.poll()
+    finally:
+        archive.close()

@@ -124,13 +124,20 @@ class LocalSwarm:
 
     def _newest_run_checkpoint(self) -> dict[str, Any] | None:
         """The coordinator's newest run checkpoint: where it is and each stage's step (what swarm-export reads)."""
+        from swarm.checkpoint.signing import RUN_KIND, key_path, load_public_key, verify_signature
         from swarm.checkpoint.store import RunCheckpoints
         from swarm.checkpoint.verify import verify_run
 
         root = self.checkpoint_dir / "coordinator"
-        for path in RunCheckpoints(root, self.config.run_id, self.config.checkpoint.keep).entries():
+        run_id = self.config.run_id
+        try:
+            signer = load_public_key(key_path(root, run_id))
+        except (CheckpointError, OSError):
+            return None  # no key, no checkpoint swarm-export would take
+        for path in RunCheckpoints(root, run_id, self.config.checkpoint.keep).entries():
             try:
-                manifest, _, _ = verify_run(path, run_id=self.config.run_id, state_hash=None, read_state=False)
+                manifest, _, _ = verify_run(path, run_id=run_id, state_hash=None, read_state=False)
+                verify_signature(path, kind=RUN_KIND, run_id=run_id, expect=signer)  # as swarm-export checks
             except CheckpointError:
                 continue
             return {"checkpoint_dir": str(root), "path": str(path), "steps": [e.step for e in manifest.stages]}

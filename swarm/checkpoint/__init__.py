@@ -12,6 +12,7 @@ Format: docs/checkpoints.md. Map of the subsystem, from what a server uses down 
     store.py     StageCheckpoints (a server's stage states), RunCheckpoints (the coordinator's whole-run
                  copies): atomic writes, install of fetched copies, pruning
     verify.py    check_stage / load_stage / verify_run: manifests, listings, sizes, sha256s, finite tensors
+    signing.py   the coordinator's key and SIGNATURE files: what its archive and swarm-export take
     manifest.py  StageManifest, RunManifest: canonical JSON written, strictly validated when read;
                  manifest_id() is the sha256 of the bytes, the id the DHT announces
     errors.py    CheckpointError

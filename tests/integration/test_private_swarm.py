@@ -2,23 +2,29 @@
 
 The programs run as people run them (like test_cli). Without the key a peer learns nothing from
 the initial peer and cannot find the run config; with a wrong key neither; with the key it joins.
-A stranger's DHT node (stock hivemind) finds nothing under the run's own id, and what it could hold
-under the private id is sealed. No record a stranger's node holds, and no run_info answer a stranger
-gets by calling the name the coordinator advertises (libp2p identify), names the network id.
+
+libp2p's identify protocol tells anyone who dials a peer every handler name it serves, so names
+keep nobody out: every RPC of a private swarm's peers answers only callers that prove they hold the
+key (swarm.protocol.gate). A stranger, with no key or another, that names a stage server's forward,
+its checkpoint reads, the DHT or run_info from what identify told it is refused, while a caller with
+the key is answered by the same handlers; a stranger's DHT node cannot join at all. In depth, no
+record a node of the swarm holds names the network id, and the run config it holds is sealed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from pathlib import Path
 
 import hivemind
+import msgpack
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.proto import dht_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.averaging.process import step_bits
@@ -30,7 +36,7 @@ from swarm.dht import (
     ExpertHostRecord,
     HeldCheckpoint,
     PeerMetricsRecord,
-    RunInfoServicer,
+    RunInfo,
     ServerRecord,
     ServerState,
     SwarmRecords,
@@ -38,11 +44,13 @@ from swarm.dht import (
     load_identity,
     load_swarm_key,
 )
+from swarm.dht.bootstrap import RUN_INFO_PURPOSE
 from swarm.dht.keys import averaging_prefix, dht_key, progress_key
-from swarm.dht.private import SEALED_PREFIX
+from swarm.dht.private import SEALED_PREFIX, SwarmKey
+from swarm.protocol import gate
 from tests.helpers import wait_until
 from tests.integration.test_cli import CHECK_TIMEOUT, assert_clear_error, check_output
-from tests.procs import LOCALHOST, ProcSet, start_coordinator
+from tests.procs import LOCALHOST, ProcSet, start_coordinator, start_peer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,6 +58,7 @@ RUN_ID = "private-test"
 JOIN_TIMEOUT = "5"  # a peer without the key gives up this fast (no initial peer answers it)
 PROPAGATION_TIMEOUT = 30.0
 IDENTIFY = "/ipfs/id/1.0.0"  # libp2p's identify protocol: a peer's addresses and every protocol it serves
+CALL_TIMEOUT = 20.0  # one call of the test's own peer (2 shared CPU cores)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +71,31 @@ def private(tmp_path_factory: pytest.TempPathFactory, tiny_config_path: Path):
         yield coordinator, key_file
     finally:
         procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def server(private, tmp_path_factory: pytest.TempPathFactory):
+    """A server of the private swarm (it serves forward, backward and its checkpoints), of the stage
+    publish_every_kind_of_record leaves alone: its ghost records would keep a stage-0 server from starting."""
+    coordinator, key_file = private
+    procs = ProcSet(tmp_path_factory.mktemp("private-server"))
+    try:
+        peer = start_peer(procs, coordinator, "--role", "server", "--stage", "1", "--swarm-key", str(key_file))
+        peer.wait_serving()
+        yield peer
+    finally:
+        procs.stop_all()
+
+
+@contextlib.contextmanager
+def gated(swarm_key: SwarmKey | None):
+    """This process's calls carry proofs of `swarm_key` (none: no gate), and so do the processes it forks."""
+    if swarm_key is not None:
+        gate.install(swarm_key)
+    try:
+        yield
+    finally:
+        gate.uninstall()
 
 
 def test_the_coordinator_writes_a_private_key_file(private):
@@ -94,22 +128,17 @@ def test_a_peer_without_the_key_or_with_another_learns_nothing(private, procs: P
     assert_clear_error(proc, "swarm-peer", "missing.key", "does not exist")
 
 
-def test_a_stranger_in_the_dht_cannot_read_the_run_config(private):
-    coordinator, key_file = private
-    # stock hivemind, with the signature validator only to strip signatures off what it reads
-    stranger = hivemind.DHT(initial_peers=coordinator.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
-                            record_validators=[RSASignatureValidator(load_identity(None).signing_key)])
-    try:
-        assert stranger.get(dht_key(RUN_ID, "config"), latest=True) is None  # the run's own id finds nothing
-        # even knowing the private id, what the DHT holds there is sealed
-        found = stranger.get(dht_key(load_swarm_key(key_file).network_id(RUN_ID), "config"), latest=True)
-        assert found is not None
-        [record] = [item.value for item in found.value.values()]
-        assert record["config_yaml"].startswith(SEALED_PREFIX) and "model:" not in record["config_yaml"]
-        opened = RunConfig.from_yaml(load_swarm_key(key_file).open(record["config_yaml"]))
-        assert opened.run_id.startswith(RUN_ID + "-")
-    finally:
-        stranger.shutdown()
+def test_a_strangers_dht_node_cannot_join(private, tmp_path: Path):
+    coordinator, _ = private
+    # stock hivemind, with no key, then with another (its DHT process inherits this process's gate)
+    for n, other_key in enumerate((None, SwarmKey(b"\xab" * 32))):
+        identity = tmp_path / f"stranger-{n}.id"
+        P2P.generate_identity(str(identity))
+        with gated(other_key), pytest.raises(RuntimeError, match="bootstrap failed"):
+            hivemind.DHT(initial_peers=coordinator.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                         identity_path=str(identity), wait_timeout=3).shutdown()
+        stranger = PeerID.from_identity(identity.read_bytes()).to_base58()
+        coordinator.proc.wait_for_line(f"refused calls from peer {stranger}", CALL_TIMEOUT, stream="stderr")
 
 
 def publish_every_kind_of_record(dht: hivemind.DHT, run_id: str, identity, swarm_key) -> int:
@@ -147,27 +176,36 @@ async def _held_bytes(needles: list[bytes], _dht, node) -> tuple[int, list[bool]
     return entries, [needle in blob for needle in needles], SEALED_PREFIX.encode() in blob
 
 
-def test_no_record_a_strangers_node_holds_names_the_network_id(private):
+def test_no_record_a_node_of_the_swarm_holds_names_the_network_id(private):
+    """Strangers cannot be nodes of the DHT any more (above); this is the depth behind that: should a record
+    leave the swarm (a node's memory, a peer started without the gate), it names no network id."""
     coordinator, key_file = private
     swarm_key = load_swarm_key(key_file)
     network_id = swarm_key.network_id(RUN_ID)
     needles = [network_id.encode(), network_id.rsplit("-", 1)[1].encode()]  # the id, and its tag alone
-    stranger = hivemind.DHT(initial_peers=coordinator.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    with BackgroundLoop("test-private-swarm") as loop:
+    with gated(swarm_key), BackgroundLoop("test-private-swarm") as loop:
+        # a stock hivemind node with the key (its DHT process inherits this process's gate), as a stranger once was;
+        # the signature validator only strips signatures off what it reads
+        holder = hivemind.DHT(initial_peers=coordinator.maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                              record_validators=[RSASignatureValidator(load_identity(None).signing_key)])
         identity = load_identity(None)
         dht, _, config = join_run(coordinator.maddrs, identity, loop, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                   swarm_key=swarm_key)
         try:
             published = publish_every_kind_of_record(dht, config.run_id, identity, swarm_key) + 1  # + the config
-            # the stranger is among every key's nearest nodes (3 nodes, 5 replicas): it holds all of them
+            # the holder is among every key's nearest nodes (3 nodes, 5 replicas): it holds all of them
             entries, found, sealed = wait_until(
                 lambda: (lambda held: held if held[0] >= published and held[2] else None)(
-                    stranger.run_coroutine(functools.partial(_held_bytes, needles))), PROPAGATION_TIMEOUT, 0.5,
-                "the stranger's copies")
-            assert found == [False, False], f"{entries} entries a stranger holds name the network id"
+                    holder.run_coroutine(functools.partial(_held_bytes, needles))), PROPAGATION_TIMEOUT, 0.5,
+                "the holder's copies")
+            assert found == [False, False], f"{entries} entries a node holds name the network id"
+            # and the config it holds is sealed: it opens with the key only
+            [record] = [item.value for item in holder.get(dht_key(network_id, "config"), latest=True).value.values()]
+            assert record["config_yaml"].startswith(SEALED_PREFIX) and "model:" not in record["config_yaml"]
+            assert RunConfig.from_yaml(swarm_key.open(record["config_yaml"])).run_id == network_id
         finally:
             dht.shutdown()
-            stranger.shutdown()
+            holder.shutdown()
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
@@ -196,28 +234,83 @@ def identified_protocols(message: bytes) -> list[str]:
     return protocols
 
 
-async def _ask_as_a_stranger(maddrs: list[str]) -> tuple[list[str], bytes]:
-    """A stranger with stock hivemind dials the coordinator, reads what it serves, calls its run_info."""
-    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+async def _identified(p2p: P2P, peer: PeerID) -> list[str]:
+    """The handler names `peer` serves, as libp2p's identify tells anyone who dials it (no proof asked)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, IDENTIFY)
+    identify = b""
+    while chunk := await asyncio.wait_for(reader.read(65536), CALL_TIMEOUT):
+        identify += chunk
+    writer.close()
+    return identified_protocols(identify)
+
+
+async def _answers(p2p: P2P, peer: PeerID, name: str, request: runtime_pb2.ExpertRequest) -> list | str:
+    """The frames a stream handler answers one request with, or why the call failed."""
     try:
-        peer = PeerID.from_base58(maddrs[0].rsplit("/p2p/", 1)[1])
-        _, reader, writer = await p2p.call_binary_stream_handler(peer, IDENTIFY)
-        identify = b""
-        while chunk := await asyncio.wait_for(reader.read(65536), 10):
-            identify += chunk
-        writer.close()
-        names = [name for name in identified_protocols(identify) if name.endswith("::RunInfoServicer.rpc_run_info")]
-        stub = RunInfoServicer.get_stub(p2p, peer, namespace=names[0].split("::")[0])
-        answer = await stub.rpc_run_info(runtime_pb2.ExpertInfo(), timeout=10)
-        return names, answer.serialized_info
+        responses = await p2p.iterate_protobuf_handler(peer, name, request, runtime_pb2.ExpertResponse)
+        return [frame async for frame in responses]
+    except Exception as e:  # noqa: BLE001 - how the call failed is the outcome
+        return f"{type(e).__name__}: {e}"
+
+
+async def _unary(p2p: P2P, peer: PeerID, name: str, request, reply_type) -> object:
+    try:
+        return await asyncio.wait_for(p2p.call_protobuf_handler(peer, name, request, reply_type), CALL_TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - how the call failed is the outcome
+        return f"{type(e).__name__}: {e}"
+
+
+async def _call_everything(coordinator: str, server: str, names: dict[str, str]) -> tuple[str, dict]:
+    """From a fresh peer: a stage forward and a checkpoint read on the server, a DHT ping and run_info on the
+    coordinator, each by the name identify gave; the peer's id and each call's outcome."""
+    p2p = await P2P.create(initial_peers=[coordinator], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        coordinator_id, server_id = PeerID.from_base58(coordinator.rsplit("/p2p/", 1)[1]), PeerID.from_base58(server)
+        junk = runtime_pb2.ExpertRequest(uid="x", metadata=b"not a request")
+        read = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"manifest_id": "0" * 64, "file": "x", "offset": 0}))
+        outcomes = {
+            "forward": await _answers(p2p, server_id, names["forward"], junk),
+            "checkpoint read": await _answers(p2p, server_id, names["read"], read),
+            "dht": await _unary(p2p, coordinator_id, names["dht"], dht_pb2.PingRequest(), dht_pb2.PingResponse),
+            "run_info": await _unary(p2p, coordinator_id, names["run_info"], runtime_pb2.ExpertInfo(),
+                                     runtime_pb2.ExpertInfo),
+        }
+        return p2p.peer_id.to_base58(), outcomes
     finally:
         await p2p.shutdown()
 
 
-def test_the_run_info_a_stranger_can_ask_for_names_nothing(private):
+async def _names(coordinator: str, server: str) -> dict[str, str]:
+    """What a stranger learns from identify: the names of the RPCs it then calls."""
+    p2p = await P2P.create(initial_peers=[coordinator], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        served = [*await _identified(p2p, PeerID.from_base58(coordinator.rsplit("/p2p/", 1)[1])),
+                  *await _identified(p2p, PeerID.from_base58(server))]
+    finally:
+        await p2p.shutdown()
+    ends = {"forward": "::StageService.rpc_forward", "read": "::CheckpointServer.rpc_read",
+            "dht": "DHTProtocol.rpc_ping", "run_info": "::RunInfoServicer.rpc_run_info"}
+    found = {what: [name for name in served if name.endswith(end)] for what, end in ends.items()}
+    assert all(found.values()), f"identify no longer lists one of {ends}: then this test checks nothing ({served})"
+    return {what: names[0] for what, names in found.items()}
+
+
+def test_a_stranger_is_refused_by_every_rpc_identify_names_and_a_peer_with_the_key_is_served(private, server):
     coordinator, key_file = private
-    names, answer = asyncio.run(_ask_as_a_stranger(coordinator.maddrs))
-    assert names, "the coordinator no longer advertises run_info: then this test checks nothing"
-    network_id = load_swarm_key(key_file).network_id(RUN_ID)
-    assert answer.startswith(SEALED_PREFIX.encode())
-    assert network_id.encode() not in answer and RUN_ID.encode() not in answer
+    swarm_key = load_swarm_key(key_file)
+    names = asyncio.run(_names(coordinator.maddrs[0], server.peer_id))
+    for other_key in (None, SwarmKey(b"\xab" * 32)):
+        with gated(other_key):
+            stranger, refused = asyncio.run(_call_everything(coordinator.maddrs[0], server.peer_id, names))
+        # a stream is closed before its handler reads a byte (no reply frame); a unary call says why
+        refusals = {what: outcome == [] if what in ("forward", "checkpoint read") else gate.REFUSED in str(outcome)
+                    for what, outcome in refused.items()}
+        assert all(refusals.values()), f"refused: {refusals}; outcomes: {refused}"
+        server.proc.wait_for_line(f"refused calls from peer {stranger}", CALL_TIMEOUT, stream="stderr")
+    with gated(swarm_key):  # the same calls with the key: every handler answers
+        _, served = asyncio.run(_call_everything(coordinator.maddrs[0], server.peer_id, names))
+    assert len(served["forward"]) >= 1 and len(served["checkpoint read"]) >= 1, served
+    assert isinstance(served["dht"], dht_pb2.PingResponse), served
+    answer = served["run_info"].serialized_info
+    assert answer.startswith(SEALED_PREFIX.encode()) and RUN_ID.encode() not in answer
+    assert RunInfo.from_bytes(swarm_key.open_bytes(answer, RUN_INFO_PURPOSE)).run_id == swarm_key.network_id(RUN_ID)

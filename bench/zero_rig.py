@@ -111,6 +111,7 @@ def derived(base: RunConfig, run_id: str, *, zero: bool, replicas: int = 2, batc
     config = RunConfig.from_dict({**base.to_dict(), "run_id": run_id})
     config.averaging.compression = "none"
     config.averaging.zero.enabled = zero
+    config.optimizer.name, config.optimizer.beta1 = "adamw", 0.9  # sharded rounds run AdamW: both sides do
     config.averaging.zero.replicas = replicas
     if batch_size is not None:
         config.optimizer.batch_size = batch_size

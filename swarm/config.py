@@ -21,6 +21,7 @@ import yaml
 
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+OPTIMIZERS = ("adamw", "nadamw")
 COMPRESSIONS = ("none", "float16", "bfloat16", "blockwise8bit")
 AGGREGATIONS = ("centered_clip", "mean")  # how a stage's reducers combine its members' gradients
 
@@ -161,21 +162,34 @@ class StagesConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with linear warmup then cosine decay; one step per `batch_size` samples per stage."""
+    """AdamW (or NAdamW) with linear warmup then cosine decay; one step per `batch_size` samples per stage."""
 
+    # adamw: torch's AdamW; nadamw: torch's NAdam with decoupled weight decay (Nesterov momentum), which
+    # takes gradients one step late better at a high beta1 (bench/staleness.py, README)
+    name: str = "nadamw"
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10
     total_steps: int = 1000
     weight_decay: float = 0.1
-    beta1: float = 0.9
+    # None: the optimizer's own, 0.99 for nadamw (its momentum absorbs late gradients), 0.9 for adamw
+    beta1: float | None = None
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max gradient norm of each stage's own parameters; 0 disables
     batch_size: int = 32  # samples per optimizer step (the stage's target batch size)
     micro_batch_size: int = 8  # samples per forward/backward request
+    # Samples a server computes while its stage's round runs are applied one step late. With lookahead, they
+    # run on the parameters the step would make from this server's own share of the batch (StageOptimizer.
+    # preview), which the round's step then nearly equals: their gradients are nearly fresh.
+    lookahead: bool = True
+
+    def __post_init__(self) -> None:
+        if self.beta1 is None:
+            self.beta1 = 0.99 if self.name == "nadamw" else 0.9
 
     def validate(self) -> None:
+        _choice(self, "name", OPTIMIZERS, "optimizer")
         for name in ("lr", "total_steps", "batch_size", "micro_batch_size", "eps"):
             _positive(self, name, "optimizer")
         for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
@@ -352,6 +366,9 @@ class RunConfig:
                 f"({self.model.n_layer}) so every stage holds the same number of blocks"
             )
         check_moe_placement(self.model, self.stages.num_stages)
+        if self.averaging.zero.enabled and self.optimizer.name != "adamw":
+            raise ConfigError(f"averaging.zero shards AdamW's moments: set optimizer.name to adamw (got "
+                              f"{self.optimizer.name!r}), or turn zero off")
         return self
 
     @property

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from swarm.zero import ShardedMoments
 
 ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, once it stepped
+# each optimizer's state of a parameter (NAdam also keeps the product of its momentum schedule)
+SLOTS = {"adamw": ADAMW_SLOTS, "nadamw": (*ADAMW_SLOTS, "mu_product")}
 
 
 class OptimizerError(RuntimeError):
@@ -52,6 +54,15 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     ]
 
 
+def make_torch_optimizer(groups: list[dict[str, Any]], opt_cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The torch optimizer `opt_cfg.name` names; its learning rate is set before every step."""
+    betas = (opt_cfg.beta1, opt_cfg.beta2)
+    if opt_cfg.name == "nadamw":  # weight decay as AdamW's, apart from the moments
+        return torch.optim.NAdam(groups, lr=lr_at(0, opt_cfg), betas=betas, eps=opt_cfg.eps,
+                                 decoupled_weight_decay=True)
+    return torch.optim.AdamW(groups, lr=lr_at(0, opt_cfg), betas=betas, eps=opt_cfg.eps)
+
+
 class StageOptimizer:
     """AdamW over one stage's parameters, stepping once per ``batch_size`` accumulated samples."""
 
@@ -59,12 +70,8 @@ class StageOptimizer:
         self.module = module
         self.config = opt_cfg
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            param_groups(module, opt_cfg.weight_decay),
-            lr=lr_at(0, opt_cfg),
-            betas=(opt_cfg.beta1, opt_cfg.beta2),
-            eps=opt_cfg.eps,
-        )
+        self.optimizer = make_torch_optimizer(param_groups(module, opt_cfg.weight_decay), opt_cfg)
+        self.slots = SLOTS[opt_cfg.name]
         self.step_count = 0
         self.samples = 0  # accumulated since the last step
         self.shards: ShardedMoments | None = None  # the moments, when sharded among the stage's servers
@@ -150,9 +157,52 @@ class StageOptimizer:
             "skipped": skipped,
         }
 
+    def preview(self, grads: Sequence[torch.Tensor | None], samples: int = 1) -> list[torch.Tensor]:
+        """The parameters :meth:`step_with` would make from the mean gradient ``grads / samples``, changing
+        nothing (look-ahead; `grads` are not changed either).
+
+        The same clipping, learning rate, weight decay, moments and bias corrections as the step; one
+        parameter-sized tensor per parameter is made (those without a gradient are returned as they are).
+        """
+        if len(grads) != len(self.params):
+            raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+        cfg = self.config
+        norm = _total_norm([g for g in grads if g is not None]) / samples
+        if not math.isfinite(norm):
+            return [p.detach().clone() for p in self.params]  # the step will be skipped: nothing moves
+        clip = cfg.grad_clip / (norm + 1e-6) if cfg.grad_clip > 0 and norm > cfg.grad_clip else 1.0
+        clip /= samples
+        mean_grads = grads
+        lr, (beta1, beta2) = lr_at(self.step_count, cfg), (cfg.beta1, cfg.beta2)
+        decay = {id(p): group["weight_decay"] for group in self.optimizer.param_groups for p in group["params"]}
+        ahead = []
+        with torch.no_grad():
+            for param, grad in zip(self.params, mean_grads):
+                if grad is None:
+                    ahead.append(param.detach().clone())
+                    continue
+                g = grad.to(device=param.device, dtype=torch.float32) * clip
+                state = self.optimizer.state.get(param, {})
+                t = float(state["step"]) + 1 if "step" in state else 1.0
+                m = state["exp_avg"] * beta1 + g * (1 - beta1) if "exp_avg" in state else g * (1 - beta1)
+                v = state["exp_avg_sq"] * beta2 + g * g * (1 - beta2) if "exp_avg_sq" in state else \
+                    g * g * (1 - beta2)
+                w = param.detach().float() * (1 - lr * decay[id(param)])
+                if cfg.name == "nadamw":
+                    mu, mu_next = _nadam_mu(beta1, t), _nadam_mu(beta1, t + 1)
+                    product = float(state.get("mu_product", 1.0)) * mu
+                    denom = (v / (1 - beta2**t)).sqrt_().add_(cfg.eps)
+                    w -= g / denom * (lr * (1 - mu) / (1 - product))
+                    w -= m / denom * (lr * mu_next / (1 - product * mu_next))
+                else:
+                    denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(cfg.eps)
+                    w -= m / denom * (lr / (1 - beta1**t))
+                ahead.append(w.to(param.dtype))
+        return ahead
+
     def step_sharded(self, update: torch.Tensor, samples: int, grad_norm: float) -> dict[str, Any]:
         """Apply a sharded round's AdamW update (flat, in ``params`` order; swarm.zero):
-        ``p = p * (1 - lr * weight_decay) - lr * u``, as torch.optim.AdamW does."""
+        ``p = p * (1 - lr * weight_decay) - lr * u``, as torch.optim.AdamW does (zero runs AdamW only)."""
         lr = lr_at(self.step_count, self.config)
         decay = {id(p): group["weight_decay"] for group in self.optimizer.param_groups for p in group["params"]}
         sizes = [p.numel() for p in self.params]
@@ -180,7 +230,7 @@ class StageOptimizer:
         """AdamW's state by ``<parameter index>/<slot>`` (the tensors themselves, not copies)."""
         state = self.optimizer.state
         return {f"{i}/{slot}": torch.as_tensor(state[p][slot]) for i, p in enumerate(self.params) if p in state
-                for slot in ADAMW_SLOTS}
+                for slot in self.slots}
 
     def load_moments(self, moments: dict[str, torch.Tensor], step_count: int) -> None:
         """Replace AdamW's state with `moments` (as :meth:`moments` names them) and the step count.
@@ -206,6 +256,14 @@ class StageOptimizer:
         self.step_count = int(state["step_count"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.zero_grad()
+
+
+NADAM_MOMENTUM_DECAY = 4e-3  # torch.optim.NAdam's default psi, which StageOptimizer uses
+
+
+def _nadam_mu(beta1: float, t: float) -> float:
+    """NAdam's momentum coefficient at step t (Dozat's schedule, as torch.optim.NAdam computes it)."""
+    return beta1 * (1.0 - 0.5 * 0.96 ** (t * NADAM_MOMENTUM_DECAY))
 
 
 def _total_norm(grads: list[torch.Tensor]) -> float:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarm.optim import ADAMW_SLOTS, StageOptimizer
+from swarm.optim import ADAMW_SLOTS, SLOTS, StageOptimizer
 from swarm.zero import MAX_CHUNK_ELEMENTS, ChunkMoments, Layout
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,9 @@ class StageState:
     def __init__(self, module: nn.Module, optimizer: StageOptimizer, stage: int, round_id: str, group: int = 1):
         self.module, self.optimizer, self.stage = module, optimizer, stage
         self.round_id, self.group = round_id, group
+        # While the module runs on look-ahead parameters (a round under way), the parameters the state
+        # really is at, in optimizer.params order: what a snapshot holds (swarm.averaging.lookahead)
+        self.lookahead_base: list[torch.Tensor] | None = None
 
     @property
     def step(self) -> int:
@@ -108,6 +111,10 @@ class StageState:
         the stage does not need them: its rounds bring it the chunks it owns).
         """
         tensors = {PARAM + name: _copy(t) for name, t in self.module.state_dict().items()}
+        if self.lookahead_base is not None:
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            for param, base in zip(self.optimizer.params, self.lookahead_base):
+                tensors[PARAM + names[id(param)]] = _copy(base)
         tensors.update({OPTIM + key: _copy(t) for key, t in self.optimizer.moments().items()})
         held = self.optimizer.shards
         if shards and held is not None and held.step == self.step and held.chunks:
@@ -131,14 +138,18 @@ class StageState:
         chunks = self._check_chunks(tensors)
         moments = sorted(names - set(own) - set(chunks))
         expected_moments: dict[str, torch.Tensor] = {}
+        slots, name = self.optimizer.slots, self.optimizer.config.name
         for key in moments:
-            index, slot = _moment_key(key, len(params))
-            expected_moments[key] = torch.zeros(()) if slot == "step" else params[index]  # (torch keeps `step` so)
-        indices = {_moment_key(key, len(params))[0] for key in moments}
+            index, slot = _moment_key(key, len(params), slots, name)
+            # (torch keeps the step and NAdam's momentum product as 0-d float tensors)
+            expected_moments[key] = params[index] if slot.startswith("exp_avg") else torch.zeros(())
+        indices = {_moment_key(key, len(params), slots, name)[0] for key in moments}
         for index in indices:  # a parameter's moments come whole or not at all
-            for slot in ADAMW_SLOTS:
+            for slot in slots:
                 if f"{OPTIM}{index}/{slot}" not in names:
-                    raise StateRejected(f"the state has moments of parameter {index} without its {slot}")
+                    raise StateRejected(f"the state has moments of parameter {index} without its {slot}"
+                                        + (f" (a state of another optimizer: this run's is {name})"
+                                           if slot not in ADAMW_SLOTS else ""))
         for name, reference in {**own, **expected_moments}.items():
             _check_tensor(name, tensors[name], reference)
 
@@ -147,6 +158,9 @@ class StageState:
         names = [name for name in tensors if name.startswith(ZERO)]
         if not names:
             return []
+        if self.optimizer.config.name != "adamw":
+            raise StateRejected("the state holds sharded moments (averaging.zero), which are AdamW's: this run's "
+                                f"optimizer is {self.optimizer.config.name}")
         size = tensors.get(CHUNK_ELEMENTS)
         if not isinstance(size, torch.Tensor) or size.dim() != 0 or size.is_floating_point() or \
                 not 0 < int(size) <= MAX_CHUNK_ELEMENTS:
@@ -176,6 +190,7 @@ class StageState:
     def load_state_dict(self, info: StateInfo, tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace this replica's state with `tensors` (checked first); gradients being accumulated are kept."""
         self.check(info, tensors)
+        self.lookahead_base = None  # (the parameters a look-ahead would go back to are replaced too)
         with torch.no_grad():
             self.module.load_state_dict({name[len(PARAM):]: t for name, t in tensors.items() if name.startswith(PARAM)})
         moments = {name[len(OPTIM):]: t for name, t in tensors.items() if name.startswith(OPTIM)}
@@ -292,9 +307,13 @@ def _check_tensor(name: str, tensor: Any, reference: torch.Tensor) -> None:
         raise StateRejected(f"{name} has non-finite values")
 
 
-def _moment_key(key: str, num_params: int) -> tuple[int, str]:
+def _moment_key(key: str, num_params: int, slots: tuple[str, ...], optimizer: str) -> tuple[int, str]:
     parts = key.split("/")
-    if len(parts) != 3 or parts[0] + "/" != OPTIM or not parts[1].isdigit() or parts[2] not in ADAMW_SLOTS:
+    if len(parts) == 3 and parts[0] + "/" == OPTIM and parts[2] not in slots and \
+            any(parts[2] in other for other in SLOTS.values()):
+        raise StateRejected(f"the state holds {parts[2]!r}, a moment of another optimizer: this run's is {optimizer} "
+                            "(optimizer.name)")
+    if len(parts) != 3 or parts[0] + "/" != OPTIM or not parts[1].isdigit() or parts[2] not in slots:
         raise StateRejected(f"unexpected tensor {key!r} in the state")
     index = int(parts[1])
     if index >= num_params:

@@ -238,6 +238,8 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             return None
         if view.group_size == 1:  # nobody else at this step or behind it
             return self._apply(self._mean(grads, samples), samples, LOCAL, [self.peer_id], samples)
+        if self.optimizer.config.lookahead and samples > 0:  # (a round joined with no samples: nothing to go by)
+            self._look_ahead(grads, samples)
         self._start_job(self._average, view, grads, samples)
         self._tracker.nudge()  # the others count our new samples towards the step after this round's
         return None
@@ -381,6 +383,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         before ran).
         """
         with self._state_lock:
+            self._back_from_look_ahead()
             stats = self.optimizer.step_with(mean, samples)
             if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
                 self.state.round_id, self.state.group = round_of(self.optimizer.step_count, members), len(members)
@@ -393,8 +396,31 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
 
     def _end_round(self) -> None:
         with self._state_lock:
+            self._back_from_look_ahead()
             self._averaging = False
         self._tracker.nudge()
+
+    def _look_ahead(self, grads: list[torch.Tensor | None], samples: int) -> None:
+        """Run the samples that come during this round on the parameters its step will about make (compute thread).
+
+        The step the optimizer would take on this server's own share of the batch differs from the round's
+        only through the others' gradients, so what is computed on it now and applied after the round is
+        nearly fresh (bench/staleness.py). The parameters the state is at are kept aside: snapshots
+        (checkpoints, a peer's download) and the round's own step use them.
+        """
+        ahead = self.optimizer.preview(grads, samples)
+        with self._state_lock, torch.no_grad():
+            self.state.lookahead_base = [p.detach().clone() for p in self.optimizer.params]
+            for param, value in zip(self.optimizer.params, ahead):
+                param.copy_(value)
+
+    def _back_from_look_ahead(self) -> None:
+        """The parameters the state is at, back in place of the look-ahead ones (state lock held)."""
+        base, self.state.lookahead_base = self.state.lookahead_base, None
+        if base is not None:
+            with torch.no_grad():
+                for param, value in zip(self.optimizer.params, base):
+                    param.copy_(value)
 
     @staticmethod
     def _mean(grads: list[torch.Tensor | None], samples: int) -> list[torch.Tensor | None]:

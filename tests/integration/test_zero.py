@@ -48,6 +48,7 @@ STEPS = 2
 def zero_config(run_id: str, replicas: int):
     config = make_config(run_id)
     config.averaging.zero.enabled = True
+    config.optimizer.name, config.optimizer.beta1 = "adamw", 0.9  # (sharded rounds run AdamW)
     config.averaging.zero.replicas = replicas
     config.averaging.zero.chunk_elements = CHUNK
     config.optimizer.batch_size = SERVERS * MICRO  # one micro-batch per server makes a step

@@ -496,8 +496,8 @@ def stage_module() -> nn.Module:
 
 
 def stage_config(**overrides) -> OptimizerConfig:
-    base = dict(lr=1e-2, min_lr=1e-3, warmup_steps=0, total_steps=100, weight_decay=0.1, grad_clip=0.0,
-                batch_size=8, micro_batch_size=4)
+    base = dict(name="adamw", lr=1e-2, min_lr=1e-3, warmup_steps=0, total_steps=100, weight_decay=0.1,
+                grad_clip=0.0, batch_size=8, micro_batch_size=4)
     return OptimizerConfig(**{**base, **overrides})
 
 

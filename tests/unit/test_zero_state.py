@@ -18,6 +18,13 @@ from tests.unit.test_averaging_logic import tiny_config, trained_replica
 CHUNK = 1000
 
 
+def adamw_config():
+    """tiny.yaml with AdamW, the optimizer sharded rounds run (averaging.zero)."""
+    config = tiny_config()
+    config.optimizer.name, config.optimizer.beta1 = "adamw", 0.9
+    return config
+
+
 def sharded(optimizer: StageOptimizer, chunk: int = CHUNK) -> ShardedMoments:
     optimizer.shards = ShardedMoments(Layout([p.shape for p in optimizer.params], chunk))
     return optimizer.shards
@@ -44,7 +51,7 @@ def chunks_of(optimizer: StageOptimizer, keep) -> dict[int, ChunkMoments]:
 
 
 def test_full_moments_load_into_a_sharded_replica_as_every_chunk():
-    config = tiny_config()
+    config = adamw_config()
     source, target = trained_replica(config, 1, steps=2), fresh_replica(config, 2)
     shards = sharded(target)
     StageState(target.module, target, 1, "r").load_state_dict(*StageState(source.module, source, 1, "r").state_dict())
@@ -60,7 +67,7 @@ def test_full_moments_load_into_a_sharded_replica_as_every_chunk():
 
 
 def test_a_sharded_state_goes_through_a_checkpoint_and_back_with_only_its_chunks(tmp_path):
-    config = tiny_config()
+    config = adamw_config()
     trained = trained_replica(config, 1, steps=2)
     holder = fresh_replica(config, 3)
     shards = sharded(holder)
@@ -89,7 +96,7 @@ def test_a_sharded_state_goes_through_a_checkpoint_and_back_with_only_its_chunks
 
 
 def test_chunks_load_into_an_unsharded_replica_as_full_moments_zeros_where_missing(caplog):
-    config = tiny_config()
+    config = adamw_config()
     trained = trained_replica(config, 1, steps=2)
     holder = fresh_replica(config, 3)
     shards = sharded(holder)
@@ -113,7 +120,7 @@ def test_chunks_load_into_an_unsharded_replica_as_full_moments_zeros_where_missi
 
 
 def test_chunks_of_another_size_become_the_chunks_they_wholly_cover():
-    config = tiny_config()
+    config = adamw_config()
     trained = trained_replica(config, 1, steps=1)
     holder = fresh_replica(config, 3)
     sharded(holder, chunk=500)
@@ -136,7 +143,7 @@ def chunks_of_sized(optimizer: StageOptimizer, chunk: int, keep) -> dict[int, Ch
 
 @pytest.mark.parametrize("damage", ["no-size", "size", "chunk-id", "slot", "length", "negative", "half", "nan"])
 def test_damaged_sharded_moments_are_rejected_and_change_nothing(damage):
-    config = tiny_config()
+    config = adamw_config()
     trained = trained_replica(config, 1, steps=1)
     holder = fresh_replica(config, 3)
     sharded(holder).replace(chunks_of(trained, lambda c: c < 2), 1)
@@ -165,3 +172,19 @@ def test_damaged_sharded_moments_are_rejected_and_change_nothing(damage):
         StageState(target.module, target, 1, "x").load_state_dict(info, tensors)
     assert not shards.chunks and target.step_count == 0
     assert all(torch.equal(p, b) for p, b in zip(target.params, before))
+
+
+def test_sharded_moments_do_not_load_into_a_replica_of_another_optimizer():
+    config = adamw_config()
+    trained = trained_replica(config, 1, steps=2)
+    holder = fresh_replica(config, 3)
+    sharded(holder).replace(chunks_of(trained, lambda c: True), 2)
+    holder.step_count = 2
+    info, tensors = StageState(holder.module, holder, 1, "r").state_dict()
+    nadamw = tiny_config()
+    nadamw.optimizer.name, nadamw.optimizer.beta1 = "nadamw", 0.99
+    target = fresh_replica(nadamw, 5)
+    before = [p.detach().clone() for p in target.params]
+    with pytest.raises(StateRejected, match="AdamW's.*nadamw"):
+        StageState(target.module, target, 1, "r").load_state_dict(info, tensors)
+    assert all(torch.equal(a, b) for a, b in zip(before, target.params))

@@ -32,6 +32,7 @@ from swarm.averaging.progress import ProgressRecord
 from swarm.config import RunConfig
 from swarm.dht import (
     BackgroundLoop,
+    BootstrapError,
     CheckpointRecord,
     ExpertHostRecord,
     HeldCheckpoint,
@@ -43,6 +44,7 @@ from swarm.dht import (
     join_run,
     load_identity,
     load_swarm_key,
+    start_dht,
 )
 from swarm.dht.bootstrap import RUN_INFO_PURPOSE
 from swarm.dht.keys import averaging_prefix, dht_key, progress_key
@@ -139,6 +141,21 @@ def test_a_strangers_dht_node_cannot_join(private, tmp_path: Path):
                          identity_path=str(identity), wait_timeout=3).shutdown()
         stranger = PeerID.from_identity(identity.read_bytes()).to_base58()
         coordinator.proc.wait_for_line(f"refused calls from peer {stranger}", CALL_TIMEOUT, stream="stderr")
+
+
+def test_a_dht_node_started_with_the_key_joins_without_gating_this_process(private):
+    coordinator, key_file = private
+    swarm_key = load_swarm_key(key_file)
+    with pytest.raises(BootstrapError, match="is the swarm private\\? then start with --swarm-key"):
+        start_dht(None, load_identity(None), coordinator.maddrs).shutdown()
+    dht = start_dht(swarm_key.network_id(RUN_ID), load_identity(None), coordinator.maddrs, swarm_key=swarm_key)
+    try:
+        assert gate.installed() is None  # only the DHT process is gated
+        config = SwarmRecords(dht, swarm_key.network_id(RUN_ID), load_identity(None),
+                              swarm_key=swarm_key).fetch_run_config(None, timeout=CALL_TIMEOUT)
+        assert config.run_id == swarm_key.network_id(RUN_ID)
+    finally:
+        dht.shutdown()
 
 
 def publish_every_kind_of_record(dht: hivemind.DHT, run_id: str, identity, swarm_key) -> int:
@@ -245,12 +262,16 @@ async def _identified(p2p: P2P, peer: PeerID) -> list[str]:
 
 
 async def _answers(p2p: P2P, peer: PeerID, name: str, request: runtime_pb2.ExpertRequest) -> list | str:
-    """The frames a stream handler answers one request with, or why the call failed."""
+    """The frames a stream handler answers one request with (until it closes the stream), or why the call failed."""
+    frames = []
     try:
-        responses = await p2p.iterate_protobuf_handler(peer, name, request, runtime_pb2.ExpertResponse)
-        return [frame async for frame in responses]
+        async for frame in await p2p.iterate_protobuf_handler(peer, name, request, runtime_pb2.ExpertResponse):
+            frames.append(frame)
+    except (ConnectionError, asyncio.IncompleteReadError):  # closed while our request was still being written
+        pass
     except Exception as e:  # noqa: BLE001 - how the call failed is the outcome
         return f"{type(e).__name__}: {e}"
+    return frames
 
 
 async def _unary(p2p: P2P, peer: PeerID, name: str, request, reply_type) -> object:
@@ -260,34 +281,21 @@ async def _unary(p2p: P2P, peer: PeerID, name: str, request, reply_type) -> obje
         return f"{type(e).__name__}: {e}"
 
 
-async def _call_everything(coordinator: str, server: str, names: dict[str, str]) -> tuple[str, dict]:
-    """From a fresh peer: a stage forward and a checkpoint read on the server, a DHT ping and run_info on the
-    coordinator, each by the name identify gave; the peer's id and each call's outcome."""
-    p2p = await P2P.create(initial_peers=[coordinator], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        coordinator_id, server_id = PeerID.from_base58(coordinator.rsplit("/p2p/", 1)[1]), PeerID.from_base58(server)
-        junk = runtime_pb2.ExpertRequest(uid="x", metadata=b"not a request")
-        read = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"manifest_id": "0" * 64, "file": "x", "offset": 0}))
-        outcomes = {
-            "forward": await _answers(p2p, server_id, names["forward"], junk),
-            "checkpoint read": await _answers(p2p, server_id, names["read"], read),
-            "dht": await _unary(p2p, coordinator_id, names["dht"], dht_pb2.PingRequest(), dht_pb2.PingResponse),
-            "run_info": await _unary(p2p, coordinator_id, names["run_info"], runtime_pb2.ExpertInfo(),
-                                     runtime_pb2.ExpertInfo),
-        }
-        return p2p.peer_id.to_base58(), outcomes
-    finally:
-        await p2p.shutdown()
+async def _reach(p2p: P2P, peer: PeerID) -> list[str]:
+    """Dial `peer` and read what identify lists. libp2p finds a peer known only by its id through the initial
+    peer's routing table, which takes a moment to fill: until then the dial fails, and we try again."""
+    deadline = asyncio.get_running_loop().time() + CALL_TIMEOUT
+    while True:
+        try:
+            return await _identified(p2p, peer)
+        except Exception:  # noqa: BLE001 - p2pd's "failed to find any peer in table": not reachable yet
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
-async def _names(coordinator: str, server: str) -> dict[str, str]:
+def _named(served: list[str]) -> dict[str, str]:
     """What a stranger learns from identify: the names of the RPCs it then calls."""
-    p2p = await P2P.create(initial_peers=[coordinator], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        served = [*await _identified(p2p, PeerID.from_base58(coordinator.rsplit("/p2p/", 1)[1])),
-                  *await _identified(p2p, PeerID.from_base58(server))]
-    finally:
-        await p2p.shutdown()
     ends = {"forward": "::StageService.rpc_forward", "read": "::CheckpointServer.rpc_read",
             "dht": "DHTProtocol.rpc_ping", "run_info": "::RunInfoServicer.rpc_run_info"}
     found = {what: [name for name in served if name.endswith(end)] for what, end in ends.items()}
@@ -295,20 +303,40 @@ async def _names(coordinator: str, server: str) -> dict[str, str]:
     return {what: names[0] for what, names in found.items()}
 
 
+async def _call_everything(coordinator: str, server: str, swarm_key: SwarmKey | None) -> tuple[str, dict]:
+    """From a fresh peer holding `swarm_key` (or none): a stage forward and a checkpoint read on the server, a DHT
+    ping and run_info on the coordinator, each by the name identify gave; the peer's id and each call's outcome."""
+    p2p = await P2P.create(initial_peers=[coordinator], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        coordinator_id, server_id = PeerID.from_base58(coordinator.rsplit("/p2p/", 1)[1]), PeerID.from_base58(server)
+        names = _named([*await _reach(p2p, coordinator_id), *await _reach(p2p, server_id)])
+        junk = runtime_pb2.ExpertRequest(uid="x", metadata=b"not a request")
+        read = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"manifest_id": "0" * 64, "file": "x", "offset": 0}))
+        with gated(swarm_key):
+            outcomes = {
+                "forward": await _answers(p2p, server_id, names["forward"], junk),
+                "checkpoint read": await _answers(p2p, server_id, names["read"], read),
+                "dht": await _unary(p2p, coordinator_id, names["dht"], dht_pb2.PingRequest(), dht_pb2.PingResponse),
+                "run_info": await _unary(p2p, coordinator_id, names["run_info"], runtime_pb2.ExpertInfo(),
+                                         runtime_pb2.ExpertInfo),
+            }
+        return p2p.peer_id.to_base58(), outcomes
+    finally:
+        await p2p.shutdown()
+
+
 def test_a_stranger_is_refused_by_every_rpc_identify_names_and_a_peer_with_the_key_is_served(private, server):
     coordinator, key_file = private
     swarm_key = load_swarm_key(key_file)
-    names = asyncio.run(_names(coordinator.maddrs[0], server.peer_id))
     for other_key in (None, SwarmKey(b"\xab" * 32)):
-        with gated(other_key):
-            stranger, refused = asyncio.run(_call_everything(coordinator.maddrs[0], server.peer_id, names))
+        stranger, refused = asyncio.run(_call_everything(coordinator.maddrs[0], server.peer_id, other_key))
         # a stream is closed before its handler reads a byte (no reply frame); a unary call says why
         refusals = {what: outcome == [] if what in ("forward", "checkpoint read") else gate.REFUSED in str(outcome)
                     for what, outcome in refused.items()}
         assert all(refusals.values()), f"refused: {refusals}; outcomes: {refused}"
         server.proc.wait_for_line(f"refused calls from peer {stranger}", CALL_TIMEOUT, stream="stderr")
-    with gated(swarm_key):  # the same calls with the key: every handler answers
-        _, served = asyncio.run(_call_everything(coordinator.maddrs[0], server.peer_id, names))
+    # the same calls with the key: every handler answers
+    _, served = asyncio.run(_call_everything(coordinator.maddrs[0], server.peer_id, swarm_key))
     assert len(served["forward"]) >= 1 and len(served["checkpoint read"]) >= 1, served
     assert isinstance(served["dht"], dht_pb2.PingResponse), served
     answer = served["run_info"].serialized_info

@@ -266,6 +266,16 @@ def _nadam_mu(beta1: float, t: float) -> float:
     return beta1 * (1.0 - 0.5 * 0.96 ** (t * NADAM_MOMENTUM_DECAY))
 
 
+def nadam_mu_product(beta1: float, steps: int) -> float:
+    """The product of NAdam's momentum coefficients over its first `steps` steps (what torch keeps as mu_product)."""
+    product = 1.0
+    for t in range(1, int(steps) + 1):  # each factor is below 0.6 for the first thousand steps: the product is
+        product *= _nadam_mu(beta1, t)  # below 1e-30 (1 - it is 1 exactly) within ~150, however large `steps` is
+        if product < 1e-30:
+            return 0.0
+    return product
+
+
 def _total_norm(grads: list[torch.Tensor]) -> float:
     if not grads:
         return 0.0

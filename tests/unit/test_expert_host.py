@@ -225,3 +225,24 @@ def test_an_expert_behind_the_stage_ends_its_batch_where_the_stage_did(host):
     # a stage far ahead cannot make it skip: one step per request at most, and none without samples
     _, stats = host.backward(0, [(0, 0), (2, 0)], x[:0], g[:0], samples=4, stage_step=50)
     assert host.optimizers[0, 0].step_count == 2 and len(stats) == 2
+
+
+def test_an_expert_handed_over_steps_on_exactly_as_it_would_have_with_nadamw():
+    assert CONFIG.optimizer.name == "nadamw"  # (the default: its state has NAdam's momentum product too)
+    giver, taker = ExpertHost(CONFIG, HOSTED), ExpertHost(CONFIG, HOSTED)
+    try:
+        for seed in range(3):  # three steps of block 1 on the giver
+            for part in (0, 1):
+                giver.backward(1, [(0, 3), (2, 3)], rand(6, D, seed=10 * seed + part), rand(6, D, seed=99 - seed),
+                               samples=4)
+        assert giver.optimizers[1, 0].step_count == 3
+        meta, tensors = giver.export_expert(1, 0)
+        taker.import_expert(1, 0, meta, tensors)
+        for host in (giver, taker):  # the same next step on both
+            for part in (0, 1):
+                host.backward(1, [(0, 6), (2, 0)], rand(6, D, seed=50 + part), rand(6, D, seed=60 + part), samples=4)
+        torch.testing.assert_close(taker.modules[1, 0].state_dict(), giver.modules[1, 0].state_dict(), **CLOSE)
+        assert taker.optimizers[1, 0].step_count == 4
+    finally:
+        giver.shutdown()
+        taker.shutdown()

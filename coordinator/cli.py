@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+from swarm.checkpoint.errors import CheckpointError
 from swarm.config import ConfigError, RunConfig
 from swarm.dht import SwarmDHTError, load_swarm_key, write_initial_peers
 from swarm.envflags import apply_env_defaults
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port,
                                   args.checkpoint_dir, swarm_key, networks)
-    except (SwarmDHTError, OSError) as e:
+    except (SwarmDHTError, CheckpointError, OSError) as e:  # (CheckpointError: e.g. a corrupt signing key)
         sys.exit(f"swarm-coordinator: error: {e}")
     try:
         maddrs = coordinator.initial_peers()

@@ -1,9 +1,11 @@
 """Every use of hivemind's private names, in one place (written against hivemind 1.1.12).
 
 hivemind offers no public way to do these things, and each one matters (see where they are used).
-Nothing else in swarm touches a name of hivemind's that starts with an underscore, and
-tests/unit/test_hivemind_internals.py fails if hivemind renames or reshapes any of them, so an
-upgrade breaks a named test instead of a running swarm.
+Nothing else in swarm touches a name of hivemind's that starts with an underscore, except
+swarm/protocol/gate.py, which wraps P2P's two unary-call methods (with its two stream methods) to
+guard a private swarm's RPCs. tests/unit/test_hivemind_internals.py (and, for the gate,
+tests/unit/test_rpc_gate.py) fail if hivemind renames or reshapes any of them, so an upgrade breaks
+a named test instead of a running swarm.
 """
 
 from __future__ import annotations

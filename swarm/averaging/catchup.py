@@ -76,14 +76,17 @@ class StateCatchUp:
         self._disarm()  # (a round at this step would wait for a group this server no longer joins)
         why = ("behind its stage" if view.behind else
                "its state differs from a better-ranked replica's at the same step (another round, or a round "
-               "that lost a member partway)")
+               "that lost a member partway)" if view.diverged else
+               "its stage's elder is behind it, out of any round (a stage of two follows its elder)")
         try:
             loaded = self._fetch(self.config.state_download_timeout)
         except AveragingError as e:
             loaded, why = None, f"{why}: {e}"
             self._check_process()
-        # behind: only a later step helps (a liar claiming one must not make us reload our own step)
-        return functools.partial(self._end_catch_up, loaded, why, view.step + view.behind)
+        # behind: only a later step helps (a liar claiming one must not make us reload our own step); deferring
+        # to the elder: its state, whatever its step (only the elder is believed for it: progress.backs_state)
+        min_step = 0 if view.defer and not (view.behind or view.diverged) else view.step + view.behind
+        return functools.partial(self._end_catch_up, loaded, why, min_step)
 
     def _end_catch_up(self, loaded: Loaded | None, why: str, min_step: int) -> None:
         ok = False

@@ -215,10 +215,13 @@ class StageView:
     diverged: bool
     closed: bool = False  # another server closed the batch this one's samples make (its round for it began)
     members: tuple[str, ...] = ()  # the peer ids of the others that group_size counts
+    # a stage of two whose elder is behind this one, not in a round: the elder would never take this one's
+    # state nor join its rounds, so this one takes the elder's, a step back though it is
+    defer: bool = False
 
     @property
     def needs_state(self) -> bool:
-        return self.behind or self.diverged
+        return self.behind or self.diverged or self.defer
 
 
 def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: float = EXACT_RTOL,
@@ -253,6 +256,8 @@ def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: floa
         behind=any(r.step > own.step + own.averaging and backed(r) for r in others),
         # (a server ahead closed it only if its step is believed: else this one would wait for a catch-up it refuses)
         closed=any(r.step + r.averaging >= own.next_batch and (r.step <= own.step or backed(r)) for r in counted),
+        defer=lone and any(r.peer_id in established and r.peer_id in elders and r.step < own.step and not r.averaging
+                           and backed(r) for r in others),
         diverged=any(outranks(r)
                      and (r.round_id != own.round_id or fingerprints_differ(r.fingerprint, own.fingerprint, rtol))
                      and backed(r)

@@ -75,3 +75,18 @@ def test_of_two_diverged_replicas_the_younger_takes_the_elder_s_state_whatever_t
     c = record("c", 10, FP, round_id="r", group=2, since=90.0)
     assert stage_view(a, [b, c], established={"b", "c"}, elders={"c"}).diverged
     assert not stage_view(b, [a, c], established={"a", "c"}, elders={"a", "c"}).diverged
+
+
+def test_the_younger_of_two_ahead_of_its_elder_takes_the_elder_s_state_unless_the_elder_is_in_a_round():
+    # b stepped alone (its round with a failed); a, the elder, would neither take b's state nor join b's round
+    a_behind = record("a", 9, [9.0, 9.0], round_id="lone", since=100.0)
+    b = record("b", 10, since=150.0)
+    assert stage_view(b, [a_behind], established={"a"}, elders={"a"}).defer
+    assert stage_view(b, [a_behind], established={"a"}, elders={"a"}).needs_state
+    # a's round for step 10 is under way: it is about to be where b is
+    in_round = record("a", 9, since=100.0).copy(update={"averaging": True})
+    assert not stage_view(b, [in_round], established={"a"}, elders={"a"}).defer
+    # the elder itself never defers to the younger; nor does anyone in a stage of three
+    assert not stage_view(a_behind, [b], established={"b"}, elders=set()).needs_state
+    c = record("c", 10, since=90.0)
+    assert not stage_view(b, [a_behind, c], established={"a", "c"}, elders={"a", "c"}).defer

@@ -107,6 +107,7 @@ def test_a_server_that_joined_a_lone_honest_server_cannot_lead_it_with_a_step_ah
         honest = snapshot(a)
         step, downloaded = honest["step"], downloads(a)
 
+        m.averager._may_download = lambda: False  # a stranger keeps its claim (honest code would defer to a)
         claim_a_step_ahead(m, step + 1)
         wait_until(lambda: any(r.peer_id == m.peer_id and r.step == step + 1 for r in a.averager._tracker.others()),
                    SEE_TIMEOUT, interval=0.05, what="a holding m's claim")

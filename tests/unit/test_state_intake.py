@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from swarm.averaging import intake
 from swarm.averaging.intake import StateIntake
 from swarm.averaging.metrics import AveragingMetrics
-from swarm.state import StateIncomplete, StateInfo, StateRejected, flatten, unflatten
+from swarm.state import StateIncomplete, StateInfo, StateRejected, StateUnbacked, flatten, unflatten
 
 INFO = StateInfo(stage=1, step=3, round_id="init", group=1)
 
@@ -76,3 +76,17 @@ def test_nothing_is_downloaded_while_no_server_of_the_stage_is_established(clock
     taker = StateIntake(state, process, AveragingMetrics(CollectorRegistry(), 1), lambda: [], 1e-6,
                         threading.Event(), own=lambda: None, established=set)
     assert taker.fetch(1.0) is None and process.skipped == []
+
+
+def test_a_sender_the_records_did_not_back_is_asked_again_once_the_records_may_have_changed(clock):
+    # (e.g. two survivors of a stage whose third server died: its record contradicts them until it expires)
+    state = type("S", (), {"stage": 1, "nbytes": lambda self: 100})()
+    process = Downloads()
+    taker = StateIntake(state, process, AveragingMetrics(CollectorRegistry(), 1), lambda: [], 1e-6,
+                        threading.Event(), own=lambda: None, established=lambda: {"peer", "liar"})
+    taker.refuse(({}, [], "peer"), StateUnbacked("no established server besides peer is at step 7"))
+    taker.refuse(({}, [], "liar"), StateRejected("blocks.0.ln1.weight has non-finite values"))
+    taker.fetch(1.0)
+    clock[0] += intake.UNBACKED_PEER_SECONDS + 0.1
+    taker.fetch(1.0)
+    assert process.skipped == [["liar", "peer"], ["liar"]]

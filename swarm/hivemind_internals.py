@@ -1,11 +1,11 @@
 """Every use of hivemind's private names, in one place (written against hivemind 1.1.12).
 
 hivemind offers no public way to do these things, and each one matters (see where they are used).
-Nothing else in swarm touches a name of hivemind's that starts with an underscore, except
-swarm/protocol/gate.py, which wraps P2P's two unary-call methods (with its two stream methods) to
-guard a private swarm's RPCs. tests/unit/test_hivemind_internals.py (and, for the gate,
-tests/unit/test_rpc_gate.py) fail if hivemind renames or reshapes any of them, so an upgrade breaks
-a named test instead of a running swarm.
+Nothing else in swarm touches a name of hivemind's that starts with an underscore (the RPC gate of
+a private swarm replaces P2P's methods through :func:`wrap_p2p_rpc_methods`, by role).
+tests/unit/test_hivemind_internals.py (and, for the gate's four methods, tests/unit/test_rpc_gate.py)
+fail if hivemind renames or reshapes any of them, so an upgrade breaks a named test instead of a
+running swarm.
 """
 
 from __future__ import annotations
@@ -205,6 +205,21 @@ class PolicyAllReduceRunner(AllReduceRunner):
         plain = self.tensor_part_reducer
         plain.finished.set()  # replaced before any part arrived: it must not report what it never received
         self.tensor_part_reducer = PolicyPartReducer(plain.part_shapes, plain.num_senders, policy)
+
+
+# Every RPC of hivemind 1.1.12's P2P goes through these four methods, by role: stream handlers (protobuf
+# stream handlers are built on them) and unary ones, which go through the daemon client directly.
+P2P_RPC_METHODS = {"add_stream": "add_binary_stream_handler", "call_stream": "call_binary_stream_handler",
+                   "add_unary": "_add_protobuf_unary_handler", "call_unary": "_call_unary_protobuf_handler"}
+
+
+def wrap_p2p_rpc_methods(replacements: dict[str, Any]) -> dict[str, Any]:
+    """Put `replacements` (by role, as P2P_RPC_METHODS names them) in place of P2P's methods; hivemind's own,
+    by role, for the replacements to call."""
+    originals = {role: getattr(P2P, P2P_RPC_METHODS[role]) for role in replacements}
+    for role, method in replacements.items():
+        setattr(P2P, P2P_RPC_METHODS[role], method)
+    return originals
 
 
 def forget_inherited_p2p_socket(dht: Any) -> None:

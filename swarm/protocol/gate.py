@@ -11,8 +11,7 @@ stream, so nobody else sees a proof, and a proof is good only from A's key towar
 anyone else, or toward anyone else, it fails. Cost: one HMAC per pair (cached), 32 bytes per call.
 
 Where it sits: every RPC of hivemind 1.1.12's P2P goes through four methods, stream handlers
-(``add_binary_stream_handler`` / ``call_binary_stream_handler``, which protobuf stream handlers are
-built on) and unary ones (``_add_protobuf_unary_handler`` / ``_call_unary_protobuf_handler``).
+(which protobuf stream handlers are built on) and unary ones (swarm.hivemind_internals.P2P_RPC_METHODS).
 ``install`` replaces them, once per process, with versions that call hivemind's own and add or
 check the proof while a gate is installed, and change nothing while none is (a public swarm):
 - a stream's caller writes the proof as soon as the stream opens; the callee reads exactly 32 bytes
@@ -33,6 +32,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from hivemind.p2p import P2P, P2PContext, PeerID
+
+from swarm.hivemind_internals import wrap_p2p_rpc_methods
 
 if TYPE_CHECKING:
     from swarm.dht.private import SwarmKey
@@ -85,7 +86,7 @@ class RpcGate:
 
 
 _gate: RpcGate | None = None
-_hivemind: dict[str, Any] = {}  # hivemind's own methods, replaced on P2P by install()
+_hivemind: dict[str, Any] = {}  # hivemind's own methods by role, replaced on P2P by install()
 
 
 def install(swarm_key: SwarmKey) -> RpcGate:
@@ -109,17 +110,13 @@ def installed() -> RpcGate | None:
 def _patch() -> None:
     if _hivemind:
         return
-    for name, gated in (("add_binary_stream_handler", _add_binary_stream_handler),
-                        ("call_binary_stream_handler", _call_binary_stream_handler),
-                        ("_add_protobuf_unary_handler", _add_protobuf_unary_handler),
-                        ("_call_unary_protobuf_handler", _call_unary_protobuf_handler)):
-        _hivemind[name] = getattr(P2P, name)
-        setattr(P2P, name, gated)
+    _hivemind.update(wrap_p2p_rpc_methods({"add_stream": _add_stream, "call_stream": _call_stream,
+                                           "add_unary": _add_unary, "call_unary": _call_unary}))
 
 
 # --- the four methods, gated ----------------------------------------------------------------------
 
-async def _add_binary_stream_handler(self: P2P, name: str, handler: Any, balanced: bool = False) -> None:
+async def _add_stream(self: P2P, name: str, handler: Any, balanced: bool = False) -> None:
     async def checked(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         gate = _gate
         if gate is not None:
@@ -132,11 +129,11 @@ async def _add_binary_stream_handler(self: P2P, name: str, handler: Any, balance
                 return
         await handler(stream_info, reader, writer)
 
-    await _hivemind["add_binary_stream_handler"](self, name, checked, balanced)
+    await _hivemind["add_stream"](self, name, checked, balanced)
 
 
-async def _call_binary_stream_handler(self: P2P, peer_id: PeerID, handler_name: str) -> tuple:
-    stream_info, reader, writer = await _hivemind["call_binary_stream_handler"](self, peer_id, handler_name)
+async def _call_stream(self: P2P, peer_id: PeerID, handler_name: str) -> tuple:
+    stream_info, reader, writer = await _hivemind["call_stream"](self, peer_id, handler_name)
     gate = _gate
     if gate is not None:
         writer.write(gate.proof(self.peer_id, peer_id))
@@ -144,8 +141,8 @@ async def _call_binary_stream_handler(self: P2P, peer_id: PeerID, handler_name: 
     return stream_info, reader, writer
 
 
-async def _add_protobuf_unary_handler(self: P2P, handle_name: str, handler: Any, input_protobuf_type: Any,
-                                      balanced: bool = False) -> None:
+async def _add_unary(self: P2P, handle_name: str, handler: Any, input_protobuf_type: Any,
+                     balanced: bool = False) -> None:
     async def checked(request: _Unparsed, context: P2PContext) -> Any:
         data, gate = request.data, _gate
         if gate is not None:
@@ -155,15 +152,14 @@ async def _add_protobuf_unary_handler(self: P2P, handle_name: str, handler: Any,
         return await handler(input_protobuf_type.FromString(data), context)
 
     # hivemind parses the request before calling the handler: it gets the bytes as they came, checked here first
-    await _hivemind["_add_protobuf_unary_handler"](self, handle_name, checked, _Unparsed, balanced)
+    await _hivemind["add_unary"](self, handle_name, checked, _Unparsed, balanced)
 
 
-async def _call_unary_protobuf_handler(self: P2P, peer_id: PeerID, handle_name: str, input: Any,
-                                       output_protobuf_type: Any) -> Any:
+async def _call_unary(self: P2P, peer_id: PeerID, handle_name: str, input: Any, output_protobuf_type: Any) -> Any:
     gate = _gate
     if gate is not None:
         input = _Proven(gate.proof(self.peer_id, peer_id), input)
-    return await _hivemind["_call_unary_protobuf_handler"](self, peer_id, handle_name, input, output_protobuf_type)
+    return await _hivemind["call_unary"](self, peer_id, handle_name, input, output_protobuf_type)
 
 
 class _Unparsed:

@@ -16,6 +16,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.dht.private import SwarmKey
+from swarm.hivemind_internals import P2P_RPC_METHODS
 from swarm.protocol import gate
 
 pytestmark = pytest.mark.timeout(30)
@@ -73,9 +74,10 @@ def test_hivemind_still_has_the_four_methods_the_gate_wraps():
                 "call_binary_stream_handler": ["self", "peer_id", "handler_name"],
                 "_add_protobuf_unary_handler": ["self", "handle_name", "handler", "input_protobuf_type", "balanced"],
                 "_call_unary_protobuf_handler": ["self", "peer_id", "handle_name", "input", "output_protobuf_type"]}
-    for name, parameters in expected.items():
-        assert list(inspect.signature(gate._hivemind[name]).parameters) == parameters, name
-        assert getattr(P2P, name) is not gate._hivemind[name]
+    assert set(P2P_RPC_METHODS.values()) == set(expected)
+    for role, name in P2P_RPC_METHODS.items():
+        assert list(inspect.signature(gate._hivemind[role]).parameters) == expected[name], name
+        assert getattr(P2P, name) is not gate._hivemind[role]
 
 
 # --- the four methods against a fake p2pd client --------------------------------------------------------
@@ -157,19 +159,19 @@ async def unary_exchange(sent: bytes) -> bytes:
         return REPLY
 
     callee = fake_p2p(B)
-    await callee._add_protobuf_unary_handler("u", handler, runtime_pb2.ExpertInfo)
+    await getattr(P2P, P2P_RPC_METHODS["add_unary"])(callee, "u", handler, runtime_pb2.ExpertInfo)
     return await callee._client.unary_handlers["u"](sent, A)
 
 
 async def calls_of(p2p: P2P, methods: dict | None = None) -> tuple[bytes, bytes]:
     """What A writes on a stream it opens to B, and the bytes of a unary request it sends B (through
     `methods`, hivemind's own, or else P2P's as they are now)."""
-    def method(name):
-        return methods[name] if methods else getattr(P2P, name)
+    def method(role):
+        return methods[role] if methods else getattr(P2P, P2P_RPC_METHODS[role])
 
-    _, _, writer = await method("call_binary_stream_handler")(p2p, B, "h")
+    _, _, writer = await method("call_stream")(p2p, B, "h")
     writer.write(b"hello")
-    assert await method("_call_unary_protobuf_handler")(p2p, B, "u", REQUEST, runtime_pb2.ExpertInfo) == REPLY
+    assert await method("call_unary")(p2p, B, "u", REQUEST, runtime_pb2.ExpertInfo) == REPLY
     return writer.written, p2p._client.unary_sent[-1]
 
 

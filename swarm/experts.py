@@ -29,7 +29,7 @@ import torch
 from swarm.backend import Worker
 from swarm.config import RunConfig
 from swarm.model import make_expert
-from swarm.optim import StageOptimizer, nadam_mu_product
+from swarm.optim import StageOptimizer
 
 
 class ExpertHost(Worker):
@@ -189,9 +189,6 @@ class ExpertHost(Worker):
                 for i, (p, avg, sq) in enumerate(zip(params, tensors[1].split(sizes), tensors[2].split(sizes))):
                     moments.update({f"{i}/exp_avg": avg.view_as(p).clone(), f"{i}/exp_avg_sq": sq.view_as(p).clone(),
                                     f"{i}/step": torch.tensor(float(adam_step))})
-                    if "mu_product" in optimizer.slots:  # NAdam's, a function of the step: computed here, not taken
-                        product = nadam_mu_product(optimizer.config.beta1, int(adam_step))
-                        moments[f"{i}/mu_product"] = torch.tensor(product)
                 optimizer.load_moments(moments, numbers["step_count"])
             optimizer.step_count = numbers["step_count"]
             for p, part in zip(params, tensors[3].split(sizes) if tensors[3].numel() else [None] * len(params)):

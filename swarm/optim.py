@@ -233,7 +233,7 @@ class StageOptimizer:
                 for slot in self.slots}
 
     def load_moments(self, moments: dict[str, torch.Tensor], step_count: int) -> None:
-        """Replace AdamW's state with `moments` (as :meth:`moments` names them) and the step count.
+        """Replace the optimizer's state with `moments` (as :meth:`moments` names them) and the step count.
 
         Gradients being accumulated and the sample count are kept. The caller checks names and shapes.
         """
@@ -243,6 +243,13 @@ class StageOptimizer:
         for key, tensor in moments.items():
             index, slot = key.split("/")
             state.setdefault(order[id(self.params[int(index)])], {})[slot] = tensor
+        if "mu_product" in self.slots:  # NAdam's is a function of the step: taken as sent only where it is that
+            for slots in state.values():  # (to float32's rounding, which torch accumulates it in)
+                if "step" in slots:
+                    expected = nadam_mu_product(self.config.beta1, max(0, int(float(slots["step"]))))
+                    sent = slots.get("mu_product")
+                    if sent is None or not math.isclose(float(sent), expected, rel_tol=1e-4, abs_tol=1e-30):
+                        slots["mu_product"] = torch.tensor(expected, dtype=torch.float32)
         groups = self.optimizer.state_dict()["param_groups"]
         # torch casts each moment to its parameter's device and dtype (and keeps `step` as it is)
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -98,7 +98,7 @@ class StageState:
         self.module, self.optimizer, self.stage = module, optimizer, stage
         self.round_id, self.group = round_id, group
         # While the module runs on look-ahead parameters (a round under way), the parameters the state
-        # really is at, in optimizer.params order: what a snapshot holds (swarm.averaging.lookahead)
+        # really is at, in optimizer.params order: what a snapshot holds (StageAverager._look_ahead)
         self.lookahead_base: list[torch.Tensor] | None = None
 
     @property

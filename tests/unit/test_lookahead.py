@@ -94,3 +94,19 @@ def test_unknown_optimizers_and_sharded_nadamw_are_config_errors():
     with pytest.raises(ConfigError, match="averaging.zero shards AdamW"):
         RunConfig.from_dict({"optimizer": {"name": "nadamw"}, "averaging": {"zero": {"enabled": True}}})
     RunConfig.from_dict({"optimizer": {"name": "adamw"}, "averaging": {"zero": {"enabled": True}}})
+
+
+def test_nadams_momentum_product_is_computed_from_the_step_never_taken_as_sent():
+    config = tiny_config()
+    theirs = trained_replica(config, 1, steps=3)
+    info, tensors = StageState(theirs.module, theirs, 1, "r").state_dict()
+    honest = {k: v.clone() for k, v in tensors.items() if k.endswith("/mu_product")}
+    assert honest
+    for key in honest:  # 1 - 0.9999999 in NAdam's denominators: updates ten million times too large
+        tensors[key] = torch.tensor(0.9999999)
+    ours = trained_replica(config, 2, steps=0)
+    StageState(ours.module, ours, 1, "r").load_state_dict(info, tensors)
+    loaded = {"optim/" + key: value for key, value in ours.moments().items() if key.endswith("/mu_product")}
+    assert loaded.keys() == honest.keys()
+    for key, value in loaded.items():
+        torch.testing.assert_close(value, honest[key])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from swarm.dht import ServerRecord, ServerState, visible_maddrs
 from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
+from swarm.state import StateRejected
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     BACKEND_CALL_TIMEOUT,
@@ -96,16 +98,36 @@ def wait_until_peers_see_each_other(servers: list[StageServer]) -> None:
                interval=0.1, what=f"{len(servers)} servers of stage {STAGE} seeing each other and nobody ahead")
 
 
+def alone(server: StageServer) -> float:
+    """How many steps `server` took on its own samples only (its round failed, or nobody was there)."""
+    return rounds(server, "failed") + rounds(server, "local")
+
+
 def run_round(servers: list[StageServer], batches: list[list], wait_to_see: bool = True) -> None:
-    """Feed servers[i] the micro-batches batches[i] (one full batch in all); wait until every one stepped."""
+    """Feed servers[i] the micro-batches batches[i] (one full batch in all); wait until every one stepped,
+    or one stepped alone.
+
+    A server whose round fails steps alone on its own samples; a server that has not closed its batch yet
+    then waits for samples of its own (an unbacked record ahead closes nobody's batch), and the younger of
+    two takes the elder's state back. So after a failed round not every server steps: averaged_round
+    waits for the replicas to agree instead.
+    """
     if wait_to_see:
         wait_until_peers_see_each_other(servers)
     steps = [s.backend.step for s in servers]
+    lone = [alone(s) for s in servers]
     for server, mine in zip(servers, batches):
         for batch in mine:
             feed(server, batch)
-    wait_until(lambda: all(s.backend.step == step + 1 for s, step in zip(servers, steps)), ROUND_TIMEOUT,
-               interval=0.1, what="every server's step after the round")
+    wait_until(lambda: all(s.backend.step == step + 1 for s, step in zip(servers, steps))
+               or [alone(s) for s in servers] != lone, ROUND_TIMEOUT,
+               interval=0.1, what="every server's step after the round (or one's alone)")
+
+
+def wait_until_agreed(servers: list[StageServer]) -> None:
+    wait_until(lambda: len({s.stage_state.round_id for s in servers}) == 1
+               and not any(s.averager.busy for s in servers), ROUND_TIMEOUT, interval=0.1,
+               what="the replicas agreeing on the round that made their state")
 
 
 def averaged_round(servers: list[StageServer], batches: list[list], wait_to_see: bool = True) -> bool:
@@ -117,9 +139,7 @@ def averaged_round(servers: list[StageServer], batches: list[list], wait_to_see:
     """
     succeeded = [rounds(s, "succeeded") for s in servers]
     run_round(servers, batches, wait_to_see)
-    wait_until(lambda: len({s.stage_state.round_id for s in servers}) == 1
-               and not any(s.averager.busy for s in servers), ROUND_TIMEOUT, interval=0.1,
-               what="the replicas agreeing on the round that made their state")
+    wait_until_agreed(servers)
     return [rounds(s, "succeeded") for s in servers] == [n + 1 for n in succeeded]
 
 
@@ -362,8 +382,18 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
                    what="the poisoned replica ranking first as a source of state")
 
         with stage_servers(config, [peer_j], [STAGE]) as (j,):  # downloads a state on start
+            # It asks the best-ranked established server: m, unless m's record reached it later than the
+            # others' (then m was not established yet when it downloaded). Either way, it asks m now.
+            wait_until(lambda: m.peer_id in j.averager._established(), SEE_TIMEOUT, interval=0.1,
+                       what="the joiner watching the poisoned replica long enough to ask it")
+            intake = j.averager._intake
+            loaded = intake.process.download_state(ROUND_TIMEOUT, threading.Event(), max_bytes=intake.max_bytes,
+                                                   only=[m.peer_id])
+            assert loaded is not None and loaded[2] == m.peer_id, "the poisoned replica sent no state"
+            with pytest.raises(StateRejected):
+                j.backend.call(lambda: j.averager._adopt(loaded, 0), BACKEND_CALL_TIMEOUT)
             rejected = j.registry.get_sample_value("swarm_averaging_rejected_states_total", {"stage": str(STAGE)})
-            assert rejected and rejected >= 1, "the joiner never asked the poisoned replica"
+            assert rejected and rejected >= 1
             if how == "far-ahead":  # a step no majority backs is not believed: nobody is behind it or moves
                 assert_same_state(snapshot(j), honest[0])
                 for server, before in zip((a, b), honest):
@@ -382,9 +412,10 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
 
 def test_member_shut_down_mid_run_does_not_stop_the_other(pair):
     config, _, (a, b) = pair
+    wait_until_agreed([a, b])
     wait_until_peers_see_each_other([a, b])
     step = a.backend.step
-    alone = rounds(a, "local") + rounds(a, "failed")
+    lone = alone(a)
     feed(a, micro_batch(config, 10))
     feed(b, micro_batch(config, 11))  # 8 of 12 samples: no round yet
     assert a.backend.step == step
@@ -394,4 +425,4 @@ def test_member_shut_down_mid_run_does_not_stop_the_other(pair):
     feed(a, micro_batch(config, 13))  # a has a batch on its own now, whatever it knows of b
 
     wait_until(lambda: a.backend.step == step + 1, ROUND_TIMEOUT, interval=0.1, what="a's step without b")
-    assert rounds(a, "local") + rounds(a, "failed") == alone + 1
+    assert alone(a) == lone + 1

@@ -17,7 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not swarms" tests/unit tests/integration
+	$(PY) -m pytest -q -m "not swarms" -n 2 --dist loadfile tests/unit tests/integration
 
 # Whole swarms of separate programs that run for a minute each (resuming a dead stage and a whole
 # swarm from checkpoints; MoE swarms losing an expert server; routing around slow, killed and missing

@@ -25,7 +25,7 @@ from swarm.dht import ServerRecord, ServerState, visible_maddrs
 from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
-from swarm.state import StateRejected
+from swarm.state import StateRejected, unflatten
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     BACKEND_CALL_TIMEOUT,
@@ -377,6 +377,9 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
     honest = [snapshot(a), snapshot(b)]
     with running_peers(config.run_id, 2, visible_maddrs(peers[0].dht)) as (peer_m, peer_j), \
             stage_servers(config, [peer_m], [STAGE]) as (m,):
+        # (m knowing only one of them would take it for a stage of two, and follow that elder back to its step)
+        wait_until(lambda: {a.peer_id, b.peer_id} <= m.averager._established(), SEE_TIMEOUT, interval=0.1,
+                   what="m watching both honest replicas long enough to count them")
         poison(m, how)
         wait_until(lambda: best_ranked_offer(a) == m.peer_id, SEE_TIMEOUT, interval=0.1,
                    what="the poisoned replica ranking first as a source of state")
@@ -390,6 +393,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
             loaded = intake.process.download_state(ROUND_TIMEOUT, threading.Event(), max_bytes=intake.max_bytes,
                                                    only=[m.peer_id])
             assert loaded is not None and loaded[2] == m.peer_id, "the poisoned replica sent no state"
+            assert unflatten(*loaded[:2])[0].step == m.backend.step > honest[0]["step"], "m is not poisoned"
             with pytest.raises(StateRejected):
                 j.backend.call(lambda: j.averager._adopt(loaded, 0), BACKEND_CALL_TIMEOUT)
             rejected = j.registry.get_sample_value("swarm_averaging_rejected_states_total", {"stage": str(STAGE)})

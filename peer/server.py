@@ -104,6 +104,7 @@ class StageServer:
         self.keeper: StageKeeper | None = None  # checkpoints on this server's disk (unless turned off)
         self.dispatcher: ExpertDispatcher | None = None  # reaches this stage's experts, if they live on expert servers
         self.throughput = 0.0
+        self.stepped_samples = 0  # the samples in the steps this server took since it started (its own and its peers')
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, self)
         self._stop = threading.Event()
@@ -259,11 +260,13 @@ class StageServer:
     def _on_step(self, stats: dict) -> None:
         if self.keeper is not None and not stats["skipped"]:
             self.keeper.after_step(stats["step"])
+        if not stats["skipped"]:
+            self.stepped_samples += stats["samples"]
         level = logging.INFO if stats["step"] % STEP_LOG_EVERY == 0 or stats["skipped"] else logging.DEBUG
         own = stats.get("own_samples", stats["samples"])
         log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples; of this server's %d, %d one step "
-                "late)", self.stage, stats["step"], stats["lr"], stats["grad_norm"], stats["samples"], own,
-                stats.get("own_late", 0))
+                "late; %d in this server's steps since it started)", self.stage, stats["step"], stats["lr"],
+                stats["grad_norm"], stats["samples"], own, stats.get("own_late", 0), self.stepped_samples)
 
     def shutdown(self) -> None:
         """Announce OFFLINE first, so trainers stop sending work, then stop serving."""

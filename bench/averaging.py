@@ -16,7 +16,10 @@ Printed per n, medians over the repeats:
 - raw: DecentralizedAverager.step() as its caller sees it, and the same with what a caller
   averaging gradients must add: copying them into the averager's tensors and the mean back out
   (ours does both inside its round);
-- ours/raw of the round (goal <= 1.1), against both;
+- matchmaking and the all-reduce apart, on both sides: ours forms the next round's group ahead
+  (while the batch fills), so little of its matchmaking is in its round; raw forms it in its round
+  (hivemind's step with a trigger: the time until the group formed, then the rest);
+- ours/raw of the round (goal <= 1.1), against both, and of the all-reduce alone;
 - bytes each peer sent: what its averaging process wrote (/proc/PID/io wchar: its all-reduce
   parts, written to the local p2pd's socket, plus small control messages), beside the
   2(n-1)/n x (payload after compression) an all-reduce must send, and our
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
@@ -183,23 +187,31 @@ def raw_round(group: list[Member], timeout: float) -> dict:
     n = len(group)
     grads = {id(m): [torch.randn_like(t) for t in m.ours.optimizer.params] for m in group}
 
-    def averaged(member: Member) -> tuple[object, float]:
-        """Gradients in, step, mean out, as a caller averaging gradients must; and the step's own time."""
+    def averaged(member: Member) -> tuple[object, float, float]:
+        """Gradients in, step, mean out, as a caller averaging gradients must; and the step's own time, and of
+        that its matchmaking (hivemind's step with a trigger: the group forms, then the all-reduce runs on it)."""
         with member.raw.get_tensors() as tensors, torch.no_grad():
             for tensor, grad in zip(tensors, grads[id(member)]):
                 tensor.copy_(grad)
         started = time.perf_counter()
-        gathered = member.raw.step(weight=1.0, timeout=timeout)
+        control = member.raw.step(weight=1.0, timeout=timeout, wait=False, require_trigger=True)
+        while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
+            time.sleep(0.001)
+        formed = time.perf_counter() - started
+        control.allow_allreduce()
+        gathered = control.result(timeout)
         seconds = time.perf_counter() - started
         with member.raw.get_tensors() as tensors:
             [tensor.clone() for tensor in tensors]
-        return gathered, seconds
+        return gathered, seconds, formed
 
     before = [written(m.raw.pid) for m in group]
     results = together([lambda m=m: averaged(m) for m in group])
-    if any(not gathered or len(gathered) != n for _, (gathered, _) in results):
-        raise RuntimeError(f"a raw round did not average all {n}: {[gathered for _, (gathered, _) in results]}")
-    return {"round": max(seconds for _, (_, seconds) in results),
+    if any(not gathered or len(gathered) != n for _, (gathered, _, _) in results):
+        raise RuntimeError(f"a raw round did not average all {n}: {[r[0] for _, r in results]}")
+    # the group formed when its last member saw it; the all-reduce is the rest of the round
+    formed = max(formed for _, (_, _, formed) in results)
+    return {"round": max(seconds for _, (_, seconds, _) in results), "formed": formed,
             "with_copies": max(seconds for seconds, _ in results),
             "sent": statistics.mean(written(m.raw.pid) - b for m, b in zip(group, before))}
 
@@ -228,6 +240,9 @@ def measure(base: RunConfig, n: int, repeats: int) -> dict:
         "ours_step": median(r["step"] for r in ours),
         "ours_formed": median(r["formed"] for r in ours),
         "raw_round": median(r["round"] for r in raw),
+        "raw_formed": median(r["formed"] for r in raw),
+        "ours_allreduce": median(r["round"] - r["formed"] for r in ours),
+        "raw_allreduce": median(r["round"] - r["formed"] for r in raw),
         "raw_with_copies": median(r["with_copies"] for r in raw),
         "ours_sent": median(r["sent"] for r in ours),
         "raw_sent": median(r["sent"] for r in raw),
@@ -253,11 +268,13 @@ def main() -> None:
     mb = 1e6
     for n in sizes:
         r = measure(base, n, repeats)
-        print(f"n={n}: round ours {r['ours_round']:.2f}s (whole step {r['ours_step']:.2f}s, group formed "
-              f"{r['ours_formed'] * 1000:.0f} ms after the last member joined), "
-              f"raw {r['raw_round']:.2f}s ({r['raw_with_copies']:.2f}s with the gradients copied in and out), "
-              f"ours/raw {r['ours_round'] / r['raw_round']:.2f} "
-              f"(/ raw with copies {r['ours_round'] / r['raw_with_copies']:.2f}); "
+        print(f"n={n}: round ours {r['ours_round']:.2f}s (whole step {r['ours_step']:.2f}s; matchmaking "
+              f"{r['ours_formed'] * 1000:.0f} ms after the last member joined, all-reduce "
+              f"{r['ours_allreduce']:.2f}s), raw {r['raw_round']:.2f}s (matchmaking {r['raw_formed']:.2f}s, "
+              f"all-reduce {r['raw_allreduce']:.2f}s; {r['raw_with_copies']:.2f}s with the gradients copied in "
+              f"and out), ours/raw {r['ours_round'] / r['raw_round']:.2f} "
+              f"(/ raw with copies {r['ours_round'] / r['raw_with_copies']:.2f}; all-reduce alone "
+              f"{r['ours_allreduce'] / r['raw_allreduce']:.2f}); "
               f"sent per peer: ours {r['ours_sent'] / mb:.1f} MB, "
               f"raw {r['raw_sent'] / mb:.1f} MB, 2(n-1)/n bound {r['lower_bound'] / mb:.1f} MB "
               f"(ours/bound {r['ours_sent'] / r['lower_bound']:.2f}; "

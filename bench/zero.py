@@ -266,9 +266,13 @@ def report_stage(r: dict, timed: bool) -> None:
         print(f"time n={n} r={reps}: round zero {r['zero_round']:.3f}s, unsharded {r['plain_round']:.3f}s, "
               f"zero/unsharded {ratio:.2f} (goal <= 1.1: {'yes' if ratio <= 1.1 else 'NO'}); "
               f"whole step zero {r['zero_step']:.3f}s, unsharded {r['plain_step']:.3f}s, "
-              f"zero/unsharded {step_ratio:.2f}; group formed after the last member joined: "
-              f"zero {r['zero_formed'] * 1000:.0f} ms, "
-              f"unsharded {r['plain_formed'] * 1000:.0f} ms; sent per member: zero {r['zero_sent'] / MB:.1f} MB "
+              f"zero/unsharded {step_ratio:.2f}; matchmaking (group formed after the last member joined): "
+              f"zero {r['zero_formed'] * 1000:.0f} ms (it forms in the round: sharded rounds do not form ahead), "
+              f"unsharded {r['plain_formed'] * 1000:.0f} ms (formed ahead); the rest of the round (collective / "
+              f"all-reduce): zero {r['zero_round'] - r['zero_formed']:.3f}s, unsharded "
+              f"{r['plain_round'] - r['plain_formed']:.3f}s, zero/unsharded "
+              f"{(r['zero_round'] - r['zero_formed']) / (r['plain_round'] - r['plain_formed']):.2f}; "
+              f"sent per member: zero {r['zero_sent'] / MB:.1f} MB "
               f"(measured), unsharded {r['plain_sent'] / MB:.1f} MB (estimate)", flush=True)
     if timed and "zero_cpu_own" in r:
         print(f"cpu n={n} r={reps}: per member during its whole step (mean over members, median over rounds): "

@@ -70,6 +70,8 @@ class LocalSwarm:
         self.loop = BackgroundLoop("local-loop")
         self.dht = None
         self.reports: dict[str, tuple[PeerMetricsRecord, PeerMetricsRecord]] = {}  # first and last, per trainer
+        self.trainer_ports: list[int] = []  # every trainer's metrics port
+        self.marks: list[dict[str, Any]] = []  # what the swarm had spent and trained at the window's start and end
 
     def run(self, steps: int) -> dict[str, Any]:
         started = time.monotonic()
@@ -81,8 +83,9 @@ class LocalSwarm:
             self._wait_for_servers()
             extra = [] if self.in_flight is None else ["--in-flight", str(self.in_flight)]
             extra += self._data_flags()
+            self.trainer_ports = [free_port() for _ in range(self.trainers)]
             trainers = [self._child(f"trainer-{i}", "peer.cli", maddr, "--role", "trainer", "--trainer-index", str(i),
-                                    "--metrics-port", "0", *extra) for i in range(self.trainers)]
+                                    "--metrics-port", str(port), *extra) for i, port in enumerate(self.trainer_ports)]
             status = self._train(steps)
             end_all(trainers)  # trainers publish their last metrics as they exit
             averaging = self._averaging_stats()
@@ -120,7 +123,72 @@ class LocalSwarm:
             "trainers": self.trainers,
             "log_dir": str(self.log_dir),
             "run_checkpoint": self._newest_run_checkpoint(),
+            "window": self._window(),
         }
+
+    def _mark(self) -> None:
+        """Note the time, the samples the trainers trained, every role's CPU seconds and the servers' compute
+        CPU seconds: two marks make the timing window (see _window)."""
+        scrapes = [self._scrape(port) for port in self.trainer_ports]
+        compute = sum(self._scrape(port).get("swarm_server_compute_cpu_seconds_total", 0.0)
+                      for _, port in self.server_ports)
+        self.marks.append({"time": time.monotonic(), "cpu": self._cpu_by_role(), "compute": compute,
+                           "samples": sum(m.get("swarm_trainer_samples_total", 0.0) for m in scrapes)})
+
+    def _window(self) -> dict[str, Any] | None:
+        """Between the two marks (from a tenth of the steps to the last, start-up left out): seconds, samples the
+        trainers trained, samples/s, and CPU seconds per sample by role, the servers' split into their compute
+        threads' and the rest (RPCs, DHT, averaging, p2pd)."""
+        if len(self.marks) < 2:
+            return None
+        first, last = self.marks[0], self.marks[-1]
+        seconds, samples = last["time"] - first["time"], last["samples"] - first["samples"]
+        if seconds <= 0 or samples <= 0:
+            return None
+        spent = {role: last["cpu"].get(role, 0.0) - first["cpu"].get(role, 0.0) for role in last["cpu"]}
+        compute = last["compute"] - first["compute"]
+        per_sample = {role: round(value / samples, 6) for role, value in spent.items()}
+        per_sample["server_compute"] = round(compute / samples, 6)
+        if "server" in spent:
+            per_sample["server_outside_compute"] = round((spent["server"] - compute) / samples, 6)
+        return {"seconds": seconds, "samples": samples, "samples_per_second": samples / seconds,
+                "cpu_seconds_per_sample": per_sample,
+                "cpu_busy_share": sum(spent.values()) / seconds / (os.cpu_count() or 1)}
+
+    def _cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds so far of each role's processes: every process in each child's process group (the program,
+        its DHT and averaging processes and its p2pd daemon)."""
+        roles = {child.proc.pid: child.name.split("-")[0] for child in self.children}
+        ticks = os.sysconf("SC_CLK_TCK")
+        totals: dict[str, float] = defaultdict(float)
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ..., utime (11), stime (12)
+            role = roles.get(int(fields[2]))
+            if role is not None:
+                totals[role] += (int(fields[11]) + int(fields[12])) / ticks
+        return dict(totals)
+
+    @staticmethod
+    def _scrape(port: int) -> dict[str, float]:
+        """A peer's /metrics, summed over labels by sample name, a histogram's buckets as ``<name>_le<bound>``
+        ({} if it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return {}
+        sums: dict[str, float] = defaultdict(float)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                le = sample.labels.get("le", "")
+                sums[sample.name + (f"_le{le}" if le else "")] += sample.value
+        return dict(sums)
 
     def _newest_run_checkpoint(self) -> dict[str, Any] | None:
         """The coordinator's newest run checkpoint: where it is and each stage's step (what swarm-export reads)."""
@@ -202,15 +270,8 @@ class LocalSwarm:
         and the share of backwards whose stage had stepped once or more / twice or more since their forward."""
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * self.config.stages.num_stages)
         for stage, port in self.server_ports:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT) as reply:
-                    text = reply.read().decode()
-            except OSError:  # a server that died: the figures are of those that answer
-                continue
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    le = sample.labels.get("le", "")
-                    sums[sample.name + (f"_le{le}" if le else "")][stage] += sample.value
+            for name, value in self._scrape(port).items():  # (a server that died: the figures are of those that answer)
+                sums[name][stage] += value
 
         def ratio(top: list[float], bottom: list[float]) -> list[float | None]:
             return [round(x / n, 4) if n else None for x, n in zip(top, bottom)]
@@ -291,7 +352,10 @@ class LocalSwarm:
                     servers = " ".join(str(s["online"]) for s in status["stages"])
                     progress.update(min(status["step"], steps), loss=status["loss"] if status["loss"] else "-",
                                     samples_per_s=float(status["samples_per_second"]), servers_per_stage=servers)
+                if not self.marks and status["step"] >= max(1, steps // 10):
+                    self._mark()  # the window starts once training runs (start-up and the first rounds left out)
                 if status["step"] >= steps:
+                    self._mark()
                     return status
                 self._check_children()
                 if self.stop.wait(POLL_PERIOD):

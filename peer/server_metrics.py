@@ -40,6 +40,7 @@ class ServerMetrics:
                                registry=registry)
         self.expert_latency = Histogram("swarm_moe_expert_call_seconds", "Time for an expert server to answer a "
                                         "request of this stage", ["layer", "kind"], registry=registry)
+        registry.register(ComputeCollector(backend_ref))
         registry.register(ActivationCacheCollector(backend_ref))
         registry.register(ExpertCollector(backend_ref))
         registry.register(ExpertCallCollector(backend_ref))
@@ -96,6 +97,21 @@ class ExpertCallCollector:
                 layer, kind, seconds = stats.latency.pop()
                 latency.labels(layer=str(layer), kind=kind).observe(seconds)
         yield from (calls, failures, lost, backward_lost)
+
+
+class ComputeCollector:
+    """CPU seconds of the stage's compute thread, read when Prometheus scrapes: what a server spends outside it
+    (RPCs, the DHT, averaging, p2pd) is its process' CPU time minus this (bench/scaling.py)."""
+
+    def __init__(self, server: StageServer):
+        self.server = server
+
+    def collect(self):
+        backend = self.server.backend
+        family = CounterMetricFamily("swarm_server_compute_cpu_seconds",
+                                     "CPU seconds the stage's compute thread spent on requests and steps")
+        family.add_metric([], backend.cpu_seconds if backend is not None else 0.0)
+        yield family
 
 
 class ActivationCacheCollector:

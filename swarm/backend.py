@@ -93,6 +93,7 @@ class Worker:
         self._lock = threading.Lock()
         self._queued = 0
         self.busy_seconds = 0.0  # compute time spent, for throughput estimates
+        self.cpu_seconds = 0.0  # CPU time the worker thread spent on tasks (torch's own threads not counted)
         self._busy_marks: deque[tuple[float, float]] = deque([(time.monotonic(), 0.0)])  # (when, busy_seconds)
 
     @property
@@ -114,11 +115,12 @@ class Worker:
             self._queued -= 1
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
             self.busy_seconds += time.perf_counter() - started
+            self.cpu_seconds += time.thread_time() - cpu
             self._mark_busy()
 
     def _mark_busy(self) -> None:

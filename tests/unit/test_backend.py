@@ -166,3 +166,20 @@ def test_utilization_is_the_share_of_wall_time_the_worker_computed():
         assert 0.5 < backend.utilization() <= 1.0
     finally:
         backend.shutdown()
+
+
+def test_cpu_seconds_count_the_workers_cpu_time_not_its_waits():
+    backend = make_backends(tiny_config())[0]
+    try:
+        def spin(seconds: float) -> None:  # on the worker's own CPU clock: a loaded machine stretches it, not this
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+
+        backend.call(lambda: spin(0.2), timeout=30)
+        spun = backend.cpu_seconds
+        assert spun >= 0.2
+        backend.call(lambda: threading.Event().wait(0.3), timeout=30)  # waiting costs no CPU
+        assert backend.cpu_seconds - spun < 0.1 and backend.busy_seconds >= 0.5
+    finally:
+        backend.shutdown()

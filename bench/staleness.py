@@ -62,10 +62,10 @@ class Variant:
         return cls(name, "lookahead" in extras, "dc" in extras, "block" in extras)
 
 
-def configure(base: RunConfig, optimizer: str, batch_size: int | None) -> RunConfig:
+def configure(base: RunConfig, optimizer: str, batch_size: int | None, nadamw_beta1: float = 0.99) -> RunConfig:
     config = copy.deepcopy(base)
     config.optimizer.name = optimizer
-    config.optimizer.beta1 = 0.99 if optimizer == "nadamw" else 0.9
+    config.optimizer.beta1 = nadamw_beta1 if optimizer == "nadamw" else 0.9
     if batch_size is not None:
         config.optimizer.batch_size = batch_size
     return config.validate()
@@ -169,6 +169,7 @@ def main() -> None:
     p.add_argument("--block-steps", type=int, default=20, help="steps without late samples, with +block")
     p.add_argument("--dc-lambda", type=float, default=2.0, help="DC-ASGD's lambda_0 (adaptive form)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--nadamw-beta1", type=float, default=0.99, help="NAdamW's beta1 (AdamW's is 0.9)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -177,18 +178,19 @@ def main() -> None:
     variants = [Variant.parse(v) for v in args.variants]
     exact: dict[str, dict[int, float]] = {}
     print(f"{args.config}: batch {args.batch_size or base.optimizer.batch_size}, late share {args.share}, "
+          f"NAdamW beta1 {args.nadamw_beta1}, "
           f"{args.servers} servers per stage; validation loss at steps {at}", flush=True)
     for name in sorted({v.optimizer for v in variants} | {"adamw"}):
         started = time.perf_counter()
-        exact[name] = train(configure(base, name, args.batch_size), Variant(name), 0.0, at, args.servers,
-                            args.block_steps, args.dc_lambda)
+        exact[name] = train(configure(base, name, args.batch_size, args.nadamw_beta1), Variant(name), 0.0, at,
+                            args.servers, args.block_steps, args.dc_lambda)
         print(f"  {name + ' exact':26} " + "  ".join(f"{exact[name][s]:.4f}" for s in at)
               + f"   ({time.perf_counter() - started:.0f} s)", flush=True)
     print(f"  {'variant':26} " + "  ".join(f"{'@' + str(s):>6}  /own   /adamw" for s in at))
     for text, variant in zip(args.variants, variants):
         started = time.perf_counter()
-        losses = train(configure(base, variant.optimizer, args.batch_size), variant, args.share, at, args.servers,
-                       args.block_steps, args.dc_lambda)
+        losses = train(configure(base, variant.optimizer, args.batch_size, args.nadamw_beta1), variant, args.share, at,
+                       args.servers, args.block_steps, args.dc_lambda)
         cells = [f"{losses[s]:.4f} {losses[s] / exact[variant.optimizer][s]:.3f} {losses[s] / exact['adamw'][s]:.3f}"
                  for s in at]
         print(f"  {text:26} " + "  ".join(cells) + f"   ({time.perf_counter() - started:.0f} s)", flush=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -227,9 +229,12 @@ def test_an_expert_behind_the_stage_ends_its_batch_where_the_stage_did(host):
     assert host.optimizers[0, 0].step_count == 2 and len(stats) == 2
 
 
-def test_an_expert_handed_over_steps_on_exactly_as_it_would_have_with_nadamw():
-    assert CONFIG.optimizer.name == "nadamw"  # (the default: its state has NAdam's momentum product too)
-    giver, taker = ExpertHost(CONFIG, HOSTED), ExpertHost(CONFIG, HOSTED)
+@pytest.mark.parametrize("name", ["adamw", "nadamw"])  # (NAdam's state has its momentum product too)
+def test_an_expert_handed_over_steps_on_exactly_as_it_would_have(name):
+    config = copy.deepcopy(CONFIG)
+    config.optimizer.name, config.optimizer.beta1 = name, 0.99 if name == "nadamw" else 0.9
+    config.validate()
+    giver, taker = ExpertHost(config, HOSTED), ExpertHost(config, HOSTED)
     try:
         for seed in range(3):  # three steps of block 1 on the giver
             for part in (0, 1):

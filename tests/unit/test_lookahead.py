@@ -59,10 +59,11 @@ def test_a_snapshot_during_look_ahead_holds_the_parameters_the_state_is_at():
     assert all(torch.equal(before[k], during[k]) for k in before)
 
 
-def test_nadamw_is_the_default_and_its_state_carries_its_momentum_product():
+def test_adamw_with_lookahead_is_the_default_and_nadamw_state_carries_its_momentum_product():
+    assert (OptimizerConfig().name, OptimizerConfig().beta1, OptimizerConfig().lookahead) == ("adamw", 0.9, True)
+    assert OptimizerConfig(name="nadamw").beta1 == 0.99
     config = tiny_config()
-    assert (config.optimizer.name, config.optimizer.beta1, config.optimizer.lookahead) == ("nadamw", 0.99, True)
-    assert OptimizerConfig(name="adamw").beta1 == 0.9
+    config.optimizer.name, config.optimizer.beta1 = "nadamw", 0.99
     opt = trained_replica(config, 1, steps=2)
     assert isinstance(opt.optimizer, torch.optim.NAdam)
     moments = opt.moments()
@@ -98,6 +99,7 @@ def test_unknown_optimizers_and_sharded_nadamw_are_config_errors():
 
 def test_nadams_momentum_product_is_computed_from_the_step_never_taken_as_sent():
     config = tiny_config()
+    config.optimizer.name, config.optimizer.beta1 = "nadamw", 0.99
     theirs = trained_replica(config, 1, steps=3)
     info, tensors = StageState(theirs.module, theirs, 1, "r").state_dict()
     honest = {k: v.clone() for k, v in tensors.items() if k.endswith("/mu_product")}

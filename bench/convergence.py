@@ -105,7 +105,7 @@ def measure(config_path: str, steps: int | None, at: list[int], every: int, stag
     points = sorted({p for p in at if 0 < p < steps} | {steps})
     config.checkpoint.every_steps = every
     config.checkpoint.every_seconds = 0.0  # (only the steps the points are at)
-    config.checkpoint.keep = steps // every + 2
+    config.checkpoint.keep = 10 * (steps // every + 2)  # (a stage may run well past the slowest one meanwhile)
     config.validate()
     if any(p % every for p in points):
         raise SystemExit(f"every point ({points}) must be a multiple of --every {every}: checkpoints are written there")

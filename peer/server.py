@@ -130,6 +130,7 @@ class StageServer:
                                       peer_id=self.peer_id, registry=self.registry)
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
                                     on_step=self._on_step, stepper=self.averager,
+                                    stash_weights=self.config.stages.stash_weights,
                                     compute_dtype=self.config.stages.compute_dtype, cache=self._activation_cache())
         if self.options.checkpoint_dir is not None:
             trusted = [self.options.coordinator_peer_id] if self.options.coordinator_peer_id else []

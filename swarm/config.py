@@ -143,6 +143,10 @@ class StagesConfig:
     # Activations and their gradients between stages: "auto" is bfloat16 when compute_dtype is
     # bfloat16 and float32 otherwise (a trainer cannot know which servers of "auto" have a GPU).
     wire_dtype: str = "auto"
+    # A backward whose stage stepped once since its forward: true, on the parameters its forward used (weight
+    # stashing: consistent, a step old); false, on the parameters of now (the gradient from the next stage is
+    # of the old activations). bench/convergence.py compares them.
+    stash_weights: bool = True
 
     def validate(self) -> None:
         _positive(self, "num_stages", "stages")

@@ -168,6 +168,28 @@ def test_utilization_is_the_share_of_wall_time_the_worker_computed():
         backend.shutdown()
 
 
+def test_without_weight_stashing_a_backward_one_step_late_uses_the_parameters_of_now():
+    config = tiny_config()
+    stage = build_stages(config)[0]
+    first = StageBackend(stage, StageOptimizer(stage, config.optimizer), stash_weights=False)
+    x, _ = batch(6)
+    h, forward_step = first.forward_at(x)
+    grad = torch.randn_like(h)
+    for seed in (7, 8):  # a batch of 4 from other micro-batches: the stage steps to 1
+        other, _ = batch(seed)
+        first.backward(other, grad_output=torch.ones_like(h))
+    assert (forward_step, first.step) == (0, 1)
+    now = copy.deepcopy(first.module)  # the parameters at step 1
+    for p in now.parameters():
+        p.grad = None
+
+    result = first.backward(x, grad_output=grad, forward_step=forward_step)
+    assert not result.stashed and result.staleness == 1
+    now(x).backward(grad)
+    for param, expected in zip(first.optimizer.params, now.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad)
+
+
 def test_cpu_seconds_count_the_workers_cpu_time_not_its_waits():
     backend = make_backends(tiny_config())[0]
     try:

@@ -168,10 +168,10 @@ class StagesConfig:
 class OptimizerConfig:
     """AdamW (or NAdamW) with linear warmup then cosine decay; one step per `batch_size` samples per stage."""
 
-    # adamw: torch's AdamW; nadamw: torch's NAdam with decoupled weight decay (Nesterov momentum) at beta1 0.99,
-    # which takes gradients a step late better at small batches, but trains 11% worse than AdamW at batch 128 even
-    # in one process (bench/staleness.py, README): AdamW with lookahead is the default at every batch size
-    name: str = "adamw"
+    # adamw: torch's AdamW; nadamw: torch's NAdam with decoupled weight decay (Nesterov momentum), which at a
+    # high beta1 takes gradients a step late better: the swarm ends lower with it at batch 16 and 128 alike,
+    # though alone, at batch 128, AdamW trains better (bench/convergence.py, bench/staleness.py, README)
+    name: str = "nadamw"
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10

@@ -384,12 +384,12 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         """
         with self._state_lock:
             self._back_from_look_ahead()
+            self.metrics.rounds[outcome].inc()  # (first: whoever sees the step sees how it was made)
             stats = self.optimizer.step_with(mean, samples)
             if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
                 self.state.round_id, self.state.group = round_of(self.optimizer.step_count, members), len(members)
             self._averaging = False
             self._params_changed()
-        self.metrics.rounds[outcome].inc()
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(members), "own_samples": own,
                 "own_late": min(self._late_in_round, own)}

@@ -429,4 +429,4 @@ def test_member_shut_down_mid_run_does_not_stop_the_other(pair):
     feed(a, micro_batch(config, 13))  # a has a batch on its own now, whatever it knows of b
 
     wait_until(lambda: a.backend.step == step + 1, ROUND_TIMEOUT, interval=0.1, what="a's step without b")
-    assert alone(a) == lone + 1
+    assert alone(a) == lone + 1, {outcome: rounds(a, outcome) for outcome in ("succeeded", "failed", "local")}

@@ -129,10 +129,9 @@ def test_backward_reports_how_stale_its_gradient_is():
     assert first.backward(x, grad_output=torch.ones_like(h)).staleness is None  # an older trainer sends none
 
 
-def test_a_backward_one_step_late_uses_the_parameters_its_forward_used():
-    config = tiny_config()
-    first, _ = make_backends(config)
-    then = copy.deepcopy(first.module)  # the parameters at step 0
+def forward_then_a_step(first: StageBackend) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A micro-batch's forward at step 0, then a batch of other micro-batches steps the stage to 1: the
+    micro-batch, the gradient its backward brings, and its forward's step."""
     x, _ = batch(6)
     h, forward_step = first.forward_at(x)
     grad = torch.randn_like(h)
@@ -140,6 +139,14 @@ def test_a_backward_one_step_late_uses_the_parameters_its_forward_used():
         other, _ = batch(seed)
         first.backward(other, grad_output=torch.ones_like(h))
     assert (forward_step, first.step) == (0, 1)
+    return x, grad, forward_step
+
+
+def test_a_backward_one_step_late_uses_the_parameters_its_forward_used():
+    config = tiny_config()
+    first, _ = make_backends(config)
+    then = copy.deepcopy(first.module)  # the parameters at step 0
+    x, grad, forward_step = forward_then_a_step(first)
 
     result = first.backward(x, grad_output=grad, forward_step=forward_step)
     assert result.stashed and result.staleness == 1
@@ -172,13 +179,7 @@ def test_without_weight_stashing_a_backward_one_step_late_uses_the_parameters_of
     config = tiny_config()
     stage = build_stages(config)[0]
     first = StageBackend(stage, StageOptimizer(stage, config.optimizer), stash_weights=False)
-    x, _ = batch(6)
-    h, forward_step = first.forward_at(x)
-    grad = torch.randn_like(h)
-    for seed in (7, 8):  # a batch of 4 from other micro-batches: the stage steps to 1
-        other, _ = batch(seed)
-        first.backward(other, grad_output=torch.ones_like(h))
-    assert (forward_step, first.step) == (0, 1)
+    x, grad, forward_step = forward_then_a_step(first)
     now = copy.deepcopy(first.module)  # the parameters at step 1
     for p in now.parameters():
         p.grad = None

@@ -259,10 +259,10 @@ class StageServer:
                     self.backend.submit(self.backend.cache.expire)
 
     def _on_step(self, stats: dict) -> None:
-        if self.keeper is not None and not stats["skipped"]:
-            self.keeper.after_step(stats["step"])
         if not stats["skipped"]:
             self.stepped_samples += stats["samples"]
+            if self.keeper is not None:
+                self.keeper.after_step(stats["step"])
         level = logging.INFO if stats["step"] % STEP_LOG_EVERY == 0 or stats["skipped"] else logging.DEBUG
         own = stats.get("own_samples", stats["samples"])
         log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples; of this server's %d, %d one step "

@@ -62,6 +62,7 @@ class ShardedRounds:
         self._round_pause = ROUND_RETRY_PAUSE
         samples = sum(min(n, self.max_member_samples) for n in plan.samples.values())  # (as the round counted them)
         with self._state_lock:
+            self.metrics.rounds[outcome].inc()  # (first: whoever sees the step sees how it was made)
             if result.update is None:  # a non-finite gradient norm: every member skips alike
                 stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
                          "samples": samples, "skipped": True}
@@ -96,7 +97,6 @@ class ShardedRounds:
         self.metrics.chunk_transfers["sent"].inc(result.transfers_out)
         self.metrics.bytes_sent.inc(result.bytes_sent)
         self.metrics.group_size.set(len(plan.members))
-        self.metrics.rounds[outcome].inc()
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late,
                 "own_samples": own, "own_late": min(self._late_in_round, own)}

@@ -45,6 +45,20 @@ class ProgressChannel:
         self._receive: Receive | None = None
         self._slots = threading.BoundedSemaphore(MAX_PENDING_PUSHES)  # pushes in flight
         self.sent = self.received = self.dropped = 0  # for tests and debugging
+        self._missed = threading.Event()  # a push since the last clear_missed() did not reach, or was not taken
+        self.on_missed: Callable[[], None] | None = None  # called when a push misses (the tracker wakes up)
+
+    def missed(self) -> bool:
+        """Whether some push since the last clear_missed() was dropped, failed or refused: only the DHT carries it."""
+        return self._missed.is_set()
+
+    def clear_missed(self) -> None:
+        self._missed.clear()
+
+    def _miss(self) -> None:
+        self._missed.set()
+        if self.on_missed is not None:
+            self.on_missed()
 
     async def open(self, receive: Receive) -> None:
         """Start taking pushed records (on the loop)."""
@@ -61,19 +75,24 @@ class ProgressChannel:
         for peer in peers:
             if not self._slots.acquire(blocking=False):
                 self.dropped += 1
+                self._miss()
                 continue
             try:
                 asyncio.run_coroutine_threadsafe(self._send(PeerID.from_base58(peer), request), self.loop.loop)
             except Exception as e:  # a bad id in a record, or the loop is gone: the DHT still works
                 self._slots.release()
+                self._miss()
                 log.debug("could not push progress to %s: %s", peer, e)
 
     async def _send(self, peer: PeerID, request: runtime_pb2.ExpertRequest) -> None:
         try:
-            await asyncio.wait_for(
+            reply = await asyncio.wait_for(
                 self.p2p.call_protobuf_handler(peer, self.name, request, runtime_pb2.ExpertResponse), PUSH_TIMEOUT)
             self.sent += 1
+            if not _taken(reply):  # it does not know us yet (or the record was old): only the DHT reaches it
+                self._miss()
         except Exception as e:  # noqa: BLE001 - a peer gone or slow: the DHT still carries our record
+            self._miss()
             log.debug("pushing progress to %s failed: %s", peer, e)
         finally:
             self._slots.release()
@@ -90,6 +109,14 @@ class ProgressChannel:
         if taken:
             self.received += 1
         return runtime_pb2.ExpertResponse(metadata=encode_metadata({"ok": taken}))
+
+
+def _taken(reply: runtime_pb2.ExpertResponse) -> bool:
+    try:
+        answer = _decode(reply.metadata)
+    except Exception:  # noqa: BLE001 - a garbled answer counts as not taken
+        return False
+    return isinstance(answer, dict) and answer.get("ok") is True
 
 
 def _decode(data: bytes) -> Any:

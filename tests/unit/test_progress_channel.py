@@ -78,3 +78,39 @@ def test_the_handler_answers_every_push_and_passes_on_only_well_formed_records_o
         assert not handle(channel, metadata, A)
     assert not handle(channel, encode_metadata(good.to_wire()), B)  # B sending A's record
     assert taken == [(4, A)] and channel.received == 1
+
+
+class FakeP2P:
+    """Answers a push as the receiver would: taken or not, or fails."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    async def call_protobuf_handler(self, peer, name, request, reply_type):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return runtime_pb2.ExpertResponse(metadata=encode_metadata({"ok": self.answer}))
+
+
+@pytest.mark.parametrize("answer, missed", [(True, False), (False, True), (ConnectionError("gone"), True)])
+def test_a_push_that_was_not_taken_makes_the_tracker_publish_in_the_dht_before_the_period(answer, missed):
+    # Pushes carry each change; the DHT is refreshed on its period unless one did not get through.
+    channel = ProgressChannel(FakeP2P(answer), None, "run_stage0_averaging")
+    tracker = tracker_knowing(record(A, 4, updated=10.0))
+    woken = []
+    channel.on_missed = lambda: woken.append(True)
+    tracker._channel = channel
+    tracker._nudged.set()
+    channel._slots.acquire()  # (as push does before it sends)
+    asyncio.run(channel._send(PeerID.from_base58(A), runtime_pb2.ExpertRequest()))
+    assert channel.missed() is missed and bool(woken) is missed
+    assert tracker._hurry() is missed
+    channel.clear_missed()
+    assert not tracker._hurry()
+
+
+def test_without_a_channel_a_change_is_published_in_the_dht_before_the_period():
+    tracker = tracker_knowing()
+    assert not tracker._hurry()
+    tracker._nudged.set()
+    assert tracker._hurry()

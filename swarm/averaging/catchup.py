@@ -141,7 +141,7 @@ class StateCatchUp:
 
     def _share_state(self) -> None:
         if self._request_step is not None and not self._closing.is_set():  # started, not closed
-            self._process.share_state(True, self._own_record().priority)
+            self._process.share_state(True)
 
     def _may_download(self) -> bool:
         return time.monotonic() >= self._next_download

@@ -1,6 +1,6 @@
 """StateIntake: states that come from the stage's other servers, and the checks before one is used.
 
-A download goes to the best-ranked server that offers its state, skipping servers whose state was
+A download goes to the best-ranked server (by its signed progress record) that offers its state, skipping servers whose state was
 refused lately, and a server may send at most about twice this stage's state in bytes. What comes
 is checked here for what only the stage can vouch for (progress.backs_state): its sender must be an
 established server of the stage (watched for averaging.min_tenure), its step must not lie beyond
@@ -18,6 +18,7 @@ INCOMPLETE_PEER_SECONDS, since the sender may well be the only one that holds th
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -62,7 +63,9 @@ class StateIntake:
         sources = self.established()
         if not sources:
             return None
-        loaded = self.process.download_state(timeout, self.closing, refused, self.max_bytes, only=sorted(sources))
+        ranks = {record.peer_id: record.priority for record in self.others()}
+        ranked = sorted(sources, key=lambda peer: (-ranks.get(peer, -math.inf), peer))  # best-ranked first
+        loaded = self.process.download_state(timeout, self.closing, refused, self.max_bytes, only=ranked)
         if loaded is None:
             self.metrics.downloads[FAILED].inc()
         return loaded

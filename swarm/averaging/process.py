@@ -166,7 +166,7 @@ class AveragingProcess(AveragerInternals):
         # In the child. hivemind's own version re-declares this replica in the DHT whenever its
         # tensors change, which during an all-reduce is once per averaged tensor: dozens of DHT
         # stores competing with the round for CPU (measured: rounds 40% slower). This one declares
-        # when sharing or its priority changes, and to renew the entry each declare period.
+        # when sharing is switched on or off, and to renew the entry each declare period.
         key = self.state_sources_key()
         changed = self._sharing_changed()
         was_allowed = False
@@ -268,18 +268,22 @@ class AveragingProcess(AveragerInternals):
             logger.debug("dropped a matchmaking declaration from %s: %s", context.remote_id, e)
         return runtime_pb2.ExpertResponse(metadata=encode_metadata({"ok": taken}))
 
-    async def _send_declaration(self, peers: Iterable[PeerID], key: str, expiration: float, looking: bool) -> None:
+    async def _send_declaration(self, peers: Iterable[PeerID], key: str, expiration: float, looking: bool) -> bool:
         request = runtime_pb2.ExpertRequest(
             metadata=encode_metadata({"key": key, "expiration": expiration, "looking": looking}))
-        await asyncio.gather(*(self._declare_to(peer, request) for peer in peers))
+        return all(await asyncio.gather(*(self._declare_to(peer, request) for peer in peers)))
 
-    async def _declare_to(self, peer: PeerID, request: runtime_pb2.ExpertRequest) -> None:
+    async def _declare_to(self, peer: PeerID, request: runtime_pb2.ExpertRequest) -> bool:
+        """Whether `peer` took the declaration."""
         try:
-            await asyncio.wait_for(self.child_p2p().call_protobuf_handler(
+            reply = await asyncio.wait_for(self.child_p2p().call_protobuf_handler(
                 peer, declarations_handler(self.prefix), request, runtime_pb2.ExpertResponse),
                 self.config.request_timeout)
-        except Exception as e:  # noqa: BLE001 - a server gone or slow: the DHT still carries the declaration
+            answer = decode_metadata(reply.metadata, DEFAULT_LIMITS)
+            return isinstance(answer, dict) and answer.get("ok") is True
+        except Exception as e:  # noqa: BLE001 - a server gone or slow: the DHT carries the declaration
             logger.debug("sending a matchmaking declaration to %s failed: %s", peer, e)
+            return False
 
     def arm(self, step: int, group_size: int, gather: dict, members: Sequence[str] = ()) -> StepControl:
         """Begin forming the round for `step` with `group_size` servers (`members`: the others expected), in
@@ -340,8 +344,9 @@ class AveragingProcess(AveragerInternals):
 
     def download_state(self, timeout: float, stop: threading.Event, exclude: Sequence[str] = (), max_bytes: int = 0,
                        only: Sequence[str] | None = None) -> tuple[Any, list[torch.Tensor], str] | None:
-        """The state of the best-ranked peer that shares one, is not in `exclude` (peer ids) and, if `only` is
-        given, is in it, and that peer; None if none came within `timeout`. A peer that sends more than
+        """The state of the first peer that shares one and is not in `exclude` (peer ids), and that peer; with
+        `only`, peers of `only` alone, asked in its order (the caller ranks them by their signed progress
+        records); without, in random order. None if none came within `timeout`. A peer that sends more than
         `max_bytes` of tensors (0: no limit) is cut off and the next one tried."""
         if not self.is_alive():
             raise AveragingError("the averaging process is not running")
@@ -362,13 +367,13 @@ class AveragingProcess(AveragerInternals):
             key = self.state_sources_key()
             found = await self.dht.get(key, latest=True, return_future=True)
             offers = found.value if found is not None and isinstance(found.value, dict) else {}
-            ranked = sorted(((item.value, random.random(), peer) for peer, item in offers.items()
-                             if isinstance(peer, bytes) and isinstance(getattr(item, "value", None), (int, float))
-                             and not isinstance(item.value, bool)), reverse=True)
-            for _, _, raw_peer in ranked:
-                peer = PeerID(raw_peer)
+            offered = [PeerID(peer) for peer, item in offers.items()
+                       if isinstance(peer, bytes) and getattr(item, "value", None) is not None]
+            rank = {peer: i for i, peer in enumerate(only)} if only is not None else {}
+            ranked = sorted((rank.get(peer.to_base58(), len(rank)), random.random(), peer) for peer in offered)
+            for _, _, peer in ranked:
                 if peer == self.peer_id or peer.to_base58() in exclude or (only is not None
-                                                                          and peer.to_base58() not in only):
+                                                                          and peer.to_base58() not in rank):
                     continue
                 try:
                     loaded = await self._download_from(peer, max_bytes)
@@ -400,10 +405,11 @@ class AveragingProcess(AveragerInternals):
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return None if metadata is None else (metadata, tensors)
 
-    def share_state(self, allowed: bool, priority: float) -> None:
-        """Let peers download this replica's state (or not), ranked by `priority`."""
+    def share_state(self, allowed: bool) -> None:
+        """Let peers download this replica's state (or not). The DHT entry says only that it is offered: a
+        downloader ranks the offers by the stage's signed progress records, so the entry is not stored anew
+        at every step (it was: most of a server's DHT stores, bench/scaling.py)."""
         if self.is_alive():
-            self.state_sharing_priority = priority
             self.allow_state_sharing = allowed
 
     def close(self) -> None:

@@ -16,8 +16,8 @@ id and group size; replicas made by the same round are equal). From the others' 
   member reduced with each survivor's own values), and that ranks higher; this one downloads that
   state.
 
-Ranks (:func:`sharing_priority`) are also what hivemind's state download picks its source by: later
-steps first, then states averaged by larger groups, then a tie-break fixed by the round and, within
+Ranks (:func:`sharing_priority`, in the signed records) are also the order a download asks the
+stage's servers in (StateIntake.fetch): later steps first, then states averaged by larger groups, then a tie-break fixed by the round and, within
 a round, by the server, so two diverged replicas never both download from each other.
 """
 

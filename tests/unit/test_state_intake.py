@@ -90,3 +90,14 @@ def test_a_sender_the_records_did_not_back_is_asked_again_once_the_records_may_h
     clock[0] += intake.UNBACKED_PEER_SECONDS + 0.1
     taker.fetch(1.0)
     assert process.skipped == [["liar", "peer"], ["liar"]]
+
+
+def test_a_download_asks_the_established_servers_best_ranked_first_by_their_signed_records(clock):
+    state = type("S", (), {"stage": 1, "nbytes": lambda self: 100})()
+    process = Downloads()
+    ranks = {"low": 1.0, "high": 3.0, "mid": 2.0}
+    records = [type("R", (), {"peer_id": peer, "priority": rank})() for peer, rank in ranks.items()]
+    taker = StateIntake(state, process, AveragingMetrics(CollectorRegistry(), 1), lambda: records, 1e-6,
+                        threading.Event(), own=lambda: None, established=lambda: {"low", "high", "mid", "silent"})
+    taker.fetch(1.0)
+    assert process.only == [["high", "mid", "low", "silent"]]  # one with no record (yet) last

@@ -1,19 +1,19 @@
 """StateIntake: states that come from the stage's other servers, and the checks before one is used.
 
-A download goes to the best-ranked server (by its signed progress record) that offers its state, skipping servers whose state was
-refused lately, and a server may send at most about twice this stage's state in bytes. What comes
-is checked here for what only the stage can vouch for (progress.backs_state): its sender must be an
-established server of the stage (watched for averaging.min_tenure), its step must not lie beyond
-what most established servers publish in their (signed) progress records, this server's own
-counted, and its parameters must be those most established servers at its step publish (their
-fingerprints), at least one of them besides the sender unless the stage has only the two; then the
-sender must have served the stage before this server did (progress.seniors: the elder leads).
-StageState.check then holds it to this replica's names, shapes and dtypes, and finite values. A
-refused state is logged with its reason and its sender is not asked again for REFUSED_PEER_SECONDS
-(UNBACKED_PEER_SECONDS if only the stage's records did not back it: they change);
-one that came incomplete (its stream ended early, which happens between healthy peers here) only for
-INCOMPLETE_PEER_SECONDS, since the sender may well be the only one that holds the stage's state.
-"""
+A download goes to the best-ranked server (by its signed progress record) that offers its state,
+skipping servers whose state was refused lately, and a server may send at most about twice this
+stage's state in bytes. What comes is checked here for what only the stage can vouch for
+(progress.backs_state): its sender must be an established server of the stage (watched for
+averaging.min_tenure), its step must not lie beyond what most established servers publish in their
+(signed) progress records, this server's own counted, and its parameters must be those most
+established servers at its step publish (their fingerprints), at least one of them besides the
+sender unless the stage has only the two; then the sender must have served the stage before this
+server did (progress.seniors: the elder leads). StageState.check then holds it to this replica's
+names, shapes and dtypes, and finite values. A refused state is logged with its reason and its
+sender is not asked again for REFUSED_PEER_SECONDS (UNBACKED_PEER_SECONDS if only the stage's
+records did not back it: they change); one that came incomplete (its stream ended early, which
+happens between healthy peers here) only for INCOMPLETE_PEER_SECONDS, since the sender may well be
+the only one that holds the stage's state. """
 
 from __future__ import annotations
 

@@ -17,8 +17,9 @@ id and group size; replicas made by the same round are equal). From the others' 
   state.
 
 Ranks (:func:`sharing_priority`, in the signed records) are also the order a download asks the
-stage's servers in (StateIntake.fetch): later steps first, then states averaged by larger groups, then a tie-break fixed by the round and, within
-a round, by the server, so two diverged replicas never both download from each other.
+stage's servers in (StateIntake.fetch): later steps first, then states averaged by larger groups,
+then a tie-break fixed by the round and, within a round, by the server, so two diverged replicas
+never both download from each other.
 """
 
 from __future__ import annotations

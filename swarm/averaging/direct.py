@@ -7,8 +7,12 @@ as a batch's compute, and a member leaving matchmaking also waits for a store sa
 looking. Yet the servers of a stage already know each other from their progress records. So each
 member also sends its declaration straight to the servers it expects in the round (one libp2p call
 each), and reads the others' from what they sent it; a round forms as soon as they arrive. The DHT
-stays underneath: every declaration is still stored there (in the background), every read still
-asks it too, and what it says is merged in, so a server not known yet is still found.
+stays underneath, for what the direct way does not reach: a declaration is stored there too (in the
+background) unless every expected server took it, and the DHT is read, its answer merged in, unless
+every expected server has declared under the key straight to us; so a server not known yet, or one
+that cannot be reached directly, is still found. (When the direct way reaches everyone, a round
+stores and reads nothing in the DHT: stores and reads per round were most of a server's DHT traffic,
+bench/scaling.py.)
 
 A receiver believes a declaration only from a server it expects (the parent passes their peer ids
 with each round, from the stage's signed records), only about the sender itself (libp2p
@@ -39,8 +43,8 @@ MIN_LOOKUP_INTERVAL = 0.05  # seconds between the starts of two DHT reads
 CLOCK_SLACK = 1.0  # seconds a declaration may claim beyond the horizon (clocks of hosts differ)
 
 Entry = tuple[float, bool]  # (expiration, looking for a group)
-# (peers, group key, expiration, looking) -> sent to each of peers
-Send = Callable[[Iterable[PeerID], str, float, bool], Awaitable[None]]
+# (peers, group key, expiration, looking) -> sent to each of peers; whether every one of them took it
+Send = Callable[[Iterable[PeerID], str, float, bool], Awaitable[bool]]
 
 
 class Declarations:
@@ -126,29 +130,45 @@ class DirectKeyManager(GroupKeyManager):
         self._returned: dict[str, list[tuple[PeerID, float]]] = {}
         self._background: set[asyncio.Task] = set()
         self._last_lookup = float("-inf")  # (event loop time)
+        self._stored: dict[str, None] = {}  # group keys this member declared under in the DHT (newest last)
 
     async def declare_averager(self, group_key: str, peer_id: PeerID, expiration_time: float,
                                looking_for_group: bool = True) -> bool:
         # The DHT store runs in the background: hivemind awaits this call when a member leaves matchmaking
         # ("no longer looking"), which would hold the formed group back by a DHT round trip.
-        self._in_background(super().declare_averager(group_key, peer_id, expiration_time, looking_for_group))
-        sending = self._send(self.declarations.expected, group_key, float(expiration_time), looking_for_group)
+        declaring = self._declare(group_key, peer_id, float(expiration_time), looking_for_group)
         if looking_for_group:
-            await sending
+            await declaring
         else:
-            self._in_background(sending)
+            self._in_background(declaring)
         return True
+
+    async def _declare(self, group_key: str, peer_id: PeerID, expiration: float, looking: bool) -> None:
+        expected = self.declarations.expected
+        if group_key in self._stored:  # our entry there is overwritten whatever the direct way does (leaving)
+            self._store(group_key, peer_id, expiration, looking)
+            if expected:
+                await self._send(expected, group_key, expiration, looking)
+        elif not (expected and await self._send(expected, group_key, expiration, looking)):
+            self._store(group_key, peer_id, expiration, looking)
+
+    def _store(self, group_key: str, peer_id: PeerID, expiration: float, looking: bool) -> None:
+        self._stored[group_key] = None
+        while len(self._stored) > MAX_KEYS:
+            del self._stored[next(iter(self._stored))]
+        self._in_background(super().declare_averager(group_key, peer_id, expiration, looking))
 
     async def get_averagers(self, group_key: str, only_active: bool) -> list[tuple[PeerID, float]]:
         declarations = self.declarations
         declarations.changed.clear()  # (a declaration taken from here on wakes the wait below)
-        lookup = self._lookup(group_key)
+        everyone = bool(declarations.expected) and declarations.expected <= set(declarations.entries(group_key))
+        waits = set() if everyone else {self._lookup(group_key)}  # (the DHT could only add servers not expected)
         found = merged(self._found.get(group_key, {}), declarations.entries(group_key), only_active=only_active)
         if set(found) == set(self._returned.get(group_key, [])):
             # nothing new: wait for a declaration sent to us or for the DHT read, whichever comes first
             changed = asyncio.ensure_future(declarations.changed.wait())
             try:
-                await asyncio.wait({changed, lookup}, timeout=self.lookup_timeout,
+                await asyncio.wait({changed, *waits}, timeout=self.lookup_timeout,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 changed.cancel()

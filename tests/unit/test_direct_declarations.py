@@ -129,12 +129,15 @@ class FakeDHT:
 
 
 class Sent:
-    def __init__(self, delay: float = 0.0):
-        self.delay, self.calls = delay, []
+    """Sends declarations: each is taken by every peer, unless `reached` is False."""
+
+    def __init__(self, delay: float = 0.0, reached: bool = True):
+        self.delay, self.reached, self.calls = delay, reached, []
 
     async def __call__(self, peers, key, expiration, looking):
         self.calls.append((sorted(peers, key=str), key, expiration, looking))
         await asyncio.sleep(self.delay)
+        return self.reached
 
 
 def manager(dht: FakeDHT, table: Declarations, send: Sent | None = None,
@@ -179,7 +182,7 @@ def test_with_nothing_new_a_read_waits_for_the_next_declaration_not_the_lookup_t
 
 def test_the_dht_s_averagers_are_merged_in():
     async def main():
-        table = declarations(A)
+        table = declarations(A, STRANGER)  # (one expected server has not declared to us: the DHT is read)
         dht = FakeDHT(found={B: soon(3.0)})
         keys = manager(dht, table)
         table.take(A, KEY, soon(), True)
@@ -209,7 +212,7 @@ def test_a_dht_that_fails_at_once_is_not_read_in_a_busy_loop():
 def test_declaring_sends_to_the_expected_servers_and_never_waits_for_the_dht_store():
     async def main():
         table = declarations(A, B)
-        dht, send = FakeDHT(), Sent()
+        dht, send = FakeDHT(), Sent(reached=False)  # (someone did not take it: the DHT must carry it)
         keys = manager(dht, table, send)
         expiration = soon()
         await asyncio.wait_for(keys.declare_averager(KEY, ME, expiration, looking_for_group=True), 1.0)
@@ -222,4 +225,39 @@ def test_declaring_sends_to_the_expected_servers_and_never_waits_for_the_dht_sto
     sent, leaving, stores = asyncio.run(main())
     assert sent == [(sorted([A, B], key=str), KEY, pytest.approx(sent[0][2]), True)]
     assert [call[3] for call in leaving] == [False]  # sent, in the background: leaving does not wait on it
-    assert stores == 2  # both still stored in the DHT, in the background
+    assert stores == 2  # both stored in the DHT, in the background (leaving overwrites the entry there)
+
+
+@pytest.mark.parametrize("expected, reached, stores", [((A, B), True, 0), ((A, B), False, 2), ((), True, 2)])
+def test_the_dht_carries_a_declaration_only_when_the_direct_way_did_not_reach_every_expected_server(
+        expected, reached, stores):
+    async def main():
+        dht = FakeDHT()
+        keys = manager(dht, declarations(*expected), Sent(reached=reached))
+        expiration = soon()
+        await asyncio.wait_for(keys.declare_averager(KEY, ME, expiration, looking_for_group=True), 1.0)
+        await asyncio.wait_for(keys.declare_averager(KEY, ME, expiration, looking_for_group=False), 1.0)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return dht.stores
+
+    assert asyncio.run(main()) == stores
+
+
+def test_the_dht_is_not_read_once_every_expected_server_declared_straight_to_us():
+    async def main():
+        table = declarations(A, B)
+        dht = FakeDHT(found={STRANGER: soon(3.0)})
+        keys = manager(dht, table)
+        table.take(A, KEY, soon(), True)
+        first = await keys.get_averagers(KEY, only_active=True)  # B has not declared yet: the DHT is asked
+        await asyncio.wait_for(keys._lookups[KEY], 1.0)
+        reads = dht.reads
+        table.take(B, KEY, soon(), True)
+        second = await keys.get_averagers(KEY, only_active=True)
+        return reads, dht.reads, first, second
+
+    reads_before, reads_after, first, second = asyncio.run(main())
+    assert reads_before == 1 and reads_after == 1  # no read once A and B both declared to us
+    assert {peer for peer, _ in first} == {A}
+    assert {peer for peer, _ in second} == {A, B, STRANGER}  # (what the DHT said earlier still counts)

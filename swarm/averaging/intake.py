@@ -13,7 +13,8 @@ names, shapes and dtypes, and finite values. A refused state is logged with its 
 sender is not asked again for REFUSED_PEER_SECONDS (UNBACKED_PEER_SECONDS if only the stage's
 records did not back it: they change); one that came incomplete (its stream ended early, which
 happens between healthy peers here) only for INCOMPLETE_PEER_SECONDS, since the sender may well be
-the only one that holds the stage's state. """
+the only one that holds the stage's state.
+"""
 
 from __future__ import annotations
 

@@ -39,7 +39,10 @@ logger = logging.getLogger(__name__)
 
 MAX_KEYS = 16  # group keys kept at once (a round's key holds its step: a few are live at a time)
 MAX_KEY_LENGTH = 256
-MIN_LOOKUP_INTERVAL = 0.05  # seconds between the starts of two DHT reads
+# seconds between the starts of two DHT reads: the DHT is the fallback here, and reads every 0.05 s were most
+# of a server's DHT traffic (bench/scaling.py); 0.5 s (and a first read delayed for the direct declarations)
+# made rounds wait for a read: group formation 1 s instead of 0.03 s in stage 1
+MIN_LOOKUP_INTERVAL = 0.2
 CLOCK_SLACK = 1.0  # seconds a declaration may claim beyond the horizon (clocks of hosts differ)
 
 Entry = tuple[float, bool]  # (expiration, looking for a group)
@@ -161,8 +164,7 @@ class DirectKeyManager(GroupKeyManager):
     async def get_averagers(self, group_key: str, only_active: bool) -> list[tuple[PeerID, float]]:
         declarations = self.declarations
         declarations.changed.clear()  # (a declaration taken from here on wakes the wait below)
-        everyone = bool(declarations.expected) and declarations.expected <= set(declarations.entries(group_key))
-        waits = set() if everyone else {self._lookup(group_key)}  # (the DHT could only add servers not expected)
+        waits = set() if self._everyone_declared(group_key) else {self._lookup(group_key)}
         found = merged(self._found.get(group_key, {}), declarations.entries(group_key), only_active=only_active)
         if set(found) == set(self._returned.get(group_key, [])):
             # nothing new: wait for a declaration sent to us or for the DHT read, whichever comes first
@@ -175,6 +177,12 @@ class DirectKeyManager(GroupKeyManager):
             found = merged(self._found.get(group_key, {}), declarations.entries(group_key), only_active=only_active)
         self._returned = {group_key: found}  # (only the key being read matters)
         return found
+
+    def _everyone_declared(self, group_key: str) -> bool:
+        """Whether every expected server declared under `group_key` straight to us (then the DHT could only add
+        servers not expected)."""
+        expected = self.declarations.expected
+        return bool(expected) and expected <= set(self.declarations.entries(group_key))
 
     def _lookup(self, group_key: str) -> asyncio.Task:
         """The DHT read of `group_key` in flight, or a new one; its result lands in `_found`."""
@@ -189,6 +197,8 @@ class DirectKeyManager(GroupKeyManager):
 
     async def _read(self, group_key: str, delay: float) -> None:
         await asyncio.sleep(delay)  # (a DHT that fails at once is not asked in a busy loop)
+        if self._everyone_declared(group_key):  # (meanwhile)
+            return
         try:
             found = await asyncio.wait_for(super().get_averagers(group_key, only_active=True), self.lookup_timeout)
         except Exception as e:  # noqa: BLE001 - the DHT is the fallback here: what was sent to us still counts

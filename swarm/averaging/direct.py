@@ -40,9 +40,12 @@ logger = logging.getLogger(__name__)
 MAX_KEYS = 16  # group keys kept at once (a round's key holds its step: a few are live at a time)
 MAX_KEY_LENGTH = 256
 # seconds between the starts of two DHT reads: the DHT is the fallback here, and reads every 0.05 s were most
-# of a server's DHT traffic (bench/scaling.py); 0.5 s (and a first read delayed for the direct declarations)
-# made rounds wait for a read: group formation 1 s instead of 0.03 s in stage 1
+# of a server's DHT traffic (bench/scaling.py)
 MIN_LOOKUP_INTERVAL = 0.2
+# A read with nothing new returns after at most this many seconds even with no DHT read to wait for: hivemind's
+# matchmaking joins a leader only after a read that ends later than it asked for one, so a read that waited
+# for the next declaration instead (up to the lookup timeout) held formed groups back (0.6-1.0 s, seen).
+MAX_QUIET_READ = 0.05
 CLOCK_SLACK = 1.0  # seconds a declaration may claim beyond the horizon (clocks of hosts differ)
 
 Entry = tuple[float, bool]  # (expiration, looking for a group)
@@ -168,9 +171,10 @@ class DirectKeyManager(GroupKeyManager):
         found = merged(self._found.get(group_key, {}), declarations.entries(group_key), only_active=only_active)
         if set(found) == set(self._returned.get(group_key, [])):
             # nothing new: wait for a declaration sent to us or for the DHT read, whichever comes first
+            # (with no read to wait for, a short pause: see MAX_QUIET_READ)
             changed = asyncio.ensure_future(declarations.changed.wait())
             try:
-                await asyncio.wait({changed, *waits}, timeout=self.lookup_timeout,
+                await asyncio.wait({changed, *waits}, timeout=self.lookup_timeout if waits else MAX_QUIET_READ,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 changed.cancel()

@@ -261,3 +261,19 @@ def test_the_dht_is_not_read_once_every_expected_server_declared_straight_to_us(
     assert reads_before == 1 and reads_after == 1  # no read once A and B both declared to us
     assert {peer for peer, _ in first} == {A}
     assert {peer for peer, _ in second} == {A, B, STRANGER}  # (what the DHT said earlier still counts)
+
+
+def test_with_every_expected_server_declared_a_read_with_nothing_new_returns_soon():
+    # hivemind's matchmaking joins a leader only after a read that ends after it asked for one: a read may not
+    # wait for the next declaration (which may never come) when there is no DHT read to wait for either
+    async def main():
+        table = declarations(A)
+        keys = manager(FakeDHT(read_delay=None), table, lookup_timeout=5.0)
+        table.take(A, KEY, soon(), True)
+        await keys.get_averagers(KEY, only_active=True)
+        started = time.monotonic()
+        again = await keys.get_averagers(KEY, only_active=True)  # nothing new
+        return again, time.monotonic() - started
+
+    again, took = asyncio.run(main())
+    assert [peer for peer, _ in again] == [A] and took < 1.0  # not the 5 s lookup timeout

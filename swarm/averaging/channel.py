@@ -22,7 +22,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.averaging.progress import ProgressRecord
 from swarm.dht.loop import BackgroundLoop
-from swarm.protocol.framing import DEFAULT_LIMITS, decode_metadata, encode_metadata
+from swarm.protocol.framing import DEFAULT_LIMITS, answered_ok, decode_metadata, encode_metadata
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ProgressChannel:
             reply = await asyncio.wait_for(
                 self.p2p.call_protobuf_handler(peer, self.name, request, runtime_pb2.ExpertResponse), PUSH_TIMEOUT)
             self.sent += 1
-            if not _taken(reply):  # it does not know us yet (or the record was old): only the DHT reaches it
+            if not answered_ok(reply.metadata):  # unknown to it yet, or an old record: only the DHT reaches it
                 self._miss()
         except Exception as e:  # noqa: BLE001 - a peer gone or slow: the DHT still carries our record
             self._miss()
@@ -109,14 +109,6 @@ class ProgressChannel:
         if taken:
             self.received += 1
         return runtime_pb2.ExpertResponse(metadata=encode_metadata({"ok": taken}))
-
-
-def _taken(reply: runtime_pb2.ExpertResponse) -> bool:
-    try:
-        answer = _decode(reply.metadata)
-    except Exception:  # noqa: BLE001 - a garbled answer counts as not taken
-        return False
-    return isinstance(answer, dict) and answer.get("ok") is True
 
 
 def _decode(data: bytes) -> Any:

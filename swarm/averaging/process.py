@@ -47,7 +47,7 @@ from swarm.averaging.robust import RobustPolicy
 from swarm.config import AveragingConfig
 from swarm.dht.node import collect_before_fork
 from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket
-from swarm.protocol.framing import DEFAULT_LIMITS, decode_metadata, encode_metadata
+from swarm.protocol.framing import DEFAULT_LIMITS, answered_ok, decode_metadata, encode_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +279,7 @@ class AveragingProcess(AveragerInternals):
             reply = await asyncio.wait_for(self.child_p2p().call_protobuf_handler(
                 peer, declarations_handler(self.prefix), request, runtime_pb2.ExpertResponse),
                 self.config.request_timeout)
-            answer = decode_metadata(reply.metadata, DEFAULT_LIMITS)
-            return isinstance(answer, dict) and answer.get("ok") is True
+            return answered_ok(reply.metadata)
         except Exception as e:  # noqa: BLE001 - a server gone or slow: the DHT carries the declaration
             logger.debug("sending a matchmaking declaration to %s failed: %s", peer, e)
             return False

@@ -53,6 +53,16 @@ def encode_metadata(meta: dict) -> bytes:
     return msgpack.packb(meta, use_bin_type=True)
 
 
+def answered_ok(metadata: bytes) -> bool:
+    """Whether a peer's answer says ``{"ok": True}`` (a progress push or a matchmaking declaration taken); a
+    garbled answer counts as no."""
+    try:
+        answer = decode_metadata(metadata, DEFAULT_LIMITS)
+    except Exception:  # noqa: BLE001
+        return False
+    return isinstance(answer, dict) and answer.get("ok") is True
+
+
 def decode_metadata(data: bytes, limits: WireLimits = DEFAULT_LIMITS) -> dict:
     """Unpack metadata from a peer; anything but a msgpack dict within the size cap is a ProtocolError."""
     if len(data) > limits.max_metadata_bytes:

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-swarms test-repeat test-stack test-image lint reference bench clean
+.PHONY: demo test test-swarms test-repeat test-stack test-image test-net lint reference bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ test-stack: $(STAMP)
 test-image: $(STAMP)
 	docker/install-test-tools.sh
 	docker/test-image.sh
+
+# Swarms across a lab of network namespaces (tests/netlab: latency, rate limits, home-router NAT), as root.
+# tests/netlab/install.sh installs iptables and the delayer's NetfilterQueue.
+test-net: $(STAMP)
+	tests/netlab/install.sh
+	$(PY) -m pytest -q tests/net
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

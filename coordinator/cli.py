@@ -13,6 +13,7 @@ from pathlib import Path
 from swarm.checkpoint.errors import CheckpointError
 from swarm.config import ConfigError, RunConfig
 from swarm.dht import SwarmDHTError, load_swarm_key, write_initial_peers
+from swarm.dht.node import REACHABILITY_CHOICES, NatOptions
 from swarm.envflags import apply_env_defaults
 from swarm.logs import setup_logging
 from swarm.protocol import gate
@@ -35,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"],
                    help="multiaddrs to listen on (default: all interfaces, a free TCP port)")
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
+    p.add_argument("--reachability", choices=REACHABILITY_CHOICES, default="public",
+                   help="whether other peers can dial the coordinator: public (the default: every peer joins "
+                   "through it, and it relays for servers behind NAT), auto (libp2p's AutoNAT finds out), or private")
+    p.add_argument("--no-relay-service", action="store_true",
+                   help="do not relay traffic for servers behind NAT (they then need another reachable peer's "
+                   "relay, or an open port)")
     p.add_argument("--metrics-port", type=int,
                    help="serve the live page /, /status, /metrics, /healthz and Prometheus discovery /sd on this port")
     p.add_argument("--metrics-networks", nargs="+", metavar="CIDR",
@@ -78,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     # The DHT process is forked: with these handlers it would ignore DHT.shutdown()'s SIGTERM fallback (hang at exit).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
+        nat = NatOptions(reachability=args.reachability, relay_service=not args.no_relay_service)
         coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port,
-                                  args.checkpoint_dir, swarm_key, networks)
+                                  args.checkpoint_dir, swarm_key, networks, nat)
     except (SwarmDHTError, CheckpointError, OSError) as e:  # (CheckpointError: e.g. a corrupt signing key)
         sys.exit(f"swarm-coordinator: error: {e}")
     try:

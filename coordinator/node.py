@@ -23,6 +23,8 @@ from swarm.dht import (
     start_dht,
     visible_maddrs,
 )
+from swarm.dht.node import NatOptions
+from swarm.dht.reachability import serve_dial_back
 from swarm.metrics import MetricsServer, Reply, Request
 from swarm.model import build_stage
 
@@ -43,7 +45,7 @@ class Coordinator:
     def __init__(self, config: RunConfig, host_maddrs: list[str], announce_maddrs: list[str],
                  identity_path: str | None = None, metrics_port: int | None = None,
                  checkpoint_dir: Path | None = None, swarm_key: SwarmKey | None = None,
-                 metrics_networks: list | None = None):
+                 metrics_networks: list | None = None, nat: NatOptions | None = None):
         self.config = config
         self.metrics_networks = metrics_networks  # peers' metrics addresses listed by /sd (None: any)
         self.identity = load_identity(identity_path)
@@ -53,12 +55,15 @@ class Coordinator:
         self.archive: RunArchive | None = None
         self._stop_archive = threading.Event()
         try:
-            self.dht = start_dht(config.run_id, self.identity, (), host_maddrs, announce_maddrs)
+            # everyone dials the coordinator first: it is public by definition, and relays for servers behind NAT
+            self.dht = start_dht(config.run_id, self.identity, (), host_maddrs, announce_maddrs,
+                                 nat=nat or NatOptions(reachability="public"))
             self.records = SwarmRecords(self.dht, config.run_id, self.identity, swarm_key=swarm_key)
             self.peer_id = peer_id(self.dht)
             self.publish_config()
             serve_run_info(self.dht, self.loop, RunInfo(config.run_id, self.identity.owner_key, self.peer_id),
                            swarm_key=swarm_key)
+            serve_dial_back(self.dht, self.loop, visible_maddrs(self.dht))
             self.registry = CollectorRegistry()
             self.gauges = SwarmGauges(self.registry)
             self._status = build_status(config.run_id, {}, [], num_experts=self._num_experts())

@@ -27,6 +27,8 @@ from swarm.dht import (
     serve_run_info,
     visible_maddrs,
 )
+from swarm.dht.node import REACHABILITY_CHOICES, NatOptions
+from swarm.dht.reachability import Reachability, serve_dial_back, start_check
 from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer, metrics_address
@@ -106,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swarm-key", metavar="FILE", help="join a private swarm: a copy of its coordinator's swarm key")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
     p.add_argument("--announce-maddrs", nargs="+", default=[], help="multiaddrs others should dial")
+    p.add_argument("--reachability", choices=REACHABILITY_CHOICES, default="auto",
+                   help="whether other peers can dial this one: auto (libp2p's AutoNAT finds out from peers that "
+                   "dial back), public, or private (behind NAT: a server takes a relay slot at once)")
+    p.add_argument("--relays", nargs="+", default=[], metavar="MADDR",
+                   help="server, expert: relays to be reached through when behind NAT (default: the initial peers)")
+    p.add_argument("--no-relay-service", action="store_true",
+                   help="do not relay traffic for peers behind NAT, even when this peer is reachable")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics (and /healthz) on this port")
     p.add_argument("--metrics-host", help="the host or IP address at which Prometheus reaches this peer's metrics "
                    "port, announced so the coordinator's discovery lists it (default: from --announce-maddrs, "
@@ -192,15 +201,22 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         if swarm_key is not None:  # before any P2P starts: the DHT and averaging processes fork from this one
             gate.install(swarm_key)
         initial_peers = read_initial_peers(args.initial_peers, args.join_timeout, stop.wait)
+        serves = role in ("server", "expert")  # a trainer only dials out: behind NAT it needs no relay
+        nat = NatOptions(reachability=args.reachability, relay_client=serves,
+                         relay_service=not args.no_relay_service, relays=tuple(args.relays))
         dht, info, config = join_run(initial_peers, identity, loop, host_maddrs=args.host_maddrs,
                                      announce_maddrs=args.announce_maddrs, timeout=args.join_timeout,
-                                     swarm_key=swarm_key)
+                                     swarm_key=swarm_key, nat=nat)
         log.info("joined %s (coordinator %s)", describe(config), info.coordinator_peer_id)
         if args.check:
             print(describe(config), flush=True)
             print(config.to_yaml(), end="", flush=True)
             return
         serve_run_info(dht, loop, info, swarm_key=swarm_key)  # so newcomers can use this peer as an initial peer too
+        serve_dial_back(dht, loop, visible_maddrs(dht))  # so newcomers can learn whether they can be dialed
+        reachability = Reachability()
+        if serves:
+            start_check(dht, loop, initial_peers, reachability)
         records = SwarmRecords(dht, config.run_id, identity, swarm_key=swarm_key)
         registry = CollectorRegistry()
         metrics, metrics_addr = None, None
@@ -212,9 +228,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         try:
             if role == "server":
                 run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr,
-                           coordinator=info.coordinator_peer_id)
+                           coordinator=info.coordinator_peer_id, reachability=reachability)
             elif role == "expert":
-                run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr)
+                run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability)
             else:
                 run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr)
         finally:
@@ -233,13 +249,15 @@ def checkpoint_root(args: argparse.Namespace) -> Path | None:
     return None if args.no_checkpoints else (args.checkpoint_dir or default_root())
 
 
-def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr, coordinator=None) -> None:
+def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr, coordinator=None,
+               reachability=None) -> None:
     from .server import ServerOptions, StageServer
 
     checkpoint_dir = checkpoint_root(args)
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
                             inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
-                            fresh=args.fresh, metrics_addr=metrics_addr, coordinator_peer_id=coordinator)
+                            fresh=args.fresh, metrics_addr=metrics_addr, coordinator_peer_id=coordinator,
+                            reachability=reachability)
     if args.activation_cache_mb is not None:
         options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
     if args.activation_cache_ttl is not None:
@@ -247,13 +265,13 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
     serve_until(StageServer(config, dht, records, loop, options, registry), stop)
 
 
-def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr) -> None:
+def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability=None) -> None:
     from .expert import ExpertOptions, ExpertServer
 
     checkpoint_dir = checkpoint_root(args)
     options = ExpertOptions(experts=args.experts, count=args.expert_count, device=device,
                             inject_delay=args.inject_delay, inject_failure_rate=args.inject_failure_rate,
-                            metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir)
+                            metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir, reachability=reachability)
     serve_until(ExpertServer(config, dht, records, loop, options, registry), stop)
 
 

@@ -25,6 +25,7 @@ from swarm.backend import Overloaded
 from swarm.checkpoint.claims import step_bound
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, peer_id
+from swarm.dht.reachability import Reachability, wait_until_reachable
 from swarm.experts import ExpertHost, expert_checkpoints, load_experts, save_experts
 from swarm.protocol import (
     BAD_REQUEST,
@@ -69,6 +70,7 @@ class ExpertOptions:
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT
     metrics_addr: str | None = None
+    reachability: Reachability | None = None  # whether others can dial this host, once its check has ended
     checkpoint_dir: Path | None = None  # where the hosted experts are saved every checkpoint.every_steps; None: not
 
 
@@ -130,6 +132,7 @@ class ExpertServer:
         self._saved_step = self.host.step
         handler = ExpertRequestHandler(self)
         self._service = self.loop.run(handler.serve(self._p2p), LOOP_CALL_TIMEOUT)
+        wait_until_reachable(self.options.reachability)
         self.state = ServerState.ONLINE
         self.announce()
         self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
@@ -221,9 +224,10 @@ class ExpertServer:
             await responses.aclose()
 
     def record(self) -> ExpertHostRecord:
+        reach = self.options.reachability.state if self.options.reachability else None
         return ExpertHostRecord(peer_id=self.peer_id, experts=self.experts, state=self.state.value,
                                 throughput=float(self.throughput), step=self.host.step if self.host else 0,
-                                metrics_addr=self.options.metrics_addr)
+                                metrics_addr=self.options.metrics_addr, reach=reach)
 
     def announce(self) -> bool:
         ok = self.records.announce_expert_host(self.record(), ttl=self.config.network.record_ttl)

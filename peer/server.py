@@ -22,6 +22,7 @@ from swarm.backend import BackwardResult, Overloaded, StageBackend, autocast
 from swarm.checkpoint.keeper import StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, peer_id
+from swarm.dht.reachability import Reachability, wait_until_reachable
 from swarm.model import build_stage
 from swarm.model.moe import MoEFeedForward
 from swarm.optim import StageOptimizer
@@ -73,6 +74,7 @@ class ServerOptions:
     backward_cache_bytes: int = BACKWARD_CACHE_BYTES  # result bytes kept to answer retried backwards
     metrics_addr: str | None = None  # "host:port" of this server's /metrics, announced for Prometheus discovery
     coordinator_peer_id: str | None = None  # the run's coordinator: its checkpoints are trusted as it vetted them
+    reachability: Reachability | None = None  # whether others can dial this server, once its check has ended
 
     def batch_cap(self, config: RunConfig) -> int:
         return self.max_batch if self.max_batch is not None else config.optimizer.micro_batch_size
@@ -157,6 +159,7 @@ class StageServer:
         self.averager.start(self.backend.request_step, channel)
         if self.keeper is not None:
             self.keeper.start(self._p2p)
+        wait_until_reachable(self.options.reachability)
         self.state = ServerState.ONLINE
         self.announce()
         self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
@@ -227,8 +230,10 @@ class StageServer:
 
     def record(self) -> ServerRecord:
         step = self.backend.step if self.backend else 0
+        reach = self.options.reachability.state if self.options.reachability else None
         return ServerRecord(peer_id=self.peer_id, stage=self.stage, state=self.state.value,
-                            throughput=float(self.throughput), step=step, metrics_addr=self.options.metrics_addr)
+                            throughput=float(self.throughput), step=step, metrics_addr=self.options.metrics_addr,
+                            reach=reach)
 
     def announce(self) -> bool:
         ok = self.records.announce_server(self.record(), ttl=self.config.network.record_ttl)

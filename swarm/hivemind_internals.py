@@ -222,6 +222,21 @@ def wrap_p2p_rpc_methods(replacements: dict[str, Any]) -> dict[str, Any]:
     return originals
 
 
+def add_p2pd_flags(flags: dict[str, Any]) -> None:
+    """From now on, in this process, start every p2pd with `flags` (name -> value) beside hivemind's.
+
+    hivemind's P2P.create passes only some of p2pd's flags; the relay ones we need (``relayDiscovery``,
+    ``relayService``) go through its private argument builder. Called in the DHT process, before
+    hivemind creates its P2P there; a flag hivemind also sets is left as hivemind sets it.
+    """
+    build = P2P.__dict__["_make_process_args"].__func__
+
+    def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+        return build(*args, **{**flags, **kwargs})
+
+    P2P._make_process_args = staticmethod(with_flags)
+
+
 def forget_inherited_p2p_socket(dht: Any) -> None:
     """In a forked child: make the parent's P2P replica, inherited through `dht`, unable to unlink the
     parent's client socket when it is collected (P2P.__del__ would), or the parent's handlers go deaf."""

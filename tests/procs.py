@@ -78,9 +78,12 @@ def group_members(pgid: int) -> list[int]:
 class Proc:
     """One running program; stdout and stderr go to files under `workdir`."""
 
-    def __init__(self, name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None,
+                 netns: str | None = None):
         self.name = name
         self.argv = [program(name), *args]
+        if netns is not None:  # inside a network namespace (tests/netlab): `ip netns exec` execs, same pid
+            self.argv = ["ip", "netns", "exec", netns, *self.argv]
         label = f"{name}-{next(_counter)}"
         self.stdout_path = Path(workdir) / f"{label}.out"
         self.stderr_path = Path(workdir) / f"{label}.err"
@@ -187,8 +190,8 @@ class ProcSet:
         self.workdir = Path(workdir)
         self.procs: list[Proc] = []
 
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-        proc = Proc(name, [str(a) for a in args], self.workdir, env)
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None, netns: str | None = None) -> Proc:
+        proc = Proc(name, [str(a) for a in args], self.workdir, env, netns)
         self.procs.append(proc)
         return proc
 

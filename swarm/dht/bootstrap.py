@@ -27,6 +27,7 @@ from swarm.dht.identity import Identity
 from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import (
     DEFAULT_STARTUP_TIMEOUT,
+    NatOptions,
     add_run_validators,
     parse_maddrs,
     peer_id_of,
@@ -213,6 +214,7 @@ def join_run(
     timeout: float = DEFAULT_JOIN_TIMEOUT,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     swarm_key: SwarmKey | None = None,
+    nat: NatOptions | None = None,
 ) -> tuple[hivemind.DHT, RunInfo, RunConfig]:
     """Join the run the initial peers belong to: start a DHT node, learn the run, fetch its signed config.
 
@@ -224,7 +226,8 @@ def join_run(
         raise BootstrapError("no initial peers given: pass the multiaddr the coordinator printed")
     deadline = time.monotonic() + timeout
     dht = start_dht(
-        None, identity, initial_peers, host_maddrs, announce_maddrs, client_mode, startup_timeout=startup_timeout
+        None, identity, initial_peers, host_maddrs, announce_maddrs, client_mode, startup_timeout=startup_timeout,
+        nat=nat,
     )
     try:
         info = request_run_info(dht, loop, initial_peers, timeout=max(0.0, deadline - time.monotonic()),

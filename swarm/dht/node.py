@@ -10,6 +10,7 @@ import re
 import signal
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
@@ -22,6 +23,7 @@ from swarm.dht.identity import Identity, create_private_file
 from swarm.dht.keys import RunRecordGuard, make_validators, run_validators
 from swarm.dht.private import SwarmKey
 from swarm.dht.storage import install_bounded_storage
+from swarm.hivemind_internals import add_p2pd_flags
 from swarm.protocol import gate
 
 DEFAULT_STARTUP_TIMEOUT = 30.0  # p2pd start + first contact with the initial peers
@@ -29,6 +31,49 @@ DEFAULT_RPC_TIMEOUT = 3.0  # one DHT RPC to one peer (hivemind's wait_timeout)
 DEFAULT_CALL_TIMEOUT = 10.0  # one call into the DHT process (a get, a store, a query of its state)
 
 _LOCAL_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+REACHABILITY_CHOICES = ("auto", "public", "private")
+
+
+@dataclass(frozen=True)
+class NatOptions:
+    """How a peer's libp2p daemon deals with NAT: what it believes about itself, relays it uses and offers.
+
+    - `reachability`: ``auto`` lets libp2p's AutoNAT find out (peers that can reach us dial back);
+      ``public`` / ``private`` say so up front (a coordinator is public by definition: everyone dials it).
+    - `relay_client`: behind NAT, take a slot on a relay and be reached through it (servers; a trainer
+      only dials out, so it needs none). The relays are `relays`, default the initial peers; upgraded to
+      a direct connection by hole punching (libp2p's DCUtR) where the NAT allows.
+    - `relay_service`: once reachable, relay for peers behind NAT (libp2p starts the service only when
+      this peer is public).
+    """
+
+    reachability: str = "auto"
+    relay_client: bool = False
+    relay_service: bool = True
+    relays: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.reachability not in REACHABILITY_CHOICES:
+            choices = ', '.join(REACHABILITY_CHOICES)
+            raise ValueError(f"reachability must be one of {choices}, not {self.reachability!r}")
+
+    def p2p_kwargs(self, initial_peers: Sequence[Multiaddr]) -> dict[str, Any]:
+        """hivemind P2P.create's arguments for these options."""
+        kwargs: dict[str, Any] = {"use_relay": True, "use_auto_relay": self.relay_client}
+        if self.reachability != "auto":
+            kwargs["force_reachability"] = self.reachability
+        relays = [str(maddr) for maddr in parse_maddrs(self.relays, "relay", need_peer_id=True)]
+        if self.relay_client and (relays or initial_peers):
+            kwargs["trusted_relays"] = relays or [str(maddr) for maddr in initial_peers]
+        return kwargs
+
+    def p2pd_flags(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """p2pd flags hivemind does not pass: only the named relays (libp2p's relay discovery would wait
+        minutes for four candidates before reserving one), and the relay service switch."""
+        flags: dict[str, Any] = {"relayService": self.relay_service}
+        if "trusted_relays" in kwargs:
+            flags["relayDiscovery"] = False
+        return flags
 
 
 def parse_maddrs(maddrs: Sequence[str | Multiaddr], what: str, need_peer_id: bool = False) -> list[Multiaddr]:
@@ -67,14 +112,18 @@ class _DHTProcess(hivemind.DHT):
     process that starts it is.
     """
 
-    def __init__(self, *args: Any, swarm_key: SwarmKey | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, swarm_key: SwarmKey | None = None, p2pd_flags: dict[str, Any] | None = None,
+                 **kwargs: Any):
         self._swarm_key = swarm_key  # before hivemind's __init__, which may fork already
+        self._p2pd_flags = p2pd_flags or {}
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if self._swarm_key is not None:
             gate.install(self._swarm_key)
+        if self._p2pd_flags:
+            add_p2pd_flags(self._p2pd_flags)
         super().run()
 
 
@@ -88,17 +137,20 @@ def start_dht(
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
     swarm_key: SwarmKey | None = None,
+    nat: NatOptions | None = None,
 ) -> hivemind.DHT:
     """Start a DHT node guarded by the run's validators; with initial peers, join their swarm.
 
     `run_id` may be None while the run is not known yet (see join_run): then only signatures are
     checked until :func:`add_run_validators` is called. Raises BootstrapError if no initial peer answers.
     With `swarm_key` (a private swarm), the node's RPCs carry and ask for proofs of it (swarm.protocol.gate);
-    so do they when this process installed the gate.
+    so do they when this process installed the gate. `nat` says how its daemon deals with NAT (NatOptions).
     """
     initial = parse_maddrs(initial_peers, "initial peer", need_peer_id=True)
     hosts = parse_maddrs(host_maddrs, "host multiaddr")
     announce = parse_maddrs(announce_maddrs, "announce multiaddr")
+    nat = nat or NatOptions()
+    p2p_kwargs = nat.p2p_kwargs(initial)
     collect_before_fork()
     with _identity_file(identity) as identity_path:
         dht = _DHTProcess(
@@ -116,6 +168,8 @@ def start_dht(
             wait_timeout=rpc_timeout,
             bootstrap_timeout=rpc_timeout,  # how long to wait for more initial peers after the first answers
             swarm_key=swarm_key,
+            p2pd_flags=nat.p2pd_flags(p2p_kwargs),
+            **p2p_kwargs,
         )
         try:
             dht.wait_until_ready(timeout=startup_timeout)
@@ -254,9 +308,17 @@ async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:
     return [str(maddr) for maddr in await node.get_visible_maddrs()]
 
 
-def visible_maddrs(dht: hivemind.DHT, timeout: float = DEFAULT_CALL_TIMEOUT) -> list[str]:
-    """Multiaddrs (with /p2p/<peer id>) at which other peers can reach this node: its initial peers."""
-    return call_in_dht(dht, _visible_maddrs, timeout)
+async def _latest_maddrs(_dht: hivemind.DHT, node: Any) -> list[str]:
+    return [str(maddr) for maddr in await node.get_visible_maddrs(latest=True)]
+
+
+def visible_maddrs(dht: hivemind.DHT, timeout: float = DEFAULT_CALL_TIMEOUT, latest: bool = False) -> list[str]:
+    """Multiaddrs (with /p2p/<peer id>) at which other peers can reach this node: its initial peers.
+
+    With `latest`, asked of the daemon now (a relay address it took since it started is among them);
+    otherwise those it had when it started.
+    """
+    return call_in_dht(dht, _latest_maddrs if latest else _visible_maddrs, timeout)
 
 
 async def _peer_id(_dht: hivemind.DHT, node: Any) -> str:

@@ -78,6 +78,16 @@ class WireRecord(pydantic.BaseModel):
             return None
 
 
+DIRECT, RELAYED, UNREACHABLE = "direct", "relayed", "unreachable"  # how others reach a server (reachability.py)
+REACH_VALUES = (DIRECT, RELAYED, UNREACHABLE)
+
+
+def _check_reach(value: str | None) -> str | None:
+    if value is not None and value not in REACH_VALUES:
+        raise ValueError(f"reach must be one of {REACH_VALUES}")
+    return value
+
+
 class ServerRecord(WireRecord):
     """One server of one stage, renewed every announce period (DHT key ``stage{k}``)."""
 
@@ -89,8 +99,10 @@ class ServerRecord(WireRecord):
     role: StrictStr = "server"
     version: StrictStr = __version__
     metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
+    reach: StrictStr | None = None  # direct, relayed (behind NAT) or unreachable, as its own check found; None: unknown
 
     _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
+    _reach = pydantic.validator("reach", allow_reuse=True)(_check_reach)
 
 
 class ExpertHostRecord(WireRecord):
@@ -109,8 +121,10 @@ class ExpertHostRecord(WireRecord):
     role: StrictStr = "expert"
     version: StrictStr = __version__
     metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
+    reach: StrictStr | None = None  # as ServerRecord.reach
 
     _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
+    _reach = pydantic.validator("reach", allow_reuse=True)(_check_reach)
 
     @pydantic.validator("experts")
     def _distinct(cls, experts: list[int]) -> list[int]:

@@ -5,8 +5,11 @@ Every test before this one ran on 127.0.0.1: no latency, no bandwidth limit, eve
 tools (shared/RECIPES.md has the measurements this follows):
 
 - a router namespace, and one namespace per host, each host joined to the router by its own veth
-  link: host i is 10.77.i.2/24, the router's side of its link 10.77.i.1 (these addresses exist
-  only inside the namespaces the lab made);
+  link. A public host i is 11.77.i.2/24, the router's side of its link 11.77.i.1: addresses that
+  look public, as a volunteer's server or a cloud machine has (libp2p will not use a relay whose
+  addresses are private, nor offer its own addresses in a reservation), though they exist only
+  inside the namespaces the lab made, which have no route out. A NAT host i is 192.168.i.2/24, a
+  home network's address, with the router at 192.168.i.1;
 - per host link: a one-way latency (netem is not in this kernel: the router sends the link's
   packets, both ways, to an NFQUEUE that tests/netlab/delayer.py holds each packet on), an optional
   loss share (the same delayer), and uplink and downlink rates (tc tbf on the host's and on the
@@ -40,7 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PREFIX = "swl"
-SUBNET = "10.77"  # host i: 10.77.i.2/24; router side: 10.77.i.1
+PUBLIC_NET = "11.77"  # public host i: 11.77.i.2/24, router side 11.77.i.1 (only inside the lab)
+HOME_NET = "192.168"  # a NAT host i: 192.168.i.2/24, its router 192.168.i.1
 MAX_HOSTS = 250
 BURST = "64kb"  # tbf bucket: a few dozen full packets, so a rate limit does not starve ACKs of a slow link
 TBF_LATENCY = "400ms"  # longest a packet may wait in tbf's queue before being dropped (a router's buffer)
@@ -130,12 +134,16 @@ class Host:
         self.ns = f"{self.lab.tag}-{self.name}"
 
     @property
+    def network(self) -> str:
+        return f"{PUBLIC_NET if self.kind == 'public' else HOME_NET}.{self.index}"
+
+    @property
     def address(self) -> str:
-        return f"{SUBNET}.{self.index}.2"
+        return f"{self.network}.2"
 
     @property
     def gateway(self) -> str:
-        return f"{SUBNET}.{self.index}.1"
+        return f"{self.network}.1"
 
     @property
     def router_link(self) -> str:
@@ -236,7 +244,7 @@ class Lab:
                 self._router("tc", "qdisc", "add", "dev", link, "root", "tbf",
                              "rate", f"{host.down_mbit}mbit", "burst", BURST, "latency", TBF_LATENCY)
             if host.kind == "nat":  # a home router: out through MASQUERADE, in only what was asked for
-                subnet = f"{SUBNET}.{host.index}.0/24"
+                subnet = f"{host.network}.0/24"
                 self._router("iptables", "-t", "nat", "-A", "POSTROUTING", "-s", subnet, "!", "-o", link,
                              "-j", "MASQUERADE")
                 self._router("iptables", "-A", "FORWARD", "-o", link, "-m", "conntrack",

@@ -39,9 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reachability", choices=REACHABILITY_CHOICES, default="public",
                    help="whether other peers can dial the coordinator: public (the default: every peer joins "
                    "through it, and it relays for servers behind NAT), auto (libp2p's AutoNAT finds out), or private")
-    p.add_argument("--no-relay-service", action="store_true",
-                   help="do not relay traffic for servers behind NAT (they then need another reachable peer's "
-                   "relay, or an open port)")
     p.add_argument("--metrics-port", type=int,
                    help="serve the live page /, /status, /metrics, /healthz and Prometheus discovery /sd on this port")
     p.add_argument("--metrics-networks", nargs="+", metavar="CIDR",
@@ -85,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     # The DHT process is forked: with these handlers it would ignore DHT.shutdown()'s SIGTERM fallback (hang at exit).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
-        nat = NatOptions(reachability=args.reachability, relay_service=not args.no_relay_service)
+        nat = NatOptions(reachability=args.reachability)
         coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port,
                                   args.checkpoint_dir, swarm_key, networks, nat)
     except (SwarmDHTError, CheckpointError, OSError) as e:  # (CheckpointError: e.g. a corrupt signing key)

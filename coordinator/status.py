@@ -34,7 +34,8 @@ def build_status(
             {
                 "stage": stage,
                 "servers": [
-                    {"peer_id": r.peer_id, "state": r.state, "throughput": r.throughput, "step": r.step}
+                    {"peer_id": r.peer_id, "state": r.state, "throughput": r.throughput, "step": r.step,
+                     "reach": r.reach}
                     for r in records
                 ],
                 "online": len(online),
@@ -83,7 +84,8 @@ def expert_status(hosts: Iterable[ExpertHostRecord], num_experts: int) -> dict[s
         "experts": [
             {
                 "expert": expert,
-                "hosts": [{"peer_id": h.peer_id, "state": h.state, "throughput": h.throughput, "step": h.step}
+                "hosts": [{"peer_id": h.peer_id, "state": h.state, "throughput": h.throughput, "step": h.step,
+                           "reach": h.reach}
                           for h in records],
             }
             for expert, records in enumerate(by_expert)

@@ -113,8 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "dial back), public, or private (behind NAT: a server takes a relay slot at once)")
     p.add_argument("--relays", nargs="+", default=[], metavar="MADDR",
                    help="server, expert: relays to be reached through when behind NAT (default: the initial peers)")
-    p.add_argument("--no-relay-service", action="store_true",
-                   help="do not relay traffic for peers behind NAT, even when this peer is reachable")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics (and /healthz) on this port")
     p.add_argument("--metrics-host", help="the host or IP address at which Prometheus reaches this peer's metrics "
                    "port, announced so the coordinator's discovery lists it (default: from --announce-maddrs, "
@@ -202,8 +200,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             gate.install(swarm_key)
         initial_peers = read_initial_peers(args.initial_peers, args.join_timeout, stop.wait)
         serves = role in ("server", "expert")  # a trainer only dials out: behind NAT it needs no relay
-        nat = NatOptions(reachability=args.reachability, relay_client=serves,
-                         relay_service=not args.no_relay_service, relays=tuple(args.relays))
+        nat = NatOptions(reachability=args.reachability, relay_client=serves, relays=tuple(args.relays))
         dht, info, config = join_run(initial_peers, identity, loop, host_maddrs=args.host_maddrs,
                                      announce_maddrs=args.announce_maddrs, timeout=args.join_timeout,
                                      swarm_key=swarm_key, nat=nat)

@@ -43,13 +43,13 @@ class NatOptions:
     - `relay_client`: behind NAT, take a slot on a relay and be reached through it (servers; a trainer
       only dials out, so it needs none). The relays are `relays`, default the initial peers; upgraded to
       a direct connection by hole punching (libp2p's DCUtR) where the NAT allows.
-    - `relay_service`: once reachable, relay for peers behind NAT (libp2p starts the service only when
-      this peer is public).
+
+    Every peer relays for peers behind NAT once it is public (p2pd's relay service, with its limits of
+    16 circuits and 4 GiB or 30 minutes a connection); libp2p starts the service only on a public peer.
     """
 
     reachability: str = "auto"
     relay_client: bool = False
-    relay_service: bool = True
     relays: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -68,12 +68,9 @@ class NatOptions:
         return kwargs
 
     def p2pd_flags(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """p2pd flags hivemind does not pass: only the named relays (libp2p's relay discovery would wait
-        minutes for four candidates before reserving one), and the relay service switch."""
-        flags: dict[str, Any] = {"relayService": self.relay_service}
-        if "trusted_relays" in kwargs:
-            flags["relayDiscovery"] = False
-        return flags
+        """p2pd flags hivemind does not pass: use only the named relays (libp2p's relay discovery would
+        wait minutes for four candidates before reserving a slot on any)."""
+        return {"relayDiscovery": False} if "trusted_relays" in kwargs else {}
 
 
 def parse_maddrs(maddrs: Sequence[str | Multiaddr], what: str, need_peer_id: bool = False) -> list[Multiaddr]:

@@ -213,7 +213,7 @@ def check_reachability(
 
 
 def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll, clock) -> Reachability:
-    listening = [maddr for maddr in own_maddrs() if CIRCUIT not in maddr]
+    listening = sorted((maddr for maddr in own_maddrs() if CIRCUIT not in maddr), key=_is_loopback)  # loopback last
     result.listening = listening
     failures = []
     for peer in list(dict.fromkeys(peers))[:ASK_PEERS]:

@@ -31,6 +31,7 @@ Needs root, iproute2, iptables and the NetfilterQueue package (``make test-net``
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import re
@@ -38,7 +39,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +54,8 @@ TBF_LATENCY = "400ms"  # longest a packet may wait in tbf's queue before being d
 DELAYER_START_TIMEOUT = 30.0
 _NAME = re.compile(rf"^{PREFIX}(\d+)x(\d+)-")
 _counter = itertools.count()
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -164,6 +169,36 @@ class Host:
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.argv(argv), **kwargs)
+
+    def http_get(self, port: int, path: str, timeout: float = 5.0) -> str | None:
+        """The body of http://127.0.0.1:PORT/PATH as seen inside this host, or None while nothing answers.
+
+        Asked from a thread that enters the host's network namespace (setns affects only that thread),
+        so a test can poll a peer's /status without starting a process each time.
+        """
+        answer: list[str | None] = [None]
+        failed: list[OSError] = []
+
+        def fetch() -> None:
+            fd = os.open(f"/var/run/netns/{self.ns}", os.O_RDONLY)
+            try:
+                if _libc.setns(fd, _CLONE_NEWNET) != 0:
+                    failed.append(OSError(ctypes.get_errno(), f"setns into {self.ns}"))
+                    return
+            finally:
+                os.close(fd)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as reply:
+                    answer[0] = reply.read().decode()
+            except OSError:  # not listening yet, reset, timed out
+                pass
+
+        thread = threading.Thread(target=fetch, name=f"http-{self.name}")
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+        return answer[0]
 
     def python(self, code: str, *args: str, timeout: float = 60) -> str:
         """Run `code` with this Python in the host's namespace; its stdout."""

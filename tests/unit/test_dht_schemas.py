@@ -34,9 +34,9 @@ from swarm.dht.schemas import MAX_HOSTED_EXPERTS
 
 RUN_ID = "unit-run"
 GOOD_SERVER = dict(peer_id="QmPeer", stage=1, state="ONLINE", throughput=12.5, step=3, role="server", version="0.1.0",
-                   metrics_addr="127.0.0.1:9100")
+                   metrics_addr="127.0.0.1:9100", reach="relayed")
 GOOD_EXPERT_HOST = dict(peer_id="QmPeer", experts=[0, 3, 5], state="ONLINE", throughput=8.0, step=2, role="expert",
-                        version="0.1.0", metrics_addr="127.0.0.1:9200")
+                        version="0.1.0", metrics_addr="127.0.0.1:9200", reach="direct")
 GOOD_METRICS = dict(peer_id="QmPeer", role="trainer", step=2, samples_per_second=4.0, samples=64, time=1.7e9)
 OWNER = b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC7 test]"
 
@@ -270,3 +270,14 @@ def test_nothing_is_sent_to_a_dht_process_that_is_gone():
         records.announce_server(ServerRecord(**GOOD_SERVER), ttl=10)
     with pytest.raises(DHTProcessGone):
         records.lookup_servers(1)
+
+
+@pytest.mark.parametrize("reach", ["public", "", 3, "DIRECT"])
+def test_a_record_claiming_an_unknown_reach_is_refused(reach):
+    assert ServerRecord.from_wire({**GOOD_SERVER, "reach": reach}) is None
+    assert ExpertHostRecord.from_wire({**GOOD_EXPERT_HOST, "reach": reach}) is None
+
+
+def test_a_record_without_reach_is_read_as_unknown():  # from a peer of an older version
+    fields = {key: value for key, value in GOOD_SERVER.items() if key != "reach"}
+    assert ServerRecord.from_wire(fields).reach is None

@@ -101,11 +101,11 @@ def test_status_lists_each_experts_hosts():
     doc = build_status("run", {0: [ServerRecord(peer_id="s", stage=0, state="ONLINE", throughput=1.0)]}, [],
                        hosts, num_experts=4)
     assert doc["experts"] == [
-        {"expert": 0, "hosts": [{"peer_id": "b", "state": "ONLINE", "throughput": 2.0, "step": 5}]},
-        {"expert": 1, "hosts": [{"peer_id": "a", "state": "JOINING", "throughput": 1.0, "step": 0},
-                                {"peer_id": "b", "state": "ONLINE", "throughput": 2.0, "step": 5}]},
+        {"expert": 0, "hosts": [{"peer_id": "b", "state": "ONLINE", "throughput": 2.0, "step": 5, "reach": None}]},
+        {"expert": 1, "hosts": [{"peer_id": "a", "state": "JOINING", "throughput": 1.0, "step": 0, "reach": None},
+                                {"peer_id": "b", "state": "ONLINE", "throughput": 2.0, "step": 5, "reach": None}]},
         {"expert": 2, "hosts": []},
-        {"expert": 3, "hosts": [{"peer_id": "d", "state": "ONLINE", "throughput": 1.0, "step": 0}]},
+        {"expert": 3, "hosts": [{"peer_id": "d", "state": "ONLINE", "throughput": 1.0, "step": 0, "reach": None}]},
     ]
     assert doc["expert_hosts"] == 2 and doc["unhosted_experts"] == [2]
     assert doc["stages"][0]["online"] == 1

@@ -324,3 +324,13 @@ def test_a_dht_node_asks_of_its_storage_and_cache_only_what_bounded_storage_answ
     assert called == {"store", "store_subkey", "get", "items"}
     assert all(callable(getattr(BoundedStorage, name, None)) for name in called)
     assert "self.storage, self.cache = " in inspect.getsource(protocol.DHTProtocol.create)
+
+
+def test_p2pd_flags_added_in_a_process_reach_the_daemon_command_line_beside_hivemind_s(monkeypatch):
+    monkeypatch.setattr(P2P, "_make_process_args", P2P.__dict__["_make_process_args"])  # restored after the test
+    hivemind_internals.add_p2pd_flags({"relayDiscovery": False, "relayService": True, "relay": False})
+    args = P2P._make_process_args("/bin/p2pd", relay=True, autoRelay=True)
+    assert args[0] == "/bin/p2pd"
+    assert set(args[1:]) == {"-relayDiscovery=0", "-relayService=1", "-relay=1", "-autoRelay=1"}  # hivemind's win
+    flags = inspect.signature(P2P.create).parameters
+    assert {"use_relay", "use_auto_relay", "trusted_relays", "force_reachability"} <= set(flags)

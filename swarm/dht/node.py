@@ -32,6 +32,9 @@ DEFAULT_CALL_TIMEOUT = 10.0  # one call into the DHT process (a get, a store, a 
 
 _LOCAL_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 REACHABILITY_CHOICES = ("auto", "public", "private")
+RELAY_CIRCUITS = 64  # relayed connections one peer may hold through us at once (p2pd's default: 16)
+RELAY_DATA_LIMIT = 1 << 40  # bytes a relayed connection may carry each way before the relay resets it
+RELAY_TIME_LIMIT = "24h0m0s"  # how long one relayed connection may last (p2pd's default: 30 minutes)
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,11 @@ class NatOptions:
       only dials out, so it needs none). The relays are `relays`, default the initial peers; upgraded to
       a direct connection by hole punching (libp2p's DCUtR) where the NAT allows.
 
-    Every peer relays for peers behind NAT once it is public (p2pd's relay service, with its limits of
-    16 circuits and 4 GiB or 30 minutes a connection); libp2p starts the service only on a public peer.
+    Every peer relays for peers behind NAT once it is public (libp2p starts the service only on a
+    public peer), at most RELAY_CIRCUITS circuits a peer, each for up to RELAY_DATA_LIMIT bytes a
+    direction and RELAY_TIME_LIMIT. These are given to p2pd explicitly: without `-relayService=1` on
+    its command line p2pd leaves libp2p's default relay limits in place, 128 KiB a circuit, and a
+    relayed activation or averaging part is cut off after its first 128 KiB (measured in tests/netlab).
     """
 
     reachability: str = "auto"
@@ -70,7 +76,11 @@ class NatOptions:
     def p2pd_flags(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """p2pd flags hivemind does not pass: use only the named relays (libp2p's relay discovery would
         wait minutes for four candidates before reserving a slot on any)."""
-        return {"relayDiscovery": False} if "trusted_relays" in kwargs else {}
+        flags: dict[str, Any] = {"relayService": True, "relayMaxCircuits": RELAY_CIRCUITS,
+                                 "relayDataLimit": RELAY_DATA_LIMIT, "relayTimeLimit": RELAY_TIME_LIMIT}
+        if "trusted_relays" in kwargs:
+            flags["relayDiscovery"] = False
+        return flags
 
 
 def parse_maddrs(maddrs: Sequence[str | Multiaddr], what: str, need_peer_id: bool = False) -> list[Multiaddr]:

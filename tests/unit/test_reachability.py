@@ -191,13 +191,15 @@ def test_nat_options_map_to_the_daemon():
     server = NatOptions(relay_client=True)
     kwargs = server.p2p_kwargs(initial)
     assert kwargs == {"use_relay": True, "use_auto_relay": True, "trusted_relays": [str(initial[0])]}
-    assert server.p2pd_flags(kwargs) == {"relayDiscovery": False}
+    flags = server.p2pd_flags(kwargs)
+    assert flags["relayDiscovery"] is False and flags["relayService"] is True  # explicit: see NatOptions
+    assert flags["relayDataLimit"] >= 1 << 32
     named = NatOptions(relay_client=True, relays=(f"/ip4/11.77.9.9/tcp/1/p2p/{SELF}",)).p2p_kwargs(initial)
     assert named["trusted_relays"] == [f"/ip4/11.77.9.9/tcp/1/p2p/{SELF}"]
     coordinator = NatOptions(reachability="public")
     kwargs = coordinator.p2p_kwargs(())
     assert kwargs == {"use_relay": True, "use_auto_relay": False, "force_reachability": "public"}
-    assert coordinator.p2pd_flags(kwargs) == {}
+    assert "relayDiscovery" not in coordinator.p2pd_flags(kwargs)
     trainer = NatOptions()
     assert "trusted_relays" not in trainer.p2p_kwargs(initial)  # a trainer only dials out
     with pytest.raises(ValueError, match="reachability"):

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.netlab import Host, Lab
 from tests.procs import INITIAL_PEERS_LINE, SERVER_START_TIMEOUT, Proc, ProcSet
@@ -27,6 +28,7 @@ UNREACHABLE_LINE = r"reachability: unreachable: no peer could dial .*no relay ga
 STEPS = 20  # steps the stage-1 server must take through its relay
 LOSS_DROP, LOSS_CEILING = 0.8, 4.0  # the loss falls below both (an untrained byte model's is ln 256 = 5.55)
 TRAIN_TIMEOUT = 180.0
+ROUNDS = 10  # averaging rounds both servers of a stage must complete, one of them relayed
 DEAD_RELAY = "QmRutfXqr9bCJ7Zjr8kFjR4DUxWpJRTsNXXiBu36jyeHuc"  # a well-formed peer id nobody in the lab has
 UNREACHABLE_TIMEOUT = 120.0  # join, the dial-back check, then the whole relay wait
 
@@ -111,5 +113,34 @@ def test_a_server_behind_nat_with_no_relay_is_told_it_is_unreachable_and_how_to_
         server_id = serving_id(server)  # it still serves: peers of its own network may reach it
         found = server.wait_until(lambda: servers(status(hub)).get(server_id), 30, "its record in /status")
         assert found["reach"] == "unreachable"
+    finally:
+        procs.stop_all()
+
+
+def rounds(host: Host, outcome: str) -> float:
+    """swarm_averaging_rounds_total{outcome=...} on the server of `host` (0 while it does not answer)."""
+    body = host.http_get(METRICS_PORT, "/metrics") or ""
+    return sum(sample.value for family in text_string_to_metric_families(body) for sample in family.samples
+               if sample.name == "swarm_averaging_rounds_total" and sample.labels.get("outcome") == outcome)
+
+
+def test_an_averaging_group_with_a_server_behind_nat_completes_its_rounds(lab: Lab, tmp_path: Path,
+                                                                          tiny_config_path):
+    hub = lab.add_host("hub")
+    public = lab.add_host("public")
+    home = lab.add_host("home", kind="nat")
+    second = lab.add_host("second")
+    laptop = lab.add_host("laptop", kind="nat")
+    lab.start()
+    procs = ProcSet(tmp_path)
+    try:
+        join = ("--initial-peers", *start_coordinator(procs, hub, tiny_config_path))
+        metrics = ("--metrics-port", str(METRICS_PORT))
+        for host in (public, home):
+            procs.start("swarm-peer", *join, "--role", "server", "--stage", "0", *metrics, netns=host.ns)
+        procs.start("swarm-peer", *join, "--role", "server", "--stage", "1", netns=second.ns)
+        trainer = procs.start("swarm-peer", *join, "--role", "trainer", netns=laptop.ns)
+        trainer.wait_until(lambda: min(rounds(public, "succeeded"), rounds(home, "succeeded")) >= ROUNDS,
+                           TRAIN_TIMEOUT, f"{ROUNDS} averaging rounds of stage 0, one member relayed")
     finally:
         procs.stop_all()

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
+from swarm.dht.schemas import RELAYED
 from swarm.protocol import stage_wire_limits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
 from swarm.routing.spot_checks import SPOT_CHECK_RATE
@@ -232,7 +233,8 @@ class Trainer:
         n = self.config.stages.num_stages
         servers = await asyncio.to_thread(self.records.lookup_all_servers, n)
         self.pipeline.update_servers(
-            {stage: [r.peer_id for r in records if r.state == "ONLINE"] for stage, records in servers.items()})
+            {stage: [r.peer_id for r in records if r.state == "ONLINE"] for stage, records in servers.items()},
+            relayed=[r.peer_id for records in servers.values() for r in records if r.reach == RELAYED])
         self.metrics.waiting.set(len(self.pipeline.stats.waiting_stages))
 
     async def _refresh_servers(self) -> None:

@@ -33,6 +33,9 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
   resets the count. A `brief` failure (the server said it is full: busy, not ready) counts the same
   but bans from `brief_ban_base` instead: a loaded honest server is back within a second or two,
   one that only ever says so is soon banned for `ban_max` too.
+- Relayed servers (behind NAT, reached through another peer's relay, as their records say) lose ties:
+  once measured, one is chosen only where it should finish sooner than every direct server by
+  RELAYED_MARGIN, since its relay also carries other peers' traffic and may go away.
 - A server missing from a lookup keeps its estimates and ban but is not chosen; it is forgotten
   after missing for `forget_after` seconds, so a lookup that misses a record briefly does not turn a
   measured slow server back into an untried newcomer.
@@ -51,6 +54,7 @@ from swarm.protocol import BACKWARD, FORWARD
 # forward); only until a server's own times are measured.
 BACKWARD_TO_FORWARD = 2.0
 REPROBE_SPACING = 50  # a server's estimates go stale no sooner than this many times its last answer's duration
+RELAYED_MARGIN = 1.1  # a relayed server's expected finish counts this much longer when servers are compared
 
 
 @dataclass(eq=False)
@@ -108,13 +112,16 @@ class StageBalancer:
         self.reprobe_after = reprobe_after
         self.clock = clock
         self.servers: dict[str, ServerState] = {}  # listed or recently missing
+        self.relayed: set[str] = set()  # listed servers reached through a relay (their records say so)
         self._seq = itertools.count()
 
     # --- which servers there are -----------------------------------------------------------------
 
-    def update_servers(self, peer_ids: Iterable[str]) -> None:
-        """Set the servers of the latest lookup; the others are kept, unchosen, up to `forget_after`."""
+    def update_servers(self, peer_ids: Iterable[str], relayed: Iterable[str] = ()) -> None:
+        """Set the servers of the latest lookup (those `relayed` among them are reached through a relay);
+        the others are kept, unchosen, up to `forget_after`."""
         now, listed = self.clock(), set(peer_ids)
+        self.relayed = set(relayed) & listed
         for peer_id in sorted(listed):
             self.servers.setdefault(peer_id, ServerState(peer_id)).missing_since = None
         for peer_id, state in list(self.servers.items()):
@@ -159,12 +166,17 @@ class StageBalancer:
         candidates = settled or candidates
         # On a tie an untried server goes first: it is assumed as fast as the fastest, and with one
         # task in flight it would otherwise never get the probe that tells.
-        best = min(candidates, key=lambda p: (self.expected_finish(p, task_size, kind), not self.untried(p), p))
+        best = min(candidates, key=lambda p: (self._ranked_finish(p, task_size, kind), not self.untried(p), p))
         if prefer is not None and prefer != best and prefer in candidates:
             saving = self.expected_seconds(prefer, task_size, FORWARD)
             if self.expected_finish(prefer, task_size, kind) - saving <= self.expected_finish(best, task_size, kind):
                 best = prefer
         return self.charge(best, task_size, kind)
+
+    def _ranked_finish(self, peer_id: str, task_size: int, kind: str) -> float:
+        finish = self.expected_finish(peer_id, task_size, kind)
+        # an untried one is still tried at once, as any newcomer: the margin applies to what was measured
+        return finish * RELAYED_MARGIN if peer_id in self.relayed and not self.untried(peer_id) else finish
 
     def on_probation(self, peer_id: str) -> bool:
         """Whether the server has yet to answer us successfully, ever or since its last failure."""

@@ -160,6 +160,20 @@ def test_ties_between_equals_go_by_peer_id():
     assert [b.choose(SIZE, FORWARD).peer_id for _ in range(3)] == ["a", "b", "c"]
 
 
+def test_a_relayed_server_loses_to_a_direct_one_as_fast_but_wins_when_clearly_faster():
+    clock = FakeClock()
+    b = StageBalancer(clock=clock)
+    b.update_servers(["a-relayed", "b"], relayed=["a-relayed"])  # "a-relayed" would win a tie by id
+    run = simulate(b, clock, speeds(**{"a-relayed": 0.01, "b": 0.01}), in_flight=1, tasks=40)
+    assert run.samples["a-relayed"] <= 2 * SIZE  # its probe, a re-test at most
+    clock = FakeClock()
+    b = StageBalancer(clock=clock)
+    b.update_servers(["a-relayed", "b"], relayed=["a-relayed", "gone"])
+    assert b.relayed == {"a-relayed"}  # only listed servers count
+    run = simulate(b, clock, speeds(**{"a-relayed": 0.005, "b": 0.01}), in_flight=1, tasks=40)
+    assert run.share("a-relayed") > 0.9  # twice as fast: the margin does not stand in its way
+
+
 def test_no_server_and_exclusions():
     b = balancer(FakeClock())
     assert b.choose(1, FORWARD) is None

@@ -84,6 +84,18 @@ def test_garbage_initial_peer_is_a_clear_error(procs: ProcSet):
     assert_clear_error(proc, "swarm-peer", "'garbage'")
 
 
+@pytest.mark.parametrize(("flags", "expected"), [
+    (("--relays", "/ip4/127.0.0.1/tcp/5"), ("bad relay", "/p2p/<peer id>")),
+    (("--relays", "garbage"), ("bad relay", "'garbage'")),
+    (("--reachability", "sometimes"), ("--reachability", "invalid choice")),
+])
+def test_bad_nat_flags_are_clear_errors(procs: ProcSet, coordinator: Coordinator, flags, expected):
+    proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "server", *flags,
+                     *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
+    assert proc.returncode != 0, proc.describe()
+    assert_clear_error(proc, "swarm-peer", *expected)
+
+
 def test_out_of_range_flag_is_an_argparse_error(procs: ProcSet, coordinator: Coordinator):
     proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--check", "--inject-failure-rate", "2",
                      *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)

@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-index", type=int, help="trainer: which share of the data (default: from peer id)")
     p.add_argument("--max-samples", type=int, help="trainer: stop after this many samples")
     p.add_argument("--in-flight", type=positive_int,
-                   help="trainer: micro-batches in flight at once (default: a quarter of a batch, at least 1; "
-                   "more keeps stages busier but makes gradients staler)")
+                   help="trainer: micro-batches in flight at once (default: from a quarter of a batch, at least 1, "
+                   "up to a whole batch while the round trips it measures leave the stages idle; more keeps "
+                   "stages busier but makes gradients staler)")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
@@ -289,8 +290,10 @@ def run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr) 
     options = TrainerOptions(trainer_index=args.trainer_index, in_flight=args.in_flight, max_samples=args.max_samples,
                              metrics_addr=metrics_addr)
     trainer = Trainer(config, dht, records, loop, options, registry)
-    log.info("training on stages 0..%d with %d micro-batches in flight", config.stages.num_stages - 1,
-             trainer.in_flight)
+    window = trainer.window
+    log.info("training on stages 0..%d with %s", config.stages.num_stages - 1,
+             f"{window.limit} micro-batches in flight" if not window.adaptive else
+             f"{window.floor} to {window.cap} micro-batches in flight, as the round trips it measures demand")
     trainer.run(stop)
     log.info("trainer done: %d samples", trainer.samples_done)
 

@@ -23,6 +23,7 @@ from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
 from swarm.dht.schemas import RELAYED
 from swarm.protocol import stage_wire_limits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
+from swarm.routing.inflight import InFlightWindow
 from swarm.routing.spot_checks import SPOT_CHECK_RATE
 
 log = logging.getLogger("swarm.trainer")
@@ -34,7 +35,8 @@ LOOP_CALL_TIMEOUT = 30.0
 class TrainerOptions:
     trainer_index: int | None = None  # which share of the data; None: derived from the peer id
     data: str | None = None  # corpus path or glob overriding the run config's
-    in_flight: int | None = None  # micro-batches travelling through the pipeline at once (None: default_in_flight)
+    in_flight: int | None = None  # micro-batches travelling through the pipeline at once (None: adaptive, from
+    # default_in_flight up to a batch's worth as the round trips it measures demand; swarm/routing/inflight.py)
     max_samples: int | None = None  # stop after this many samples (None: until stopped)
     refresh_period: float = 2.0  # how often the server list is read from the DHT
     metrics_period: float = 5.0  # how often loss and speed are published (at least every network.announce_period)
@@ -55,7 +57,15 @@ def micro_batch_id(peer: str, worker: int, count: int) -> str:
 
 
 MAX_DEFAULT_IN_FLIGHT = 8
+MAX_ADAPTIVE_IN_FLIGHT = 32  # however long the round trips, a trainer never keeps more in flight
 STALE_SHARE = 4  # by default a trainer keeps at most 1/STALE_SHARE of a batch in flight
+
+
+def in_flight_cap(config: RunConfig) -> int:
+    """The most micro-batches a trainer lets the round trips it measures put in flight: a batch's worth
+    (more would mean samples of two steps ahead in flight at once, only staler gradients)."""
+    opt = config.optimizer
+    return max(default_in_flight(config), min(MAX_ADAPTIVE_IN_FLIGHT, opt.batch_size // opt.micro_batch_size))
 
 
 def default_in_flight(config: RunConfig) -> int:
@@ -81,6 +91,8 @@ class TrainerMetrics:
         self.speed = Gauge("swarm_trainer_samples_per_second", "Recent training speed", registry=registry)
         self.waiting = Gauge("swarm_trainer_waiting_stages", "Stages with no usable server right now",
                              registry=registry)
+        self.in_flight = Gauge("swarm_trainer_in_flight", "Micro-batches this trainer lets travel at once "
+                               "(grows while the measured round trips leave the stages room)", registry=registry)
         self.pipeline: RemotePipeline | None = None
         registry.register(self)  # the per-stage figures below are read from the pipeline at each scrape
 
@@ -131,9 +143,11 @@ class Trainer:
         self.records = records
         self.loop = loop
         self.options = options or TrainerOptions()
-        self.in_flight = self.options.in_flight or default_in_flight(config)
-        if self.in_flight < 1:
-            raise ValueError(f"in_flight must be at least 1, got {self.in_flight}")
+        fixed = self.options.in_flight
+        if fixed is not None and fixed < 1:
+            raise ValueError(f"in_flight must be at least 1, got {fixed}")
+        self.window = (InFlightWindow(fixed, fixed, adaptive=False) if fixed is not None
+                       else InFlightWindow(default_in_flight(config), in_flight_cap(config)))
         self.peer_id = peer_id(dht)
         self.metrics = TrainerMetrics(registry or CollectorRegistry())
         index = self.options.trainer_index
@@ -193,7 +207,7 @@ class Trainer:
         reporter = asyncio.create_task(self._report())
         try:
             await self._refresh_once()
-            await asyncio.gather(*(self._worker(i) for i in range(self.in_flight)))
+            await asyncio.gather(*(self._worker(i) for i in range(self.window.cap)))
         finally:
             refresher.cancel()
             reporter.cancel()
@@ -202,19 +216,29 @@ class Trainer:
         budget = self.options.max_samples
         count = 0
         while budget is None or self.samples < budget:
-            x, y = self.sampler.next_batch()
-            if budget is not None:
-                x, y = x[: budget - self.samples], y[: budget - self.samples]
-            n = x.shape[0]
-            self.samples += n  # claimed before the trip, so workers never overshoot the budget
-            count += 1
+            await self.window.acquire()  # as many workers as the window may ever allow; it lets some wait
+            trip = None
             try:
-                loss = await self.pipeline.train(x, y, request_id=micro_batch_id(self.peer_id, worker, count))
-            except PipelineError as e:
-                self.samples -= n
-                self.metrics.failed.inc()
-                log.warning("micro-batch failed and is dropped: %s", e)
-                continue
+                if budget is not None and self.samples >= budget:
+                    return
+                x, y = self.sampler.next_batch()
+                if budget is not None:
+                    x, y = x[: budget - self.samples], y[: budget - self.samples]
+                n = x.shape[0]
+                self.samples += n  # claimed before the trip, so workers never overshoot the budget
+                count += 1
+                started = time.monotonic()
+                try:
+                    loss = await self.pipeline.train(x, y, request_id=micro_batch_id(self.peer_id, worker, count))
+                except PipelineError as e:
+                    self.samples -= n
+                    self.metrics.failed.inc()
+                    log.warning("micro-batch failed and is dropped: %s", e)
+                    continue
+                trip = time.monotonic() - started
+            finally:
+                await self.window.release(trip)
+            self.metrics.in_flight.set(self.window.limit)
             self.recent.append((time.monotonic(), loss, n))
             self.samples_done += n
             self.metrics.samples.inc(n)

@@ -1,0 +1,134 @@
+"""Throughput across the internet: a swarm in the network lab at added latency and capped rates.
+
+    sudo .venv/bin/python bench/wan.py [--latencies 0 50] [--rates 0 100] [--fixed]
+
+A coordinator, one server per stage and one trainer, each on its own host of tests/netlab (as root;
+`make test-net` installs what the lab needs). Every link gets half the one-way latency asked for
+(a packet between two hosts crosses two links) and the rate (0: unlimited) both ways. For each
+latency and rate the trainer's samples/s is measured over one window after a warm-up, and printed
+against the same swarm at 0 ms and the same rate, with the micro-batches in flight the trainer chose
+(swarm_trainer_in_flight) and the share of backwards a stage ran one or more steps stale. With
+--fixed, each point is also run with the trainer's old fixed count (a quarter of a batch), side by side.
+
+Defaults: configs/tiny.yaml at batch 64 (its compute takes milliseconds, as on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peer.trainer import default_in_flight  # noqa: E402
+from swarm.config import RunConfig  # noqa: E402
+from tests.netlab import Lab  # noqa: E402
+from tests.procs import INITIAL_PEERS_LINE, ProcSet  # noqa: E402
+
+PORT = 9100
+REPO = Path(__file__).resolve().parent.parent
+
+
+def families(host, port: int = PORT) -> dict[tuple[str, tuple], float]:
+    body = host.http_get(port, "/metrics") or ""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
+def stale_share(samples: dict) -> float | None:
+    """Share of backwards a stage ran on a stage that had stepped since their forward."""
+    count = value(samples, "swarm_server_backward_staleness_steps_count")
+    fresh = value(samples, "swarm_server_backward_staleness_steps_bucket", le="0.0")
+    return None if not count else 1 - fresh / count
+
+
+def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixed: int | None, warmup: float,
+            window: float, workdir: Path) -> dict:
+    procs = ProcSet(workdir)
+    link = {"latency_ms": latency_ms / 2, "rate_mbit": rate or None}
+    with Lab() as lab:
+        hub = lab.add_host("hub", **link)
+        servers = [lab.add_host(f"s{k}", **link) for k in range(stages)]
+        trainer_host = lab.add_host("trainer", **link)
+        lab.start()
+        try:
+            coordinator = procs.start("swarm-coordinator", "--config", str(config_path), netns=hub.ns)
+            line = coordinator.wait_for_line(INITIAL_PEERS_LINE, 120)
+            join = ("--initial-peers", *[m for m in line.group(1).split() if f"/ip4/{hub.address}/" in m])
+            metrics = ("--metrics-port", str(PORT))
+            peers = [procs.start("swarm-peer", *join, "--role", "server", "--stage", str(k), *metrics, netns=h.ns)
+                     for k, h in enumerate(servers)]
+            for peer in peers:
+                peer.wait_for_line(r"serving stage \d+", 300, stream="stderr")
+            extra = () if fixed is None else ("--in-flight", str(fixed))
+            trainer = procs.start("swarm-peer", *join, "--role", "trainer", "--trainer-index", "0", *metrics, *extra,
+                                  netns=trainer_host.ns)
+            trainer.wait_until(lambda: value(families(trainer_host), "swarm_trainer_samples_total") > 0, 300,
+                               "the trainer's first samples")
+            time.sleep(warmup)
+            start, t0 = value(families(trainer_host), "swarm_trainer_samples_total"), time.monotonic()
+            time.sleep(window)
+            end_samples = families(trainer_host)
+            elapsed = time.monotonic() - t0
+            stale = [stale_share(families(h)) for h in servers]
+            return {"latency_ms": latency_ms, "rate_mbit": rate, "fixed": fixed,
+                    "samples_per_second": (value(end_samples, "swarm_trainer_samples_total") - start) / elapsed,
+                    "in_flight": value(end_samples, "swarm_trainer_in_flight"),
+                    "stale_share": max((s for s in stale if s is not None), default=None)}
+        finally:
+            procs.stop_all()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--latencies", type=float, nargs="+", default=[0, 10, 50, 100], help="one-way ms between hosts")
+    p.add_argument("--rates", type=float, nargs="+", default=[0, 100, 20], help="Mbit/s each way per host; 0: none")
+    p.add_argument("--fixed", action="store_true", help="also run each point with the old fixed in-flight count")
+    p.add_argument("--warmup", type=float, default=15.0)
+    p.add_argument("--window", type=float, default=40.0)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    config = RunConfig.load(args.config)
+    config.optimizer.batch_size = args.batch_size
+    config.data.max_bytes = min(config.data.max_bytes or 300_000, 300_000)
+    config.validate()
+    old = default_in_flight(config)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="swarm-wan-") as tmp:
+        config_path = Path(tmp) / "config.yaml"
+        config.save(config_path)
+        for rate in args.rates:
+            for latency in args.latencies:
+                for fixed in ([None, old] if args.fixed else [None]):
+                    workdir = Path(tmp) / f"r{rate}-l{latency}-{fixed}"
+                    workdir.mkdir()
+                    r = measure(config_path, config.stages.num_stages, latency, rate, fixed, args.warmup,
+                                args.window, workdir)
+                    results.append(r)
+                    base = next((b["samples_per_second"] for b in results if b["rate_mbit"] == rate
+                                 and b["latency_ms"] == 0 and b["fixed"] is None), None)
+                    ratio = f"{r['samples_per_second'] / base:.2f}" if base else "-"
+                    stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
+                    print(f"{config.run_id} batch {config.optimizer.batch_size}, {latency:g} ms one way, "
+                          f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
+                          f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
+                          f"samples/s ({ratio} of 0 ms adaptive), {r['in_flight']:.0f} in flight at the end, "
+                          f"{stale} of backwards stale", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""How many micro-batches a trainer keeps in flight: enough to cover the round trips it measures.
+
+On loopback a micro-batch's trip through the pipeline is almost all compute, and a quarter of a batch
+in flight keeps the stages busy. Across the internet each of its three calls (stage 0 forward, the
+last stage's forward and backward, stage 0 backward, more with more stages) waits a round trip as
+well, and the stages sit idle unless more micro-batches travel at once: the bandwidth-delay product
+of the pipeline. A fixed count tuned on loopback pays the latency instead of hiding it.
+
+InFlightWindow finds the count from the trips it measures, as TCP Vegas does for packets: the
+shortest trip seen lately (`base`) is what a micro-batch takes with no queue anywhere; while the
+trips of the last round stay within GROW_BELOW of it, adding one more micro-batch adds work the
+stages had time for, so the window grows by one; once they exceed SHRINK_ABOVE of it, micro-batches
+are queueing at some stage, and it shrinks by one. It never goes below `floor` (the loopback
+default) nor above `cap` (a batch's worth: more would only make gradients staler). Pure logic: the
+trainer feeds it trip times and asks it how many may travel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections import deque
+
+GROW_BELOW = 1.3  # recent trips within this factor of the shortest: the stages have room for one more
+SHRINK_ABOVE = 2.0  # beyond this factor: micro-batches queue somewhere, one fewer
+BASE_WINDOW = 256  # trips the shortest is taken over (old minima expire: a route may have got slower)
+
+
+class InFlightWindow:
+    """The number of micro-batches allowed in flight, adjusted once a round from measured trip times."""
+
+    def __init__(self, floor: int, cap: int, adaptive: bool = True):
+        if floor < 1 or cap < floor:
+            raise ValueError(f"need 1 <= floor <= cap, got floor {floor}, cap {cap}")
+        self.floor, self.cap, self.adaptive = floor, cap, adaptive
+        self.limit = floor
+        self.active = 0
+        self._trips: deque[float] = deque(maxlen=BASE_WINDOW)
+        self._round: list[float] = []
+        self._changed: asyncio.Condition | None = None  # made in the trainer's loop, on first use
+
+    @property
+    def base(self) -> float | None:
+        return min(self._trips) if self._trips else None
+
+    def record(self, seconds: float) -> None:
+        """One micro-batch's whole trip (forward and backward through every stage) took `seconds`."""
+        if not self.adaptive or not seconds > 0:
+            return
+        self._trips.append(seconds)
+        self._round.append(seconds)
+        if len(self._round) < 2 * self.limit:  # a round: every micro-batch in flight completed twice
+            return
+        recent = statistics.median(self._round)
+        self._round.clear()
+        base = self.base
+        if recent <= GROW_BELOW * base and self.limit < self.cap:
+            self.limit += 1
+        elif recent >= SHRINK_ABOVE * base and self.limit > self.floor:
+            self.limit -= 1
+
+    async def acquire(self) -> None:
+        """Wait until one more micro-batch may start (the trainer's workers call it before each)."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.active < self.limit)
+            self.active += 1
+
+    async def release(self, seconds: float | None = None) -> None:
+        """A micro-batch ended (its trip time if it completed); wakes a worker if the window allows."""
+        if seconds is not None:
+            self.record(seconds)
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            self.active -= 1
+            self._changed.notify_all()

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     # The DHT process is forked: with these handlers it would ignore DHT.shutdown()'s SIGTERM fallback (hang at exit).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:
-        nat = NatOptions(reachability=args.reachability)
+        nat = NatOptions(reachability=args.reachability, relay_service=True)
         coordinator = Coordinator(config, args.host_maddrs, args.announce_maddrs, args.identity, args.metrics_port,
                                   args.checkpoint_dir, swarm_key, networks, nat)
     except (SwarmDHTError, CheckpointError, OSError) as e:  # (CheckpointError: e.g. a corrupt signing key)

@@ -57,7 +57,7 @@ class Coordinator:
         try:
             # everyone dials the coordinator first: it is public by definition, and relays for servers behind NAT
             self.dht = start_dht(config.run_id, self.identity, (), host_maddrs, announce_maddrs,
-                                 nat=nat or NatOptions(reachability="public"))
+                                 nat=nat or NatOptions(reachability="public", relay_service=True))
             self.records = SwarmRecords(self.dht, config.run_id, self.identity, swarm_key=swarm_key)
             self.peer_id = peer_id(self.dht)
             self.publish_config()

@@ -201,7 +201,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             gate.install(swarm_key)
         initial_peers = read_initial_peers(args.initial_peers, args.join_timeout, stop.wait)
         serves = role in ("server", "expert")  # a trainer only dials out: behind NAT it needs no relay
-        nat = NatOptions(reachability=args.reachability, relay_client=serves, relays=tuple(args.relays))
+        nat = NatOptions(reachability=args.reachability, relay_client=serves, relay_service=serves,
+                         relays=tuple(args.relays))
         dht, info, config = join_run(initial_peers, identity, loop, host_maddrs=args.host_maddrs,
                                      announce_maddrs=args.announce_maddrs, timeout=args.join_timeout,
                                      swarm_key=swarm_key, nat=nat)

@@ -46,16 +46,17 @@ class NatOptions:
     - `relay_client`: behind NAT, take a slot on a relay and be reached through it (servers; a trainer
       only dials out, so it needs none). The relays are `relays`, default the initial peers; upgraded to
       a direct connection by hole punching (libp2p's DCUtR) where the NAT allows.
-
-    Every peer relays for peers behind NAT once it is public (libp2p starts the service only on a
-    public peer), at most RELAY_CIRCUITS circuits a peer, each for up to RELAY_DATA_LIMIT bytes a
-    direction and RELAY_TIME_LIMIT. These are given to p2pd explicitly: without `-relayService=1` on
-    its command line p2pd leaves libp2p's default relay limits in place, 128 KiB a circuit, and a
-    relayed activation or averaging part is cut off after its first 128 KiB (measured in tests/netlab).
+    - `relay_service`: relay for peers behind NAT once this peer is public (libp2p starts the service
+      only on a public peer), at most RELAY_CIRCUITS circuits a peer, each for up to RELAY_DATA_LIMIT
+      bytes a direction and RELAY_TIME_LIMIT. These are given to p2pd explicitly: without
+      `-relayService=1` on its command line p2pd leaves libp2p's default relay limits in place, 128 KiB
+      a circuit, and a relayed activation or averaging part is cut off after its first 128 KiB
+      (measured in tests/netlab). The coordinator and servers relay; a trainer or a tool does not.
     """
 
     reachability: str = "auto"
     relay_client: bool = False
+    relay_service: bool = False
     relays: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -74,10 +75,12 @@ class NatOptions:
         return kwargs
 
     def p2pd_flags(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """p2pd flags hivemind does not pass: use only the named relays (libp2p's relay discovery would
-        wait minutes for four candidates before reserving a slot on any)."""
-        flags: dict[str, Any] = {"relayService": True, "relayMaxCircuits": RELAY_CIRCUITS,
-                                 "relayDataLimit": RELAY_DATA_LIMIT, "relayTimeLimit": RELAY_TIME_LIMIT}
+        """p2pd flags hivemind does not pass: the relay service's limits, and use only the named relays
+        (libp2p's relay discovery would wait minutes for four candidates before reserving a slot on any)."""
+        flags: dict[str, Any] = {}
+        if self.relay_service:
+            flags.update(relayService=True, relayMaxCircuits=RELAY_CIRCUITS, relayDataLimit=RELAY_DATA_LIMIT,
+                         relayTimeLimit=RELAY_TIME_LIMIT)
         if "trusted_relays" in kwargs:
             flags["relayDiscovery"] = False
         return flags

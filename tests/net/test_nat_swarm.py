@@ -56,65 +56,57 @@ def serving_id(proc: Proc) -> str:
     return proc.wait_for_line(r"serving stage \d+ of \d+ .* as (\S+)$", SERVER_START_TIMEOUT, stream="stderr").group(1)
 
 
-def test_a_server_and_a_trainer_behind_two_nats_train_through_a_relay(lab: Lab, tmp_path: Path, tiny_config_path):
+def test_a_server_and_a_trainer_behind_two_nats_train_through_a_relay(lab: Lab, procs: ProcSet, tiny_config_path):
     hub = lab.add_host("hub")
     public = lab.add_host("public")
     home = lab.add_host("home", kind="nat")
     laptop = lab.add_host("laptop", kind="nat")
     lab.start()
-    procs = ProcSet(tmp_path)
-    try:
-        join = ("--initial-peers", *start_coordinator(procs, hub, tiny_config_path))
-        stage0 = procs.start("swarm-peer", *join, "--role", "server", "--stage", "0", netns=public.ns)
-        stage1 = procs.start("swarm-peer", *join, "--role", "server", "--stage", "1", netns=home.ns)
-        trainer = procs.start("swarm-peer", *join, "--role", "trainer", netns=laptop.ns)
-        stage0.wait_for_line(DIRECT_LINE, SERVER_START_TIMEOUT, stream="stderr")
-        relay = stage1.wait_for_line(RELAYED_LINE, SERVER_START_TIMEOUT, stream="stderr").group(1)
-        coordinator_id = join[1].rsplit("/p2p/", 1)[1]
-        assert coordinator_id.endswith(relay)  # the coordinator relays by default
-        ids = serving_id(stage0), serving_id(stage1)
+    join = ("--initial-peers", *start_coordinator(procs, hub, tiny_config_path))
+    stage0 = procs.start("swarm-peer", *join, "--role", "server", "--stage", "0", netns=public.ns)
+    stage1 = procs.start("swarm-peer", *join, "--role", "server", "--stage", "1", netns=home.ns)
+    trainer = procs.start("swarm-peer", *join, "--role", "trainer", netns=laptop.ns)
+    stage0.wait_for_line(DIRECT_LINE, SERVER_START_TIMEOUT, stream="stderr")
+    relay = stage1.wait_for_line(RELAYED_LINE, SERVER_START_TIMEOUT, stream="stderr").group(1)
+    coordinator_id = join[1].rsplit("/p2p/", 1)[1]
+    assert coordinator_id.endswith(relay)  # the coordinator relays by default
+    ids = serving_id(stage0), serving_id(stage1)
 
-        def reached() -> dict | None:
-            found = servers(status(hub))
-            return found if all(found.get(i, {}).get("state") == "ONLINE" for i in ids) else None
+    def reached() -> dict | None:
+        found = servers(status(hub))
+        return found if all(found.get(i, {}).get("state") == "ONLINE" for i in ids) else None
 
-        found = stage1.wait_until(reached, 30, "both servers ONLINE in /status")
-        assert (found[ids[0]]["reach"], found[ids[1]]["reach"]) == ("direct", "relayed")
+    found = stage1.wait_until(reached, 30, "both servers ONLINE in /status")
+    assert (found[ids[0]]["reach"], found[ids[1]]["reach"]) == ("direct", "relayed")
 
-        def loss() -> float | None:
-            return (status(hub) or {}).get("loss")
+    def loss() -> float | None:
+        return (status(hub) or {}).get("loss")
 
-        first = trainer.wait_until(loss, TRAIN_TIMEOUT, "a first loss report")
-        target = min(LOSS_DROP * first, LOSS_CEILING)
+    first = trainer.wait_until(loss, TRAIN_TIMEOUT, "a first loss report")
+    target = min(LOSS_DROP * first, LOSS_CEILING)
 
-        def trained() -> bool:
-            steps = [int(s) for s in re.findall(r"stage 1 step (\d+) ", stage1.stderr())]
-            return bool(steps) and max(steps) >= STEPS and (loss() or target) < target
+    def trained() -> bool:
+        steps = [int(s) for s in re.findall(r"stage 1 step (\d+) ", stage1.stderr())]
+        return bool(steps) and max(steps) >= STEPS and (loss() or target) < target
 
-        stage1.wait_until(trained, TRAIN_TIMEOUT, f"{STEPS} steps on the relayed server, the loss below {target:.2f}")
-        assert "reachability" not in trainer.stderr()  # a trainer only dials out: it is not checked
-    finally:
-        procs.stop_all()
+    stage1.wait_until(trained, TRAIN_TIMEOUT, f"{STEPS} steps on the relayed server, the loss below {target:.2f}")
+    assert "reachability" not in trainer.stderr()  # a trainer only dials out: it is not checked
 
 
 def test_a_server_behind_nat_with_no_relay_is_told_it_is_unreachable_and_how_to_fix_it(
-        lab: Lab, tmp_path: Path, tiny_config_path):
+        lab: Lab, procs: ProcSet, tiny_config_path):
     hub = lab.add_host("hub")
     home = lab.add_host("home", kind="nat")
     lab.start()
-    procs = ProcSet(tmp_path)
-    try:
-        join = ("--initial-peers", *start_coordinator(procs, hub, tiny_config_path))
-        gone = f"/ip4/{hub.gateway}/tcp/4001/p2p/{DEAD_RELAY}"  # the only relay it may use is down
-        server = procs.start("swarm-peer", *join, "--role", "server", "--stage", "0", "--relays", gone,
-                             netns=home.ns)
-        line = server.wait_for_line(UNREACHABLE_LINE, UNREACHABLE_TIMEOUT, stream="stderr").group(0)
-        assert "192.168." in line and "--announce-maddrs" in line
-        server_id = serving_id(server)  # it still serves: peers of its own network may reach it
-        found = server.wait_until(lambda: servers(status(hub)).get(server_id), 30, "its record in /status")
-        assert found["reach"] == "unreachable"
-    finally:
-        procs.stop_all()
+    join = ("--initial-peers", *start_coordinator(procs, hub, tiny_config_path))
+    gone = f"/ip4/{hub.gateway}/tcp/4001/p2p/{DEAD_RELAY}"  # the only relay it may use is down
+    server = procs.start("swarm-peer", *join, "--role", "server", "--stage", "0", "--relays", gone,
+                         netns=home.ns)
+    line = server.wait_for_line(UNREACHABLE_LINE, UNREACHABLE_TIMEOUT, stream="stderr").group(0)
+    assert "192.168." in line and "--announce-maddrs" in line
+    server_id = serving_id(server)  # it still serves: peers of its own network may reach it
+    found = server.wait_until(lambda: servers(status(hub)).get(server_id), 30, "its record in /status")
+    assert found["reach"] == "unreachable"
 
 
 def rounds(host: Host, outcome: str) -> float:
@@ -124,7 +116,7 @@ def rounds(host: Host, outcome: str) -> float:
                if sample.name == "swarm_averaging_rounds_total" and sample.labels.get("outcome") == outcome)
 
 
-def test_an_averaging_group_with_a_server_behind_nat_completes_its_rounds(lab: Lab, tmp_path: Path,
+def test_an_averaging_group_with_a_server_behind_nat_completes_its_rounds(lab: Lab, procs: ProcSet,
                                                                           tiny_config_path):
     hub = lab.add_host("hub")
     public = lab.add_host("public")
@@ -132,15 +124,11 @@ def test_an_averaging_group_with_a_server_behind_nat_completes_its_rounds(lab: L
     second = lab.add_host("second")
     laptop = lab.add_host("laptop", kind="nat")
     lab.start()
-    procs = ProcSet(tmp_path)
-    try:
-        join = ("--initial-peers", *start_coordinator(procs, hub, tiny_config_path))
-        metrics = ("--metrics-port", str(METRICS_PORT))
-        for host in (public, home):
-            procs.start("swarm-peer", *join, "--role", "server", "--stage", "0", *metrics, netns=host.ns)
-        procs.start("swarm-peer", *join, "--role", "server", "--stage", "1", netns=second.ns)
-        trainer = procs.start("swarm-peer", *join, "--role", "trainer", netns=laptop.ns)
-        trainer.wait_until(lambda: min(rounds(public, "succeeded"), rounds(home, "succeeded")) >= ROUNDS,
-                           TRAIN_TIMEOUT, f"{ROUNDS} averaging rounds of stage 0, one member relayed")
-    finally:
-        procs.stop_all()
+    join = ("--initial-peers", *start_coordinator(procs, hub, tiny_config_path))
+    metrics = ("--metrics-port", str(METRICS_PORT))
+    for host in (public, home):
+        procs.start("swarm-peer", *join, "--role", "server", "--stage", "0", *metrics, netns=host.ns)
+    procs.start("swarm-peer", *join, "--role", "server", "--stage", "1", netns=second.ns)
+    trainer = procs.start("swarm-peer", *join, "--role", "trainer", netns=laptop.ns)
+    trainer.wait_until(lambda: min(rounds(public, "succeeded"), rounds(home, "succeeded")) >= ROUNDS,
+                       TRAIN_TIMEOUT, f"{ROUNDS} averaging rounds of stage 0, one member relayed")

@@ -188,7 +188,7 @@ def test_one_request_of_a_caller_at_a_time():
 
 def test_nat_options_map_to_the_daemon():
     initial = parse_maddrs([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], "initial peer", True)
-    server = NatOptions(relay_client=True)
+    server = NatOptions(relay_client=True, relay_service=True)
     kwargs = server.p2p_kwargs(initial)
     assert kwargs == {"use_relay": True, "use_auto_relay": True, "trusted_relays": [str(initial[0])]}
     flags = server.p2pd_flags(kwargs)
@@ -196,11 +196,12 @@ def test_nat_options_map_to_the_daemon():
     assert flags["relayDataLimit"] >= 1 << 32
     named = NatOptions(relay_client=True, relays=(f"/ip4/11.77.9.9/tcp/1/p2p/{SELF}",)).p2p_kwargs(initial)
     assert named["trusted_relays"] == [f"/ip4/11.77.9.9/tcp/1/p2p/{SELF}"]
-    coordinator = NatOptions(reachability="public")
+    coordinator = NatOptions(reachability="public", relay_service=True)
     kwargs = coordinator.p2p_kwargs(())
     assert kwargs == {"use_relay": True, "use_auto_relay": False, "force_reachability": "public"}
-    assert "relayDiscovery" not in coordinator.p2pd_flags(kwargs)
+    assert "relayDiscovery" not in coordinator.p2pd_flags(kwargs) and coordinator.p2pd_flags(kwargs)["relayService"]
     trainer = NatOptions()
     assert "trusted_relays" not in trainer.p2p_kwargs(initial)  # a trainer only dials out
+    assert trainer.p2pd_flags(trainer.p2p_kwargs(initial)) == {}  # and its daemon is hivemind's default
     with pytest.raises(ValueError, match="reachability"):
         NatOptions(reachability="sometimes")

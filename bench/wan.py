@@ -7,8 +7,9 @@ A coordinator, one server per stage and one trainer, each on its own host of tes
 (a packet between two hosts crosses two links) and the rate (0: unlimited) both ways. For each
 latency and rate the trainer's samples/s is measured over one window after a warm-up, and printed
 against the same swarm at 0 ms and the same rate, with the micro-batches in flight the trainer chose
-(swarm_trainer_in_flight) and the share of backwards a stage ran one or more steps stale. With
---fixed, each point is also run with the trainer's old fixed count (a quarter of a batch), side by side.
+(swarm_trainer_in_flight, `--in-flight auto`) and the share of backwards a stage ran one or more steps
+stale. With --fixed, each point is also run with the trainer's default fixed count (a quarter of a
+batch), side by side.
 
 Defaults: configs/tiny.yaml at batch 64 (its compute takes milliseconds, as on a GPU).
 """
@@ -70,7 +71,7 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
                      for k, h in enumerate(servers)]
             for peer in peers:
                 peer.wait_for_line(r"serving stage \d+", 300, stream="stderr")
-            extra = () if fixed is None else ("--in-flight", str(fixed))
+            extra = ("--in-flight", "auto" if fixed is None else str(fixed))
             trainer = procs.start("swarm-peer", *join, "--role", "trainer", "--trainer-index", "0", *metrics, *extra,
                                   netns=trainer_host.ns)
             trainer.wait_until(lambda: value(families(trainer_host), "swarm_trainer_samples_total") > 0, 300,

@@ -33,6 +33,7 @@ from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer, metrics_address
 from swarm.protocol import gate
+from swarm.routing.inflight import AUTO_IN_FLIGHT
 
 log = logging.getLogger("swarm.peer")
 
@@ -122,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "embedded one). Without it only the embedded corpus is read")
     p.add_argument("--trainer-index", type=int, help="trainer: which share of the data (default: from peer id)")
     p.add_argument("--max-samples", type=int, help="trainer: stop after this many samples")
-    p.add_argument("--in-flight", type=positive_int,
-                   help="trainer: micro-batches in flight at once (default: from a quarter of a batch, at least 1, "
-                   "up to a whole batch while the round trips it measures leave the stages idle; more keeps "
-                   "stages busier but makes gradients staler)")
+    p.add_argument("--in-flight", type=in_flight_arg, metavar="N|auto",
+                   help="trainer: micro-batches in flight at once (default: a quarter of a batch, at least 1; "
+                   "more keeps stages busier but makes gradients staler). auto: from that up to a whole batch "
+                   "while the round trips it measures leave the stages idle (for links with latency)")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
@@ -282,6 +283,11 @@ def serve_until(server, stop: threading.Event) -> None:
         log.info("stopping: announcing OFFLINE")
     finally:
         server.shutdown()
+
+
+def in_flight_arg(value: str) -> int | str:
+    """argparse type of --in-flight: a whole number of at least 1, or auto."""
+    return value if value == AUTO_IN_FLIGHT else positive_int(value)
 
 
 def run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr) -> None:

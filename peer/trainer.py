@@ -23,7 +23,7 @@ from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
 from swarm.dht.schemas import RELAYED
 from swarm.protocol import stage_wire_limits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
-from swarm.routing.inflight import InFlightWindow
+from swarm.routing.inflight import AUTO_IN_FLIGHT, InFlightWindow
 from swarm.routing.spot_checks import SPOT_CHECK_RATE
 
 log = logging.getLogger("swarm.trainer")
@@ -35,8 +35,8 @@ LOOP_CALL_TIMEOUT = 30.0
 class TrainerOptions:
     trainer_index: int | None = None  # which share of the data; None: derived from the peer id
     data: str | None = None  # corpus path or glob overriding the run config's
-    in_flight: int | None = None  # micro-batches travelling through the pipeline at once (None: adaptive, from
-    # default_in_flight up to a batch's worth as the round trips it measures demand; swarm/routing/inflight.py)
+    in_flight: int | str | None = None  # micro-batches travelling through the pipeline at once (None:
+    # default_in_flight; "auto": from that up to a batch's worth as measured round trips demand, inflight.py)
     max_samples: int | None = None  # stop after this many samples (None: until stopped)
     refresh_period: float = 2.0  # how often the server list is read from the DHT
     metrics_period: float = 5.0  # how often loss and speed are published (at least every network.announce_period)
@@ -143,11 +143,14 @@ class Trainer:
         self.records = records
         self.loop = loop
         self.options = options or TrainerOptions()
-        fixed = self.options.in_flight
-        if fixed is not None and fixed < 1:
-            raise ValueError(f"in_flight must be at least 1, got {fixed}")
-        self.window = (InFlightWindow(fixed, fixed, adaptive=False) if fixed is not None
-                       else InFlightWindow(default_in_flight(config), in_flight_cap(config)))
+        wanted = self.options.in_flight
+        if wanted == AUTO_IN_FLIGHT:
+            self.window = InFlightWindow(default_in_flight(config), in_flight_cap(config))
+        else:
+            fixed = default_in_flight(config) if wanted is None else wanted
+            if not isinstance(fixed, int) or fixed < 1:
+                raise ValueError(f"in_flight must be a whole number of at least 1 or {AUTO_IN_FLIGHT!r}, got {fixed!r}")
+            self.window = InFlightWindow(fixed, fixed, adaptive=False)
         self.peer_id = peer_id(dht)
         self.metrics = TrainerMetrics(registry or CollectorRegistry())
         index = self.options.trainer_index

@@ -13,6 +13,12 @@ stages had time for, so the window grows by one; once they exceed SHRINK_ABOVE o
 are queueing at some stage, and it shrinks by one. It never goes below `floor` (the loopback
 default) nor above `cap` (a batch's worth: more would only make gradients staler). Pure logic: the
 trainer feeds it trip times and asks it how many may travel.
+
+It is opt-in (`--in-flight auto`): on one machine, where the round trips are compute, the trips of
+a 2 x 2 swarm with two trainers did not lengthen enough to stop it at one more micro-batch each, and
+the extra staleness cost validation loss (bench/convergence.py, batch 16: 1.20 of the reference at
+the end against 1.14). Telling network from compute in a trip (a ping of each stage's server) would
+let it be the default; not done yet.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import statistics
 from collections import deque
 
+AUTO_IN_FLIGHT = "auto"  # `--in-flight auto`: the window below; a number fixes it, nothing keeps the default
 GROW_BELOW = 1.3  # recent trips within this factor of the shortest: the stages have room for one more
 SHRINK_ABOVE = 2.0  # beyond this factor: micro-batches queue somewhere, one fewer
 BASE_WINDOW = 256  # trips the shortest is taken over (old minima expire: a route may have got slower)

@@ -222,17 +222,23 @@ def wrap_p2p_rpc_methods(replacements: dict[str, Any]) -> dict[str, Any]:
     return originals
 
 
-def add_p2pd_flags(flags: dict[str, Any]) -> None:
-    """From now on, in this process, start every p2pd with `flags` (name -> value) beside hivemind's.
+def add_p2pd_flags(flags: dict[str, Any], with_trusted_relays: dict[str, Any] | None = None) -> None:
+    """From now on, in this process, start every p2pd with `flags` (name -> value) beside hivemind's, and
+    `with_trusted_relays` too where hivemind passes ``trustedRelays``.
 
     hivemind's P2P.create passes only some of p2pd's flags; the relay ones we need (``relayDiscovery``,
     ``relayService``) go through its private argument builder. Called in the DHT process, before
-    hivemind creates its P2P there; a flag hivemind also sets is left as hivemind sets it.
+    hivemind creates its P2P there; a flag hivemind also sets is left as hivemind sets it. Not every
+    daemon of the process is ours: hivemind starts a throwaway one, with auto-relay but no relays, to
+    check that a persistent identity is free, and p2pd refuses to start with auto-relay, no relays
+    and no relay discovery; hence the second set.
     """
     build = P2P.__dict__["_make_process_args"].__func__
+    relayed = with_trusted_relays or {}
 
     def with_flags(*args: Any, **kwargs: Any) -> list[str]:
-        return build(*args, **{**flags, **kwargs})
+        extra = {**flags, **relayed} if kwargs.get("trustedRelays") else flags
+        return build(*args, **{**extra, **kwargs})
 
     P2P._make_process_args = staticmethod(with_flags)
 

@@ -133,7 +133,9 @@ class _DHTProcess(hivemind.DHT):
         if self._swarm_key is not None:
             gate.install(self._swarm_key)
         if self._p2pd_flags:
-            add_p2pd_flags(self._p2pd_flags)
+            flags = dict(self._p2pd_flags)
+            relay_discovery = {"relayDiscovery": flags.pop("relayDiscovery")} if "relayDiscovery" in flags else {}
+            add_p2pd_flags(flags, with_trusted_relays=relay_discovery)
         super().run()
 
 

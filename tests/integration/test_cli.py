@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from swarm.config import RunConfig
-from tests.procs import LOCALHOST, Coordinator, Proc, ProcSet, free_port, group_members, start_coordinator
+from tests.procs import (
+    LOCALHOST,
+    SERVER_START_TIMEOUT,
+    Coordinator,
+    Proc,
+    ProcSet,
+    free_port,
+    group_members,
+    start_coordinator,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -94,6 +103,16 @@ def test_bad_nat_flags_are_clear_errors(procs: ProcSet, coordinator: Coordinator
                      *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
     assert proc.returncode != 0, proc.describe()
     assert_clear_error(proc, "swarm-peer", *expected)
+
+
+def test_a_server_with_a_persistent_identity_starts_its_relay_client(procs: ProcSet, coordinator: Coordinator,
+                                                                     tmp_path: Path):
+    # hivemind checks a persistent identity is free with a throwaway daemon (auto-relay, no relays): the relay
+    # flags of a server's own daemon must not reach it, or p2pd refuses to start (seen in the image's swarm)
+    server = procs.start("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "server", "--stage", "0",
+                         "--identity", str(tmp_path / "server.id"), *LOCALHOST)
+    server.wait_for_line(r"reachability: direct", SERVER_START_TIMEOUT, stream="stderr")
+    server.wait_for_line(r"serving stage 0 of", SERVER_START_TIMEOUT, stream="stderr")
 
 
 def test_out_of_range_flag_is_an_argparse_error(procs: ProcSet, coordinator: Coordinator):

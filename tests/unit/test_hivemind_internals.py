@@ -328,9 +328,15 @@ def test_a_dht_node_asks_of_its_storage_and_cache_only_what_bounded_storage_answ
 
 def test_p2pd_flags_added_in_a_process_reach_the_daemon_command_line_beside_hivemind_s(monkeypatch):
     monkeypatch.setattr(P2P, "_make_process_args", P2P.__dict__["_make_process_args"])  # restored after the test
-    hivemind_internals.add_p2pd_flags({"relayDiscovery": False, "relayService": True, "relay": False})
-    args = P2P._make_process_args("/bin/p2pd", relay=True, autoRelay=True)
+    hivemind_internals.add_p2pd_flags({"relayService": True, "relay": False},
+                                      with_trusted_relays={"relayDiscovery": False})
+    args = P2P._make_process_args("/bin/p2pd", relay=True, autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1/p2p/Qm")
     assert args[0] == "/bin/p2pd"
-    assert set(args[1:]) == {"-relayDiscovery=0", "-relayService=1", "-relay=1", "-autoRelay=1"}  # hivemind's win
+    assert set(args[1:]) == {"-relayDiscovery=0", "-relayService=1", "-relay=1", "-autoRelay=1",  # hivemind's win
+                             "-trustedRelays=/ip4/1.2.3.4/tcp/1/p2p/Qm"}
+    # hivemind's throwaway daemon that checks an identity is free: auto-relay, no relays; p2pd would refuse
+    # to start with relay discovery off as well
+    args = P2P._make_process_args("/bin/p2pd", relay=True, autoRelay=True)
+    assert set(args[1:]) == {"-relayService=1", "-relay=1", "-autoRelay=1"}
     flags = inspect.signature(P2P.create).parameters
     assert {"use_relay", "use_auto_relay", "trusted_relays", "force_reachability"} <= set(flags)

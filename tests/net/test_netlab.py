@@ -108,8 +108,8 @@ def test_close_leaves_nothing_behind():
 
 
 def test_a_killed_owner_is_swept_by_the_next_lab():
-    code = ("import sys, time; from tests.netlab import Lab; lab = Lab(); lab.add_host('a', latency_ms=5); "
-            "lab.start(); print('up', flush=True); time.sleep(600)")
+    code = ("import signal; from tests.netlab import Lab; lab = Lab(); lab.add_host('a', latency_ms=5); "
+            "lab.start(); print('up', flush=True); signal.pause()")  # until the SIGKILL below
     owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "up"

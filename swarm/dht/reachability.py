@@ -35,6 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import parse_maddrs, peer_id_of, visible_maddrs
+from swarm.dht.relays import RelayOffer, ask_relay
 from swarm.dht.schemas import DIRECT, RELAYED, UNREACHABLE
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ RELAY_WAIT = 30.0  # after no peer reached us: how long the daemon gets to hold 
 CHECK_TIME = ASK_PEERS * (RPC_TIMEOUT + 1.0) + RELAY_WAIT + 5.0  # the longest a whole check can take
 
 CIRCUIT = "/p2p-circuit"
+MIN_RELAYED_BYTES = 1 << 30  # a relay that resets connections sooner cannot carry training traffic
 
 PORT_HINT = ("to be dialed directly, forward a TCP port on your router to this machine and start with "
              "--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT")
@@ -163,6 +165,11 @@ async def ask_dial_back(dht: hivemind.DHT, peer: PeerID, maddrs: Sequence[str], 
     return [maddr for maddr in reached if maddr in maddrs]  # only what we asked about counts
 
 
+async def _relay_offer(dht: hivemind.DHT, relay: PeerID) -> RelayOffer:
+    """What `relay` promises each relayed connection (we hold a slot there; asking again renews it)."""
+    return await asyncio.wait_for(ask_relay(await dht.replicate_p2p(), relay), RPC_TIMEOUT)
+
+
 @dataclass
 class Reachability:
     """What is known about whether others can dial this peer; `state` is None until the check ends."""
@@ -199,20 +206,24 @@ def check_reachability(
     relay_wait: float = RELAY_WAIT,
     poll: Callable[[float], object] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    relay_offer: Callable[[str], RelayOffer | None] = lambda relay: None,
 ) -> Reachability:
     """Fill `result`: direct if one of `peers` (asked in turn, ASK_PEERS at most) dials one of our addresses,
     else relayed once our daemon holds a relay address (waiting up to `relay_wait`), else unreachable.
 
     `own_maddrs()` lists the daemon's addresses now (circuit addresses included), `ask(peer, maddrs)` is
-    the dial_back RPC; both are passed in so the logic can be tested without a network.
+    the dial_back RPC, `relay_offer(relay)` what a relay promises each relayed connection (None: unknown);
+    all are passed in so the logic can be tested without a network. A relay that cuts connections
+    short (libp2p's default limits) is named in the line: relayed work through it would fail.
     """
     try:
-        return _check(own_maddrs, ask, peers, result, relay_wait, poll, clock)
+        return _check(own_maddrs, ask, peers, result, relay_wait, poll, clock, relay_offer)
     finally:
         result.ended.set()
 
 
-def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll, clock) -> Reachability:
+def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll, clock,
+           relay_offer) -> Reachability:
     listening = sorted((maddr for maddr in own_maddrs() if CIRCUIT not in maddr), key=_is_loopback)  # loopback last
     result.listening = listening
     failures = []
@@ -236,6 +247,11 @@ def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll
             result.via = relay
             result.line = (f"reachability: relayed: {asked}; others reach this peer through relay {relay[-8:]} "
                            f"(hole punching makes it direct where the NAT allows). {PORT_HINT}")
+            offer = relay_offer(relay)
+            if offer is not None and not offer.carries(MIN_RELAYED_BYTES):
+                result.line += (f". BUT relay {relay[-8:]} {offer.describe()}: activations and averaging parts "
+                                "through it will be cut off; relay through a swarm coordinator or a public server "
+                                "(--relays), or forward a port")
             result.state = RELAYED
             return result
         if clock() >= deadline:
@@ -266,9 +282,16 @@ def start_check(dht: hivemind.DHT, loop: BackgroundLoop, initial_peers: Sequence
     def ask(peer: PeerID, maddrs: list[str]) -> list[str]:
         return loop.run(ask_dial_back(dht, peer, maddrs), RPC_TIMEOUT + 1.0)
 
+    def offer_of(relay: str) -> RelayOffer | None:
+        try:
+            return loop.run(_relay_offer(dht, PeerID.from_base58(relay)), RPC_TIMEOUT + 1.0)
+        except Exception as e:  # unknown: the relay gave us a slot, which is all we know
+            log.debug("could not ask relay %s what it offers: %s", relay, e)
+            return None
+
     def run() -> None:
         try:
-            check_reachability(lambda: visible_maddrs(dht, latest=True), ask, peers, result)
+            check_reachability(lambda: visible_maddrs(dht, latest=True), ask, peers, result, relay_offer=offer_of)
         except Exception as e:  # the DHT went away (shutting down); nothing to tell
             log.debug("reachability check stopped: %s", e)
             return

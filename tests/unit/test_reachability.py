@@ -22,6 +22,7 @@ from swarm.dht.reachability import (
     dialable,
     relay_of,
 )
+from swarm.dht.relays import RelayOffer
 from swarm.dht.schemas import DIRECT, RELAYED, UNREACHABLE
 
 pytestmark = pytest.mark.timeout(30)
@@ -76,6 +77,26 @@ def test_no_dial_and_a_relay_address_is_relayed_the_relay_named():
     assert "--announce-maddrs" in result.line and RELAY[-8:] in result.line
     assert result.listening == LISTEN  # circuit addresses are never offered for dialing back
     assert clock.now == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("offer, warned", [
+    (None, False),  # not known: the slot is all we know
+    (RelayOffer(100, 86400, 1 << 40), False),  # a swarm relay's limits
+    (RelayOffer(100, None, None), False),  # unlimited
+    (RelayOffer(100, 120, 1 << 17), True),  # libp2p's defaults: every activation would be cut off
+])
+def test_a_relay_that_cuts_connections_short_is_named_in_the_line(offer, warned):
+    asked = []
+
+    def relay_offer(relay):
+        asked.append(relay)
+        return offer
+
+    result = check_reachability(lambda: LISTEN + [CIRCUIT], lambda peer, maddrs: [], peers(1), Reachability(),
+                                relay_offer=relay_offer)
+    assert result.state == RELAYED and asked == [RELAY]
+    assert ("131072 bytes each way" in result.line) == warned
+    assert ("--relays" in result.line) == warned
 
 
 def test_no_dial_and_no_relay_is_unreachable_after_the_wait():

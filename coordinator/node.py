@@ -27,6 +27,7 @@ from swarm.dht.node import NatOptions
 from swarm.dht.reachability import serve_dial_back
 from swarm.metrics import MetricsServer, Reply, Request
 from swarm.model import build_stage
+from swarm.traffic import TrafficCollector
 
 from .archive import MAX_BYTES_PER_PARAM, RunArchive
 from .discovery import discovery_targets, own_address
@@ -66,6 +67,7 @@ class Coordinator:
             serve_dial_back(self.dht, self.loop, visible_maddrs(self.dht))
             self.registry = CollectorRegistry()
             self.gauges = SwarmGauges(self.registry)
+            self.registry.register(TrafficCollector(self.dht))
             self._status = build_status(config.run_id, {}, [], num_experts=self._num_experts())
             self.history = StatusHistory()  # loss and samples/s over the run, for the live page's charts
             self._records: tuple[dict, list] = ({}, [])  # the last lookup's servers and metrics, for /sd

@@ -34,6 +34,7 @@ from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer, metrics_address
 from swarm.protocol import gate
 from swarm.routing.inflight import AUTO_IN_FLIGHT
+from swarm.traffic import TrafficCollector
 
 log = logging.getLogger("swarm.peer")
 
@@ -219,6 +220,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             start_check(dht, loop, initial_peers, reachability)
         records = SwarmRecords(dht, config.run_id, identity, swarm_key=swarm_key)
         registry = CollectorRegistry()
+        registry.register(TrafficCollector(dht))
         metrics, metrics_addr = None, None
         if args.metrics_port is not None:
             metrics = MetricsServer(registry, args.metrics_port, health=lambda: dht_problem(dht))

@@ -257,8 +257,11 @@ def http_get(port: int, path: str) -> str | None:
 def metric(port: int, name: str, **labels: str) -> float | None:
     """Sum of the /metrics samples called `name` whose labels include `labels`; None if there is none."""
     body = http_get(port, "/metrics")
-    if body is None:
-        return None
+    return None if body is None else metric_in(body, name, **labels)
+
+
+def metric_in(body: str, name: str, **labels: str) -> float | None:
+    """metric() on a /metrics text already read (several figures from one scrape)."""
     values = [sample.value for family in text_string_to_metric_families(body) for sample in family.samples
               if sample.name == name and labels.items() <= sample.labels.items()]
     return sum(values) if values else None

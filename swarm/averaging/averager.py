@@ -64,6 +64,7 @@ from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import RunConfig
 from swarm.dht.keys import averaging_prefix
 from swarm.state import StageState
+from swarm.traffic import TRAFFIC
 from swarm.zero import Layout, ShardedMoments
 
 MAX_MEMBER_BATCHES = 4  # a member's claimed samples count for at most this many of its stage's batches
@@ -343,7 +344,9 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             return functools.partial(self._apply, self._mean(grads, samples), samples, FAILED, [self.peer_id], samples)
         group = len(gathered)
         self.metrics.group_size.set(group)
-        self.metrics.bytes_sent.inc(self._bytes_per_round * 2 * (group - 1) / group)
+        sent = self._bytes_per_round * 2 * (group - 1) / group
+        self.metrics.bytes_sent.inc(sent)
+        TRAFFIC.add("averaging", sent)
         log.debug("stage %d: averaged %d samples over %d servers in %.3fs (group formed after %.3fs)", self.stage,
                   total, group, time.monotonic() - started, start_latency)
         return functools.partial(self._apply, mean, total, SUCCEEDED, [peer.to_base58() for peer in gathered],

@@ -27,6 +27,7 @@ from swarm.dht.relays import has_public_address, probe_own_relay
 from swarm.dht.storage import install_bounded_storage
 from swarm.hivemind_internals import add_p2pd_flags
 from swarm.protocol import gate
+from swarm.traffic import count_unary_rpcs, shared_counter
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ class _DHTProcess(hivemind.DHT):
         self._swarm_key = swarm_key  # before hivemind's __init__, which may fork already
         self._p2pd_flags = p2pd_flags or {}
         self._p2pd_env = p2pd_env or {}
+        self.bytes_sent = shared_counter()  # bytes of its DHT RPCs (swarm.traffic), read by this process
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -151,6 +153,7 @@ class _DHTProcess(hivemind.DHT):
         os.environ.update(self._p2pd_env)  # this process's only child is its p2pd
         if self._swarm_key is not None:
             gate.install(self._swarm_key)
+        count_unary_rpcs(self.bytes_sent)
         if self._p2pd_flags:
             flags = dict(self._p2pd_flags)
             relay_discovery = {"relayDiscovery": flags.pop("relayDiscovery")} if "relayDiscovery" in flags else {}

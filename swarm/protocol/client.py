@@ -20,6 +20,7 @@ from swarm.protocol.errors import RemoteStageError, StageUnavailable
 from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
 from swarm.protocol.messages import BACKWARD, FORWARD, StageReply, StageRequest, receive_reply, request_frames
 from swarm.protocol.service import StageService
+from swarm.traffic import counted
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class StageClient:
     async def call(self, request: StageRequest, timeout: float | None = None) -> StageReply:
         """Send any StageRequest; `timeout` (default: the client's) bounds the whole exchange."""
         timeout = self.timeout if timeout is None else timeout
-        frames = request_frames(request, self.limits)  # a bad request fails here, before any I/O
+        frames = counted(request.kind, request_frames(request, self.limits))  # a bad request fails here, before I/O
         where = f"stage {request.stage} {request.kind} on {self.peer_id}"
         try:
             return await asyncio.wait_for(self._exchange(request.kind, frames), timeout)

@@ -43,6 +43,7 @@ from swarm.protocol.messages import (
     reply_frames,
 )
 from swarm.protocol.slots import CallerSlots
+from swarm.traffic import counted
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class StageService(ServicerBase):
         except Exception as e:  # whatever the handler does wrong, the caller gets an answer
             return self._refuse(context, kind, INTERNAL, f"{type(e).__name__}: {e}", exc_info=True), True
         try:
-            frames = reply_frames(reply, request.wire_dtype, self.limits)
+            frames = counted(kind, reply_frames(reply, request.wire_dtype, self.limits))
             self.slots.vouch(request.caller)  # served: from now on a known caller, not a newcomer
             return frames, True
         except Exception as e:  # a reply we cannot send (over the limits, bad metadata) is our fault

@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import hivemind.averaging.averager as hivemind_averager
@@ -38,6 +38,8 @@ class AveragerInternals(DecentralizedAverager):
     """A DecentralizedAverager whose private parts are reached through named methods, and whose
     private hooks call public ones a subclass overrides."""
 
+    all_reduce_bytes: Any = None  # a shared counter of the bytes its all-reduce rounds send (PolicyAllReduceRunner)
+
     # --- hooks hivemind calls in the averaging process, routed to ours ----------------------------
 
     def run(self) -> None:
@@ -45,7 +47,8 @@ class AveragerInternals(DecentralizedAverager):
         # part with the policy `reducer_policy` names (hivemind builds its runner by this module name).
         policy = self.reducer_policy()
         if policy is not None:
-            hivemind_averager.AllReduceRunner = functools.partial(PolicyAllReduceRunner, policy=policy)
+            hivemind_averager.AllReduceRunner = functools.partial(PolicyAllReduceRunner, policy=policy,
+                                                                  sent=self.all_reduce_bytes)
         super().run()
 
     async def _declare_for_download_periodically(self) -> None:
@@ -198,13 +201,29 @@ class PolicyPartReducer(TensorPartReducer):
 
 
 class PolicyAllReduceRunner(AllReduceRunner):
-    """hivemind's all-reduce runner whose reducer aggregates by `policy`."""
+    """hivemind's all-reduce runner whose reducer aggregates by `policy`, and which adds the bytes of the
+    messages it sends (parts to their reducers, averaged parts back to their senders) to `sent`, a
+    shared counter (swarm.traffic.shared_counter) that the process which forked this one reads."""
 
-    def __init__(self, *args: Any, policy: ReducerPolicy, **kwargs: Any):
+    def __init__(self, *args: Any, policy: ReducerPolicy, sent: Any = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         plain = self.tensor_part_reducer
         plain.finished.set()  # replaced before any part arrived: it must not report what it never received
         self.tensor_part_reducer = PolicyPartReducer(plain.part_shapes, plain.num_senders, policy)
+        self._sent = sent
+
+    def _count(self, message: Any) -> Any:
+        if self._sent is not None:
+            self._sent.value += message.ByteSize()  # one event loop: no other writer in this process
+        return message
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            yield self._count(message)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield self._count(message)
 
 
 # Every RPC of hivemind 1.1.12's P2P goes through these four methods, by role: stream handlers (protobuf

@@ -7,8 +7,8 @@ Exported as ``swarm_bytes_sent_total{kind}``; divided by the peer's samples (``s
   server: the stage's activations), as framed on the wire (swarm.protocol.framing).
 - ``backward``: backward requests (the stage's inputs again, and the gradient of its outputs, or the
   targets for the last stage) and replies (the gradient of the stage's inputs).
-- ``averaging``: what this server sent in all-reduce rounds: measured for ZeRO-sharded rounds,
-  2(n-1)/n x the averaged bytes for plain ones (swarm_averaging_bytes_sent says which).
+- ``averaging``: what this server sent in averaging rounds: the all-reduce's messages (counted in the
+  averaging process, swarm.hivemind_internals.PolicyAllReduceRunner) or the ZeRO-sharded collective's.
 - ``dht``: DHT requests and replies (hivemind's unary RPCs in the DHT process), protobuf bytes.
 
 Counted as messages are handed to the libp2p daemon: libp2p's own framing, encryption and

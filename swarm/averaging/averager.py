@@ -37,7 +37,6 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging.control import StepControl
-from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
 from swarm.averaging.ahead import Armed, GroupsAhead
@@ -141,10 +140,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
                                          compression=self._compression, state_source=self._state_for_peer,
                                          declare_period=ttl, all_reduce=self._zero is None,
                                          max_weight=self.max_member_samples)
-        self._bytes_per_round = sum(
-            b.numel() * b.element_size() * self._compression.estimate_compression_ratio(CompressionInfo.from_tensor(b))
-            for b in buffers
-        )
+        self._counted_sent = 0  # of the averaging process's all-reduce bytes, what the metrics have
         self._process.start_process(start_timeout)
         self._intake = StateIntake(state, self._process, self.metrics, lambda: self._tracker.others(),
                                    self._fingerprint_rtol, self._closing, own=self._own_if_started,
@@ -335,6 +331,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
                 mean = self._read_buffers()
             except AveragingError as e:
                 failure = e
+        self._count_sent()  # a failed round sent parts too
         if failure is not None:
             self._check_process()
             log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
@@ -344,9 +341,6 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             return functools.partial(self._apply, self._mean(grads, samples), samples, FAILED, [self.peer_id], samples)
         group = len(gathered)
         self.metrics.group_size.set(group)
-        sent = self._bytes_per_round * 2 * (group - 1) / group
-        self.metrics.bytes_sent.inc(sent)
-        TRAFFIC.add("averaging", sent)
         log.debug("stage %d: averaged %d samples over %d servers in %.3fs (group formed after %.3fs)", self.stage,
                   total, group, time.monotonic() - started, start_latency)
         return functools.partial(self._apply, mean, total, SUCCEEDED, [peer.to_base58() for peer in gathered],
@@ -396,6 +390,13 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(members), "own_samples": own,
                 "own_late": min(self._late_in_round, own)}
+
+    def _count_sent(self) -> None:
+        """Add what the averaging process's all-reduce sent since the last count to the metrics."""
+        total = self._process.all_reduce_bytes.value
+        sent, self._counted_sent = total - self._counted_sent, total
+        self.metrics.bytes_sent.inc(sent)
+        TRAFFIC.add("averaging", sent)
 
     def _end_round(self) -> None:
         with self._state_lock:

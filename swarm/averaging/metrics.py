@@ -20,8 +20,8 @@ class AveragingMetrics:
         self.rounds = {outcome: rounds.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED, LOCAL)}
         self.group_size = Gauge("swarm_averaging_group_size", "Servers in the last successful averaging round",
                                 ["stage"], registry=registry).labels(stage=label)
-        self.bytes_sent = Counter("swarm_averaging_bytes_sent", "Estimated bytes this server sent in all-reduce "
-                                  "rounds (tensor sizes x compression ratio)", ["stage"],
+        self.bytes_sent = Counter("swarm_averaging_bytes_sent", "Bytes this server sent in averaging rounds (the "
+                                  "all-reduce's messages, or the ZeRO-sharded collective's)", ["stage"],
                                   registry=registry).labels(stage=label)
         self.round_seconds = Histogram("swarm_averaging_round_seconds", "Time from the start of matchmaking to "
                                        "the end of the all-reduce, failed rounds included", ["stage"],

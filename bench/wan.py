@@ -1,15 +1,20 @@
 """Throughput across the internet: a swarm in the network lab at added latency and capped rates.
 
     sudo .venv/bin/python bench/wan.py [--latencies 0 50] [--rates 0 100] [--fixed]
+                                       [--servers-per-stage 2] [--nat-stage 1] [--config ...]
 
-A coordinator, one server per stage and one trainer, each on its own host of tests/netlab (as root;
+A coordinator, one server per stage (or --servers-per-stage) and one trainer, each on its own host
+of tests/netlab (as root;
 `make test-net` installs what the lab needs). Every link gets half the one-way latency asked for
 (a packet between two hosts crosses two links) and the rate (0: unlimited) both ways. For each
 latency and rate the trainer's samples/s is measured over one window after a warm-up, and printed
 against the same swarm at 0 ms and the same rate, with the micro-batches in flight the trainer chose
 (swarm_trainer_in_flight, `--in-flight auto`) and the share of backwards a stage ran one or more steps
 stale. With --fixed, each point is also run with the trainer's default fixed count (a quarter of a
-batch), side by side.
+batch), side by side. With --nat-stage K, stage K's servers sit behind NAT and are reached through
+the coordinator's relay. Also printed: how long after the coordinator every server was serving
+(the join), and the mean averaging round in the window (matchmaking included), against the
+bytes-over-rate bound 2(n-1)/n x stage 0's gradient bytes / rate when a rate is set.
 
 Defaults: configs/tiny.yaml at batch 64 (its compute takes milliseconds, as on a GPU).
 """
@@ -29,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peer.trainer import default_in_flight  # noqa: E402
 from swarm.config import RunConfig  # noqa: E402
+from swarm.model import build_stage  # noqa: E402
 from tests.netlab import Lab  # noqa: E402
 from tests.procs import INITIAL_PEERS_LINE, ProcSet  # noqa: E402
 
@@ -54,23 +60,29 @@ def stale_share(samples: dict) -> float | None:
 
 
 def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixed: int | None, warmup: float,
-            window: float, workdir: Path) -> dict:
+            window: float, workdir: Path, per_stage: int = 1, nat_stage: int | None = None,
+            nat_reachability: str = "auto") -> dict:
     procs = ProcSet(workdir)
     link = {"latency_ms": latency_ms / 2, "rate_mbit": rate or None}
     with Lab() as lab:
         hub = lab.add_host("hub", **link)
-        servers = [lab.add_host(f"s{k}", **link) for k in range(stages)]
+        servers = [(k, lab.add_host(f"s{k}r{j}", kind="nat" if k == nat_stage else "public", **link))
+                   for k in range(stages) for j in range(per_stage)]
         trainer_host = lab.add_host("trainer", **link)
         lab.start()
         try:
             coordinator = procs.start("swarm-coordinator", "--config", str(config_path), netns=hub.ns)
             line = coordinator.wait_for_line(INITIAL_PEERS_LINE, 120)
+            began = time.monotonic()
             join = ("--initial-peers", *[m for m in line.group(1).split() if f"/ip4/{hub.address}/" in m])
             metrics = ("--metrics-port", str(PORT))
-            peers = [procs.start("swarm-peer", *join, "--role", "server", "--stage", str(k), *metrics, netns=h.ns)
-                     for k, h in enumerate(servers)]
+            behind = ("--reachability", nat_reachability)
+            peers = [procs.start("swarm-peer", *join, "--role", "server", "--stage", str(k), *metrics,
+                                 *(behind if k == nat_stage else ()), netns=h.ns)
+                     for k, h in servers]
             for peer in peers:
                 peer.wait_for_line(r"serving stage \d+", 300, stream="stderr")
+            joined = time.monotonic() - began
             extra = ("--in-flight", "auto" if fixed is None else str(fixed))
             trainer = procs.start("swarm-peer", *join, "--role", "trainer", "--trainer-index", "0", *metrics, *extra,
                                   netns=trainer_host.ns)
@@ -78,16 +90,38 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
                                "the trainer's first samples")
             time.sleep(warmup)
             start, t0 = value(families(trainer_host), "swarm_trainer_samples_total"), time.monotonic()
+            rounds_before = [families(h) for _, h in servers]
             time.sleep(window)
             end_samples = families(trainer_host)
             elapsed = time.monotonic() - t0
-            stale = [stale_share(families(h)) for h in servers]
-            return {"latency_ms": latency_ms, "rate_mbit": rate, "fixed": fixed,
+            rounds_after = [families(h) for _, h in servers]
+            stale = [stale_share(f) for f in rounds_after]
+            took = [value(after, "swarm_averaging_round_seconds_sum")
+                    - value(before, "swarm_averaging_round_seconds_sum")
+                    for before, after in zip(rounds_before, rounds_after)]
+            count = [value(after, "swarm_averaging_round_seconds_count")
+                     - value(before, "swarm_averaging_round_seconds_count")
+                     for before, after in zip(rounds_before, rounds_after)]
+            return {"latency_ms": latency_ms, "rate_mbit": rate, "fixed": fixed, "joined_s": joined,
                     "samples_per_second": (value(end_samples, "swarm_trainer_samples_total") - start) / elapsed,
                     "in_flight": value(end_samples, "swarm_trainer_in_flight"),
-                    "stale_share": max((s for s in stale if s is not None), default=None)}
+                    "stale_share": max((s for s in stale if s is not None), default=None),
+                    "round_seconds": sum(took) / sum(count) if sum(count) else None,
+                    "rounds": sum(count)}
         finally:
             procs.stop_all()
+
+
+def rounds_line(r: dict, config: RunConfig, n: int) -> str:
+    """The window's mean averaging round against its bytes-over-rate bound (stage 0's gradient)."""
+    if r["round_seconds"] is None:
+        return ""
+    line = f"; {r['rounds']:.0f} averaging rounds, {r['round_seconds']:.2f} s each"
+    if r["rate_mbit"] and n > 1:
+        gradient = 4 * sum(p.numel() for p in build_stage(config, 0).parameters())
+        bound = 2 * (n - 1) / n * gradient / (r["rate_mbit"] * 1e6 / 8)
+        line += f" ({r['round_seconds'] / bound:.2f} x the bound 2(n-1)/n x gradient / rate = {bound:.2f} s)"
+    return line
 
 
 def main() -> None:
@@ -99,6 +133,10 @@ def main() -> None:
     p.add_argument("--fixed", action="store_true", help="also run each point with the old fixed in-flight count")
     p.add_argument("--warmup", type=float, default=15.0)
     p.add_argument("--window", type=float, default=40.0)
+    p.add_argument("--servers-per-stage", type=int, default=1, help="servers of each stage, each on its own host")
+    p.add_argument("--nat-stage", type=int, help="put this stage's servers behind NAT (reached through the relay)")
+    p.add_argument("--nat-reachability", default="auto", choices=("auto", "private"),
+                   help="--reachability of the servers behind NAT")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     config = RunConfig.load(args.config)
@@ -116,7 +154,8 @@ def main() -> None:
                     workdir = Path(tmp) / f"r{rate}-l{latency}-{fixed}"
                     workdir.mkdir()
                     r = measure(config_path, config.stages.num_stages, latency, rate, fixed, args.warmup,
-                                args.window, workdir)
+                                args.window, workdir, args.servers_per_stage, args.nat_stage,
+                                args.nat_reachability)
                     results.append(r)
                     base = next((b["samples_per_second"] for b in results if b["rate_mbit"] == rate
                                  and b["latency_ms"] == 0 and b["fixed"] is None), None)
@@ -126,7 +165,8 @@ def main() -> None:
                           f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
                           f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
                           f"samples/s ({ratio} of 0 ms adaptive), {r['in_flight']:.0f} in flight at the end, "
-                          f"{stale} of backwards stale", flush=True)
+                          f"{stale} of backwards stale; all servers serving {r['joined_s']:.1f} s after the "
+                          f"coordinator" + rounds_line(r, config, args.servers_per_stage), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

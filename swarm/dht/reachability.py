@@ -30,14 +30,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import hivemind
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import parse_maddrs, peer_id_of, visible_maddrs
-from swarm.dht.relays import RelayOffer, ask_relay
+from swarm.dht.relays import RelayOffer, ask_relay, throwaway_daemon
 from swarm.dht.schemas import DIRECT, RELAYED, UNREACHABLE
 
 log = logging.getLogger(__name__)
@@ -271,8 +271,7 @@ PRECHECK_TIMEOUT = ASK_PEERS * (RPC_TIMEOUT + 1.0) + 10.0  # a throwaway daemon,
 
 async def _dialed_directly(initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> bool | None:
     listen = [re.sub(r"/(tcp|udp)/\d+", r"/\1/0", str(maddr), count=1) for maddr in host_maddrs]  # ports of its own
-    asker = await P2P.create(host_maddrs=listen, dht_mode="client", auto_nat=False, nat_port_map=False,
-                             use_relay=False)
+    asker = await throwaway_daemon(listen)
     try:
         own = [str(maddr) for maddr in await asker.get_visible_maddrs()]
         answered = False

@@ -160,9 +160,14 @@ def has_public_address(maddrs: list[str]) -> bool:
     return False
 
 
+async def throwaway_daemon(host_maddrs: list[str]) -> P2P:
+    """A bare libp2p daemon for one question to other peers: no DHT, AutoNAT, port mapping or relays."""
+    return await P2P.create(host_maddrs=host_maddrs, dht_mode="client", auto_nat=False, nat_port_map=False,
+                            use_relay=False)
+
+
 async def _probe(relay: PeerID, maddrs: list[str]) -> RelayOffer:
-    asker = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_mode="client", auto_nat=False,
-                             nat_port_map=False, use_relay=False)
+    asker = await throwaway_daemon(["/ip4/127.0.0.1/tcp/0"])
     try:
         # without their /p2p/ part: p2pd cannot decode hivemind's encoding of it
         await asker._client.connect(relay, [Multiaddr(maddr.split("/p2p/", 1)[0]) for maddr in maddrs])

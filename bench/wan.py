@@ -12,7 +12,9 @@ against the same swarm at 0 ms and the same rate, with the micro-batches in flig
 (swarm_trainer_in_flight, `--in-flight auto`) and the share of backwards a stage ran one or more steps
 stale. With --fixed, each point is also run with the trainer's default fixed count (a quarter of a
 batch), side by side. With --nat-stage K, stage K's servers sit behind NAT and are reached through
-the coordinator's relay. Also printed: how long after the coordinator every server was serving
+the coordinator's relay; with --nat-trainer the trainer sits behind a NAT of its own, and
+--hub-latency puts latency on the coordinator's link alone (a relayed call pays it, a direct one
+not). Also printed: how long after the coordinator every server was serving
 (the join), and the mean averaging round in the window (matchmaking included), against the
 bytes-over-rate bound 2(n-1)/n x stage 0's gradient bytes / rate when a rate is set.
 
@@ -61,14 +63,14 @@ def stale_share(samples: dict) -> float | None:
 
 def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixed: int | None, warmup: float,
             window: float, workdir: Path, per_stage: int = 1, nat_stage: int | None = None,
-            nat_reachability: str = "auto") -> dict:
+            nat_reachability: str = "auto", nat_trainer: bool = False, hub_ms: float | None = None) -> dict:
     procs = ProcSet(workdir)
     link = {"latency_ms": latency_ms / 2, "rate_mbit": rate or None}
     with Lab() as lab:
-        hub = lab.add_host("hub", **link)
+        hub = lab.add_host("hub", **{**link, **({} if hub_ms is None else {"latency_ms": hub_ms})})
         servers = [(k, lab.add_host(f"s{k}r{j}", kind="nat" if k == nat_stage else "public", **link))
                    for k in range(stages) for j in range(per_stage)]
-        trainer_host = lab.add_host("trainer", **link)
+        trainer_host = lab.add_host("trainer", kind="nat" if nat_trainer else "public", **link)
         lab.start()
         try:
             coordinator = procs.start("swarm-coordinator", "--config", str(config_path), netns=hub.ns)
@@ -137,6 +139,9 @@ def main() -> None:
     p.add_argument("--nat-stage", type=int, help="put this stage's servers behind NAT (reached through the relay)")
     p.add_argument("--nat-reachability", default="auto", choices=("auto", "private"),
                    help="--reachability of the servers behind NAT")
+    p.add_argument("--nat-trainer", action="store_true", help="put the trainer behind NAT too (its own)")
+    p.add_argument("--hub-latency", type=float, help="one-way ms on the coordinator's link alone (the relay's), "
+                   "instead of half the latency asked for: a relayed call crosses it twice each way")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     config = RunConfig.load(args.config)
@@ -155,7 +160,7 @@ def main() -> None:
                     workdir.mkdir()
                     r = measure(config_path, config.stages.num_stages, latency, rate, fixed, args.warmup,
                                 args.window, workdir, args.servers_per_stage, args.nat_stage,
-                                args.nat_reachability)
+                                args.nat_reachability, args.nat_trainer, args.hub_latency)
                     results.append(r)
                     base = next((b["samples_per_second"] for b in results if b["rate_mbit"] == rate
                                  and b["latency_ms"] == 0 and b["fixed"] is None), None)

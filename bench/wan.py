@@ -104,7 +104,11 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
             count = [value(after, "swarm_averaging_round_seconds_count")
                      - value(before, "swarm_averaging_round_seconds_count")
                      for before, after in zip(rounds_before, rounds_after)]
+            waited = [value(after, "swarm_averaging_round_start_seconds_sum")
+                      - value(before, "swarm_averaging_round_start_seconds_sum")
+                      for before, after in zip(rounds_before, rounds_after)]
             return {"latency_ms": latency_ms, "rate_mbit": rate, "fixed": fixed, "joined_s": joined,
+                    "all_reduce_seconds": (sum(took) - sum(waited)) / sum(count) if sum(count) else None,
                     "samples_per_second": (value(end_samples, "swarm_trainer_samples_total") - start) / elapsed,
                     "in_flight": value(end_samples, "swarm_trainer_in_flight"),
                     "stale_share": max((s for s in stale if s is not None), default=None),
@@ -118,11 +122,13 @@ def rounds_line(r: dict, config: RunConfig, n: int) -> str:
     """The window's mean averaging round against its bytes-over-rate bound (stage 0's gradient)."""
     if r["round_seconds"] is None:
         return ""
-    line = f"; {r['rounds']:.0f} averaging rounds, {r['round_seconds']:.2f} s each"
+    line = (f"; {r['rounds']:.0f} averaging rounds, {r['round_seconds']:.2f} s each, of which "
+            f"{r['all_reduce_seconds']:.2f} s after the group formed")
     if r["rate_mbit"] and n > 1:
         gradient = 4 * sum(p.numel() for p in build_stage(config, 0).parameters())
         bound = 2 * (n - 1) / n * gradient / (r["rate_mbit"] * 1e6 / 8)
-        line += f" ({r['round_seconds'] / bound:.2f} x the bound 2(n-1)/n x gradient / rate = {bound:.2f} s)"
+        line += (f" ({r['round_seconds'] / bound:.2f} and {r['all_reduce_seconds'] / bound:.2f} x the bound "
+                 f"2(n-1)/n x gradient / rate = {bound:.2f} s)")
     return line
 
 

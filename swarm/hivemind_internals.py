@@ -10,6 +10,7 @@ running swarm.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import functools
 import multiprocessing as mp
@@ -29,9 +30,10 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.dht.schema import SchemaValidator
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
+from hivemind.utils.multiaddr import Multiaddr
 
 
 class AveragerInternals(DecentralizedAverager):
@@ -364,3 +366,16 @@ def _own_mpfuture_locks() -> None:
 if sys.platform.startswith("linux") and os.path.isdir("/proc/self/fd"):  # (flock; reopened through /proc)
     MPFuture._update_lock = DeathReleasedLock()
 os.register_at_fork(after_in_child=_own_mpfuture_locks)
+
+
+async def connect(p2p: P2P, peer: PeerID, maddrs: Sequence[str]) -> None:
+    """Have `p2p`'s daemon connect to `peer` at `maddrs` (hivemind's P2P has no public call for this). The
+    /p2p/ part is cut off: p2pd cannot decode hivemind's encoding of it."""
+    await p2p._client.connect(peer, [Multiaddr(maddr.split("/p2p/", 1)[0]) for maddr in maddrs])
+
+
+async def open_stream(p2p: P2P, peer: PeerID, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw libp2p stream to `peer` on `protocol`, not one of hivemind's handlers (a relay's hop protocol)."""
+    _info, reader, writer = await p2p._client.stream_open(peer, (protocol,))
+    return reader, writer
+

@@ -63,7 +63,6 @@ from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import RunConfig
 from swarm.dht.keys import averaging_prefix
 from swarm.state import StageState
-from swarm.traffic import TRAFFIC
 from swarm.zero import Layout, ShardedMoments
 
 MAX_MEMBER_BATCHES = 4  # a member's claimed samples count for at most this many of its stage's batches
@@ -395,8 +394,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         """Add what the averaging process's all-reduce sent since the last count to the metrics."""
         total = self._process.all_reduce_bytes.value
         sent, self._counted_sent = total - self._counted_sent, total
-        self.metrics.bytes_sent.inc(sent)
-        TRAFFIC.add("averaging", sent)
+        self.metrics.sent(sent)
 
     def _end_round(self) -> None:
         with self._state_lock:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from swarm.traffic import TRAFFIC
+
 SUCCEEDED, FAILED, LOCAL = "succeeded", "failed", "local"  # outcomes of a round
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 START_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -65,3 +67,8 @@ class AveragingMetrics:
                         "(when this server closed its batch)", ["stage", "when"], registry=registry)
         self.armed_rounds = {when: armed.labels(stage=label, when=when) for when in ("ahead", "now")}
         self.downloads = {outcome: downloads.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED)}
+
+    def sent(self, nbytes: int) -> None:
+        """Bytes this server sent in an averaging round: this stage's counter and the peer's traffic."""
+        self.bytes_sent.inc(nbytes)
+        TRAFFIC.add("averaging", nbytes)

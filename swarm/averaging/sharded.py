@@ -24,7 +24,6 @@ from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
 from swarm.averaging.process import total_samples
 from swarm.averaging.progress import StageView, round_of
 from swarm.averaging.zero_round import RoundResult, run_round
-from swarm.traffic import TRAFFIC
 from swarm.zero import MemberInfo, Plan, PlanError, make_plan
 
 log = logging.getLogger(__name__)
@@ -96,8 +95,7 @@ class ShardedRounds:
                         sorted({plan.primary[c] for c in result.refused_moments}))
         self.metrics.chunk_transfers["received"].inc(result.transfers_in)
         self.metrics.chunk_transfers["sent"].inc(result.transfers_out)
-        self.metrics.bytes_sent.inc(result.bytes_sent)
-        TRAFFIC.add("averaging", result.bytes_sent)
+        self.metrics.sent(result.bytes_sent)
         self.metrics.group_size.set(len(plan.members))
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import re
@@ -186,11 +187,9 @@ def start_dht(
     nat = nat or NatOptions()
     args = (run_id, identity, initial_peers, host_maddrs, announce_maddrs, client_mode, startup_timeout,
             rpc_timeout, swarm_key, nat)
-    if not nat.verifies_relay:
-        return _start_dht_once(*args)
-    for attempt in range(1, RELAY_START_ATTEMPTS + 1):
+    for attempt in itertools.count(1):
         dht = _start_dht_once(*args)
-        problem = relay_problem(dht)
+        problem = relay_problem(dht) if nat.verifies_relay else None
         if problem is None:
             return dht
         if attempt == RELAY_START_ATTEMPTS:
@@ -200,7 +199,6 @@ def start_dht(
         log.warning("%s (a race inside the libp2p daemon); starting it again (%d/%d)", problem, attempt,
                     RELAY_START_ATTEMPTS)
         dht.shutdown()
-    raise AssertionError("unreachable")
 
 
 def relay_problem(dht: hivemind.DHT) -> str | None:

@@ -26,7 +26,8 @@ import logging
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.hivemind_internals import connect, open_stream
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def parse_hop_reply(body: bytes) -> RelayOffer:
 
 async def ask_relay(p2p: P2P, relay: PeerID) -> RelayOffer:
     """Ask `relay` (already connected, or findable by `p2p`'s daemon) for a slot; its offer."""
-    _info, reader, writer = await p2p._client.stream_open(relay, (HOP_PROTOCOL,))
+    reader, writer = await open_stream(p2p, relay, HOP_PROTOCOL)
     try:
         writer.write(RESERVE)
         await writer.drain()
@@ -169,8 +170,7 @@ async def throwaway_daemon(host_maddrs: list[str]) -> P2P:
 async def _probe(relay: PeerID, maddrs: list[str]) -> RelayOffer:
     asker = await throwaway_daemon(["/ip4/127.0.0.1/tcp/0"])
     try:
-        # without their /p2p/ part: p2pd cannot decode hivemind's encoding of it
-        await asker._client.connect(relay, [Multiaddr(maddr.split("/p2p/", 1)[0]) for maddr in maddrs])
+        await connect(asker, relay, maddrs)
         return await ask_relay(asker, relay)
     finally:
         await asker.shutdown()

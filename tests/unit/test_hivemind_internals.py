@@ -340,3 +340,23 @@ def test_p2pd_flags_added_in_a_process_reach_the_daemon_command_line_beside_hive
     assert set(args[1:]) == {"-relayService=1", "-relay=1", "-autoRelay=1"}
     flags = inspect.signature(P2P.create).parameters
     assert {"use_relay", "use_auto_relay", "trusted_relays", "force_reachability"} <= set(flags)
+
+
+def test_the_all_reduce_still_sends_through_the_two_generators_we_count():
+    # PolicyAllReduceRunner counts what it sends by wrapping these: parts to their reducers, averaged parts back
+    runner = class_source(AllReduceRunner)
+    assert inspect.isasyncgenfunction(AllReduceRunner._generate_input_for_peer)
+    assert list(inspect.signature(AllReduceRunner._generate_input_for_peer).parameters) == ["self", "peer_index"]
+    assert "self._generate_input_for_peer(" in runner
+    assert inspect.isasyncgenfunction(AllReduceRunner.rpc_aggregate_part)
+    assert list(inspect.signature(AllReduceRunner.rpc_aggregate_part).parameters) == ["self", "stream", "context"]
+    assert ".rpc_aggregate_part(" in AVERAGER  # the averager hands each incoming stream to its round's runner
+
+
+def test_the_daemon_client_still_connects_and_opens_raw_streams_as_we_call_it():
+    from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
+
+    assert assigns(P2P, "_client")
+    assert list(inspect.signature(Client.connect).parameters) == ["self", "peer_id", "maddrs"]
+    assert list(inspect.signature(Client.stream_open).parameters) == ["self", "peer_id", "protocols"]
+    assert "return await self.control.stream_open(" in inspect.getsource(Client.stream_open)

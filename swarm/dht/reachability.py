@@ -20,10 +20,8 @@ announce, so this adds no new reach; it is bounded so that it adds no new volume
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import ipaddress
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import parse_maddrs, peer_id_of, visible_maddrs
-from swarm.dht.relays import RelayOffer, ask_relay, throwaway_daemon
+from swarm.dht.relays import RelayOffer, ask_relay
 from swarm.dht.schemas import DIRECT, RELAYED, UNREACHABLE
 
 log = logging.getLogger(__name__)
@@ -264,63 +262,6 @@ def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll
                    f"peers behind NAT with --relays /ip4/.../tcp/.../p2p/<peer id>")
     result.state = UNREACHABLE
     return result
-
-
-PRECHECK_TIMEOUT = ASK_PEERS * (RPC_TIMEOUT + 1.0) + 10.0  # a throwaway daemon, then the peers asked in turn
-
-
-async def _dialed_directly(initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> bool | None:
-    listen = [re.sub(r"/(tcp|udp)/\d+", r"/\1/0", str(maddr), count=1) for maddr in host_maddrs]  # ports of its own
-    asker = await throwaway_daemon(listen)
-    try:
-        own = [str(maddr) for maddr in await asker.get_visible_maddrs()]
-        answered = False
-        for maddr in parse_maddrs(initial_peers, "initial peer", need_peer_id=True)[:ASK_PEERS]:
-            peer = peer_id_of(maddr)
-            try:
-                await asyncio.wait_for(asker._client.connect(peer, [Multiaddr(str(maddr).split("/p2p/", 1)[0])]),
-                                       RPC_TIMEOUT)
-                stub = DialBackServicer.get_stub(asker, peer, namespace=RPC_NAMESPACE)
-                request = runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(own[:MAX_ADDRS]))
-                answer = await asyncio.wait_for(stub.rpc_dial_back(request), RPC_TIMEOUT)
-            except Exception as e:  # noqa: BLE001 - a peer that cannot answer tells nothing either way
-                log.debug("pre-check: %s did not answer: %s", peer, e)
-                continue
-            data = answer.serialized_info
-            reached = MSGPackSerializer.loads(data) if len(data) <= MAX_REQUEST_BYTES else None
-            if not isinstance(reached, list):
-                continue
-            answered = True
-            if any(maddr in own for maddr in reached):
-                return True
-        return False if answered else None
-    finally:
-        await asker.shutdown()
-
-
-def behind_nat(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-               ) -> bool:
-    """Before a server's daemon starts: whether this machine is behind NAT, asked of the initial peers with a
-    throwaway daemon listening as the server will (on another port). True only if a peer answered and
-    none could dial it; False when unknown, and not asked at all when the answer is known or moot: with
-    --announce-maddrs (a forwarded port: the throwaway's port would not be), or listening on loopback only.
-
-    Why: libp2p's AutoNAT takes its first probe 15 s after start; until it says "private" the daemon
-    takes no relay slot and does no hole punching, and a connection relayed before then stays relayed.
-    A server told up front takes its slot at once and opens direct connections where the NAT allows
-    (measured in the lab: a stage behind NAT at 50 ms one way, 0.68 of the all-public swarm's samples/s
-    with AutoNAT, 0.96 told up front; joining in 7.7 s instead of 19).
-    """
-    if announce_maddrs or all(_is_loopback(maddr) for maddr in host_maddrs):
-        return False
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nat-precheck") as pool:
-            found = pool.submit(lambda: asyncio.run(asyncio.wait_for(
-                _dialed_directly(initial_peers, host_maddrs), PRECHECK_TIMEOUT))).result()
-    except Exception as e:  # noqa: BLE001 - unknown: libp2p's AutoNAT finds out as before
-        log.info("could not learn up front whether other peers can dial this machine: %s: %s", type(e).__name__, e)
-        return False
-    return found is False
 
 
 def wait_until_reachable(result: Reachability | None) -> None:

@@ -227,25 +227,3 @@ def test_nat_options_map_to_the_daemon():
     with pytest.raises(ValueError, match="reachability"):
         NatOptions(reachability="sometimes")
 
-
-@pytest.mark.parametrize("hosts, announce", [
-    (["/ip4/127.0.0.1/tcp/0"], []),  # one machine: no NAT between its peers
-    (["/ip4/0.0.0.0/tcp/4100"], ["/ip4/11.77.1.2/tcp/4100"]),  # a forwarded port, announced
-])
-def test_no_nat_precheck_where_the_answer_is_known_or_moot(monkeypatch, hosts, announce):
-    import swarm.dht.reachability as reachability
-
-    monkeypatch.setattr(reachability, "_dialed_directly", lambda *a: pytest.fail("asked"))
-    assert reachability.behind_nat([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], hosts, announce) is False
-
-
-@pytest.mark.parametrize("dialed, expected", [(True, False), (False, True), (None, False)])
-def test_behind_nat_only_when_a_peer_answered_and_none_could_dial(monkeypatch, dialed, expected):
-    import swarm.dht.reachability as reachability
-
-    async def dialed_directly(initial_peers, host_maddrs):
-        assert host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
-        return dialed
-
-    monkeypatch.setattr(reachability, "_dialed_directly", dialed_directly)
-    assert reachability.behind_nat([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], ["/ip4/0.0.0.0/tcp/0"], []) is expected

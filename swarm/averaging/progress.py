@@ -148,13 +148,18 @@ def backs_state(sender: str, step: int, fingerprint: Sequence[float] | None, own
     step must be within the bound of the voters' steps, this server's own counted; most voters at its
     step must agree with its fingerprint, and at least one must, unless the stage has no established
     server besides the sender and this one (a stage of two). There the sender's word is all there is,
-    and it counts only if the sender is this server's elder (`elders`, see :func:`seniors`; unchecked
-    when None): the one that served first leads. So no lone claimant moves a stage of three or more,
-    no new one moves anybody, and one that joins a lone server does not lead it.
+    at any step, and it counts only if the sender is this server's elder (`elders`, see
+    :func:`seniors`; unchecked when None): the one that served first leads. So no lone claimant moves a
+    stage of three or more, no new one moves anybody, and one that joins a lone server does not lead it.
     """
     if established is not None and sender not in established:
         return f"{sender} has not been watched long enough to vouch for a state"
     peers = [r for r in others if r.peer_id != sender and (established is None or r.peer_id in established)]
+    if not peers and own is not None and elders is not None and sender in elders:
+        # a stage of two: the elder's word is all there is, however far ahead. A bound against this server's own
+        # step would leave one that fell more than MAX_STEP_LEAD behind (its elder stepping alone before it was
+        # counted) refusing every state the elder offers, for good
+        return None
     votes = peers + ([own] if own is not None else [])
     bound = step_bound([r.step for r in votes])
     if bound is not None and step > bound:

@@ -64,6 +64,18 @@ def test_in_a_stage_of_two_the_newcomer_s_claim_a_step_ahead_moves_the_elder_not
     assert backs_state("m", 10, LIE, None, [m], {"m"}, elders={"m"}) is None
 
 
+
+def test_a_server_far_behind_its_elder_in_a_stage_of_two_catches_up():
+    # the elder stepped alone before it counted this one (lab: 7 steps to 0); no third server to bound it by
+    own = record("a", 0, since=100.0)
+    elder = record("m", 7, since=99.0)
+    assert backs_state("m", 7, FP, own, [elder], {"m"}, elders={"m"}) is None
+    assert stage_view(own, [elder], established={"m"}, elders={"m"}).behind
+    # the same lead claimed by the younger moves nothing; with a third server, the bound holds as before
+    assert backs_state("m", 7, FP, own, [elder], {"m"}, elders=set()) is not None
+    third = record("c", 0)
+    assert "beyond the stage's" in backs_state("m", 7, FP, own, [elder, third], {"m", "c"}, elders={"m", "c"})
+
 def test_of_two_diverged_replicas_the_younger_takes_the_elder_s_state_whatever_their_ranks():
     # a (elder) made step 10 alone after a lost round: its lone step ranks below b's
     a = record("a", 10, [9.0, 9.0], round_id="lone", group=1, since=100.0)

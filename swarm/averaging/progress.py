@@ -155,11 +155,14 @@ def backs_state(sender: str, step: int, fingerprint: Sequence[float] | None, own
     if established is not None and sender not in established:
         return f"{sender} has not been watched long enough to vouch for a state"
     peers = [r for r in others if r.peer_id != sender and (established is None or r.peer_id in established)]
-    if not peers and own is not None and elders is not None and sender in elders:
+    if not peers and own is not None and elders is not None:
         # a stage of two: the elder's word is all there is, however far ahead. A bound against this server's own
         # step would leave one that fell more than MAX_STEP_LEAD behind (its elder stepping alone before it was
         # counted) refusing every state the elder offers, for good
-        return None
+        if sender in elders:
+            return None
+        return (f"{sender} is the stage's only other established server and began serving after this one: "
+                "in a stage of two, the elder leads")
     votes = peers + ([own] if own is not None else [])
     bound = step_bound([r.step for r in votes])
     if bound is not None and step > bound:
@@ -172,9 +175,6 @@ def backs_state(sender: str, step: int, fingerprint: Sequence[float] | None, own
     if agree == 0 and peers:
         return (f"no established server besides {sender} is at step {step} with its parameters "
                 f"({len(peers)} others are established)")
-    if not peers and own is not None and elders is not None and sender not in elders:
-        return (f"{sender} is the stage's only other established server and began serving after this one: "
-                "in a stage of two, the elder leads")
     return None
 
 

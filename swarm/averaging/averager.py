@@ -52,6 +52,7 @@ from swarm.averaging.progress import (
     ProgressRecord,
     StageView,
     fingerprint_rtol,
+    lone_elder,
     param_fingerprint,
     plausible,
     round_of,
@@ -306,8 +307,10 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
     def view(self) -> StageView:
         """This server's view of its stage now (others as of the last progress read)."""
         own = self._own_record()
-        others = [] if self.solo else plausible(self._tracker.others(), own.step)
-        return stage_view(own, others, self._fingerprint_rtol, self._established(), self._tracker.elders())
+        established, elders = self._established(), self._tracker.elders()
+        others = [] if self.solo else self._tracker.others()
+        others = plausible(others, own.step, lone_elder(others, established, elders))
+        return stage_view(own, others, self._fingerprint_rtol, established, elders)
 
     def _established(self) -> set[str]:
         """The stage's servers this one has watched for averaging.min_tenure (swarm.tenure)."""

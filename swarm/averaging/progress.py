@@ -94,12 +94,28 @@ def step_bound(steps: Sequence[int]) -> int | None:
     return None if median is None else median + MAX_STEP_LEAD
 
 
-def plausible(records: Sequence[ProgressRecord], own_step: int | None = None) -> list[ProgressRecord]:
+def plausible(records: Sequence[ProgressRecord], own_step: int | None = None,
+              leader: str | None = None) -> list[ProgressRecord]:
     """The records whose step is within :func:`step_bound` of the others' and this server's own (a liar's are
-    dropped)."""
+    dropped), and `leader`'s at any step (see :func:`lone_elder`)."""
     steps = [r.step for r in records] + ([] if own_step is None else [own_step])
     bound = step_bound(steps)
-    return [r for r in records if bound is None or r.step <= bound]
+    return [r for r in records if bound is None or r.step <= bound or r.peer_id == leader]
+
+
+def lone_elder(others: Sequence[ProgressRecord], established: Collection[str] | None,
+               elders: Collection[str] | None) -> str | None:
+    """The stage's one other established server, if it is this server's elder: in a stage of two the elder's
+    word is all there is, at any step (see :func:`backs_state`). Bounded by the median of two steps, which is
+    this server's own, a server that fell more than MAX_STEP_LEAD behind (its elder stepping alone before it
+    was counted) would never see the elder ahead, and so never catch up."""
+    if established is None or elders is None:
+        return None
+    counted = {r.peer_id for r in others if r.peer_id in established}
+    if len(counted) != 1:
+        return None
+    (peer,) = counted
+    return peer if peer in elders else None
 
 
 def voters(others: Sequence[ProgressRecord], established: Collection[str] | None) -> list[ProgressRecord]:

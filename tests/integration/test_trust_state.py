@@ -6,7 +6,8 @@ weights to zeros and its step to the others' + 1 and publishes that (signed with
 any server may). Before the trust rules, both honest replicas adopted m's state within about a
 second. Now nobody believes a lone claimant in a stage of three: the honest replicas do not count
 themselves behind, download nothing, and their next step is their own. In a stage of two (one honest
-server and m, which joined it), the elder leads: the honest server keeps its state and steps on.
+server and m, which joined it), the elder leads: the honest server keeps its state and steps on; and
+the other way round, a server far behind its elder takes the elder's state.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from swarm.averaging.metrics import SUCCEEDED
+from swarm.averaging.progress import MAX_STEP_LEAD
 from swarm.dht import visible_maddrs
 from tests.helpers import wait_until
 from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers
@@ -33,14 +35,15 @@ from tests.integration.test_averaging import (
 pytestmark = pytest.mark.timeout(150)
 
 
-def claim_a_step_ahead(m, step: int) -> None:
-    """m's weights become zeros and its step `step`, shared and published as any server's state is."""
+def claim_a_step_ahead(m, step: int, scale: float = 0.0) -> None:
+    """m's weights become `scale` times theirs (zeros by default) and its step `step`, shared and published as
+    any server's state is."""
     state = m.stage_state
 
     def corrupt() -> None:
         with torch.no_grad():
             for p in state.optimizer.params:
-                p.zero_()
+                p.mul_(scale)
         state.optimizer.step_count = step
         m.averager.state_loaded()
 
@@ -127,3 +130,24 @@ def test_a_server_that_joined_a_lone_honest_server_cannot_lead_it_with_a_step_ah
         assert downloads(a) == downloaded
         moved = sum(float((after["params"][n] - honest["params"][n]).norm()) for n in after["params"])
         assert 0 < moved < sum(float(t.norm()) for t in honest["params"].values())
+
+
+def test_a_server_far_behind_its_elder_in_a_stage_of_two_takes_the_elder_s_state():
+    # The lab's NAT test: the elder stepped 6 times alone before it counted the other, which never took a step
+    # of its own (no trainer sent it samples) and, bounding the elder's step by its own, never saw it ahead.
+    config = make_config("trust-lead")
+    with running_peers(config.run_id, 1) as peers, stage_servers(config, peers, [STAGE]) as (a,), \
+            running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_b,), \
+            stage_servers(config, [peer_b], [STAGE]) as (b,):
+        wait_until_peers_see_each_other([a, b])
+        wait_until(lambda: a.peer_id in b.averager._established(), SEE_TIMEOUT, interval=0.1,
+                   what="a established in b's eyes")
+        assert a.peer_id in b.averager._tracker.elders()
+        step, downloaded = snapshot(b)["step"], downloads(b)
+        lead = step + 3 * MAX_STEP_LEAD
+
+        claim_a_step_ahead(a, lead, scale=0.5)  # (as if it had stepped alone: weights of its own, far ahead)
+        wait_until(lambda: b.backend.step == lead and not b.averager.busy, ROUND_TIMEOUT, interval=0.1,
+                   what=f"b taking a's state at step {lead}")
+        assert downloads(b) == downloaded + 1
+        assert_same_state(snapshot(b), snapshot(a))

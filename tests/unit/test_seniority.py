@@ -7,7 +7,15 @@ established server besides the sender and this one.
 
 from __future__ import annotations
 
-from swarm.averaging.progress import ProgressRecord, backs_state, seniors, sharing_priority, stage_view
+from swarm.averaging.progress import (
+    ProgressRecord,
+    backs_state,
+    lone_elder,
+    plausible,
+    seniors,
+    sharing_priority,
+    stage_view,
+)
 
 FP = [1.0, 2.0]
 LIE = [0.0, 0.0]
@@ -75,6 +83,20 @@ def test_a_server_far_behind_its_elder_in_a_stage_of_two_catches_up():
     assert backs_state("m", 7, FP, own, [elder], {"m"}, elders=set()) is not None
     third = record("c", 0)
     assert "beyond the stage's" in backs_state("m", 7, FP, own, [elder, third], {"m", "c"}, elders={"m", "c"})
+
+
+def test_the_lone_elder_s_record_is_believed_at_any_step_and_nobody_else_s():
+    own, elder = record("a", 0, since=100.0), record("m", 7, since=99.0)
+    # the median of two steps is this server's own: bounded by it, the elder ahead would be dropped unseen
+    assert plausible([elder], own.step) == []
+    assert lone_elder([elder], {"m"}, {"m"}) == "m"
+    assert plausible([elder], own.step, lone_elder([elder], {"m"}, {"m"})) == [elder]
+    # not an elder, not established, or not alone: no leader, the bound holds
+    assert lone_elder([elder], {"m"}, set()) is None
+    assert lone_elder([elder], set(), {"m"}) is None
+    third = record("c", 0, since=98.0)
+    assert lone_elder([elder, third], {"m", "c"}, {"m", "c"}) is None
+    assert plausible([elder, third], own.step) == [third]
 
 def test_of_two_diverged_replicas_the_younger_takes_the_elder_s_state_whatever_their_ranks():
     # a (elder) made step 10 alone after a lost round: its lone step ranks below b's

@@ -105,8 +105,11 @@ class TrainerMetrics:
                                        "(each is retried elsewhere)", labels=["stage"])
         bad = CounterMetricFamily("swarm_trainer_bad_replies", "Replies that did not fit the request "
                                   "(shape, dtype, non-finite values)", labels=["stage"])
-        banned = GaugeMetricFamily("swarm_trainer_banned_servers", "A stage's servers this trainer bans now",
-                                   labels=["stage"])
+        held = CounterMetricFamily("swarm_trainer_held_off_calls", "Calls not sent because this trainer's p2p "
+                                   "daemon held off dialing the server after a dial that did not complete (each "
+                                   "is retried elsewhere; not the server's failure)", labels=["stage"])
+        banned = GaugeMetricFamily("swarm_trainer_banned_servers", "A stage's servers this trainer bans now "
+                                   "(or holds off, see swarm_trainer_held_off_calls)", labels=["stage"])
         caught = CounterMetricFamily("swarm_trainer_caught_servers", "Servers banned because witnesses of their "
                                      "stage disagreed with their reply (spot checks)", labels=["stage"])
         errors = CounterMetricFamily("swarm_trainer_error_replies", "Error replies from servers, by code (each is "
@@ -120,13 +123,14 @@ class TrainerMetrics:
                 label = [str(stage)]
                 failures.add_metric(label, stats.stage_failures.get(stage, 0))
                 bad.add_metric(label, stats.stage_bad_replies.get(stage, 0))
+                held.add_metric(label, stats.held_off.get(stage, 0))
                 banned.add_metric(label, len(balancer.listed()) - len(balancer.available()))
                 caught.add_metric(label, stats.caught.get(stage, 0))
             for code, count in sorted(stats.error_replies.items()):
                 errors.add_metric([code], count)
             checks.add_metric(["agreed"], stats.spot_checks - stats.disputes)
             checks.add_metric(["disputed"], stats.disputes)
-        yield from (failures, bad, banned, caught, errors, checks)
+        yield from (failures, bad, held, banned, caught, errors, checks)
 
 
 class Trainer:

@@ -3,7 +3,8 @@
 Three outcomes besides success, so the caller can decide what to do next:
 - ProtocolError: the request itself is invalid (raised before anything is sent; a bug on our side);
 - RemoteStageError(code, message): the server answered with an error reply;
-- StageUnavailable: unreachable, broken connection, timeout, or a malformed/truncated reply.
+- StageUnavailable: unreachable, broken connection, timeout, or a malformed/truncated reply (DialHeldOff:
+  our daemon did not even try, a recent dial to the server having not completed).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
-from swarm.protocol.errors import RemoteStageError, StageUnavailable
+from swarm.protocol.errors import DialHeldOff, RemoteStageError, StageUnavailable
 from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
 from swarm.protocol.messages import BACKWARD, FORWARD, StageReply, StageRequest, receive_reply, request_frames
 from swarm.protocol.service import StageService
@@ -25,6 +26,13 @@ from swarm.traffic import counted
 log = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT = 60.0  # seconds for one whole call: connect, send, server compute, receive
+
+
+def dial_held_off(error: str) -> bool:
+    """Whether a p2p daemon's error says it tried no address of the peer: each is on libp2p's dial backoff
+    (its lines read ``* [address] dial backoff``), held off after a dial that did not complete."""
+    reasons = [line.split("]", 1)[-1].strip() for line in error.splitlines() if line.lstrip().startswith("* [")]
+    return bool(reasons) and all(reason == "dial backoff" for reason in reasons) and "skipping" not in error
 
 
 class StageClient:
@@ -91,7 +99,8 @@ class StageClient:
             raise StageUnavailable(f"{where} did not answer within {timeout:g}s") from e
         except Exception as e:  # daemon errors, resets, truncated or garbled replies: all mean "go elsewhere"
             log.debug("%s failed", where, exc_info=True)
-            raise StageUnavailable(f"{where} failed: {type(e).__name__}: {e}") from e
+            error = DialHeldOff if dial_held_off(str(e)) else StageUnavailable
+            raise error(f"{where} failed: {type(e).__name__}: {e}") from e
 
     async def _exchange(self, kind: str, frames: Iterator) -> StageReply:
         stub = StageService.get_stub(self.p2p, self.peer_id, namespace=self.namespace)

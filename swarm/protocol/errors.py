@@ -36,3 +36,9 @@ class RemoteStageError(StageRPCError):
 
 class StageUnavailable(StageRPCError):
     """The server could not be reached, broke the connection, or did not answer in time: retry elsewhere."""
+
+
+class DialHeldOff(StageUnavailable):
+    """Our own p2p daemon did not try to reach the server: a dial to it moments ago did not complete (another
+    call's, perhaps one given up by its caller's timeout), and libp2p holds off redialing an address for a few
+    seconds after that. No word on the server itself."""

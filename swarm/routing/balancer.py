@@ -286,6 +286,13 @@ class StageBalancer:
         state.banned_until = max(state.banned_until, self.clock() + duration)
         return duration
 
+    def hold_off(self, ticket: Ticket, seconds: float) -> None:
+        """Leave the server out for `seconds` with no verdict on it: the call never reached it (our p2p
+        daemon held off dialing it, see swarm.protocol.DialHeldOff). Its failures and estimates stand."""
+        state = self._close(ticket)
+        if state is not None:
+            state.banned_until = max(state.banned_until, self.clock() + seconds)
+
     def ban(self, peer_id: str, seconds: float) -> None:
         """Ban the server for `seconds` whatever its calls said (it was caught answering wrongly): counted
         as a failure, and its estimates dropped, since the answers that made them cannot be trusted."""

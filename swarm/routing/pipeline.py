@@ -51,6 +51,7 @@ from swarm.protocol import (
     INTERNAL,
     NOT_READY,
     WRONG_STAGE,
+    DialHeldOff,
     ProtocolError,
     RemoteStageError,
     StageClient,
@@ -74,6 +75,8 @@ class PipelineError(RuntimeError):
 
 FULL_CODES = frozenset({BUSY, NOT_READY})  # the server is full or not serving yet: a brief ban, then back
 KNOWN_CODES = frozenset({BAD_REQUEST, BUSY, INTERNAL, NOT_READY, WRONG_STAGE})  # counted by name; others as "other"
+DIAL_HOLD_OFF = 5.0  # seconds libp2p holds off redialing an address after a dial that did not complete (at first)
+HELD_OFF_REASON = "our p2p daemon holds off dialing it for a few seconds after a dial that did not complete"
 
 
 @dataclass
@@ -97,6 +100,7 @@ class PipelineSettings:
 class PipelineStats:
     calls: int = 0
     failures: int = 0  # failed calls, each retried on another server or later
+    held_off: Counter = field(default_factory=Counter)  # by stage: calls our p2p daemon did not send (DialHeldOff)
     bad_replies: int = 0  # of them, replies that did not fit the request (shape, dtype, non-finite, no loss)
     error_replies: Counter = field(default_factory=Counter)  # of them, error replies by code
     refused: int = 0  # micro-batches dropped because every server of a stage refused them as bad requests
@@ -277,6 +281,16 @@ class RemotePipeline:
                                    self.settings.request_timeout)
         try:
             reply = await self._send(stage, peer, request, timeout)
+        except DialHeldOff as e:
+            # Not the server's failure: a dial to it moments ago did not complete (often another call's, given
+            # up by its own timeout on a long link), so the daemon tried nothing. The server is left out until
+            # libp2p's hold-off ends, unbanned: a call that does reach it gives the verdict.
+            balancer.hold_off(ticket, DIAL_HOLD_OFF)
+            self.stats.held_off[stage] += 1
+            log.info("stage %d %s on %s not sent: %s; trying another server, this one again in %.0fs", stage, kind,
+                     peer[-8:], HELD_OFF_REASON, DIAL_HOLD_OFF)
+            log.debug("%s", e)
+            return None
         except (StageUnavailable, RemoteStageError) as e:
             # An error reply is that server's failure, like silence: it is banned and the call goes elsewhere.
             code = e.code if isinstance(e, RemoteStageError) else None

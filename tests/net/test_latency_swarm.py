@@ -42,7 +42,8 @@ def test_a_swarm_at_100_ms_one_way_trains_without_banning_healthy_servers(lab: L
     done = trainer.wait_until(completed, TRAIN_TIMEOUT, f"{ROUNDS} averaging rounds on every server")
     failed = {name: rounds(host, "failed") for name, host in servers.items()}
     bans = re.findall(r".* banned for .*", trainer.stderr())
-    assert not bans, "\n".join(bans)  # every server is healthy: a ban is a timeout too short for the distance
+    # every server is healthy: a ban is a timeout too short for the distance (the whole log says which call)
+    assert not bans, "\n".join(bans) + "\n" + trainer.describe()
     for proc in procs_of.values():
         assert proc.returncode is None, proc.describe()
     print(f"rounds succeeded {done}, failed {failed}")  # for the record (pytest -s)

@@ -18,12 +18,15 @@ from swarm.protocol import (
     INTERNAL,
     NOT_READY,
     WRONG_STAGE,
+    DialHeldOff,
     RemoteStageError,
     StageReply,
     StageRequest,
     StageUnavailable,
 )
+from swarm.protocol.client import dial_held_off
 from swarm.routing import PipelineError, RemotePipeline, StageBalancer
+from swarm.routing.pipeline import DIAL_HOLD_OFF
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -96,6 +99,40 @@ def test_a_failed_call_bans_its_server_and_is_retried_on_another():
     assert [peer for _, peer, _ in pipeline.sent] == ["a0", "b0"]  # equal and unmeasured: a0 first, by id
     assert pipeline.stats.failures == 1 and pipeline.balancers[0].servers["a0"].failures == 1
     assert pipeline.open_tickets() == 0
+
+
+# p2pd's words (go-libp2p 0.32, through hivemind's ControlFailure), as a trainer 100 ms from its servers got them
+HELD_OFF = ("Connect failed. msg=failed to dial: failed to dial QmNwVpyx6AKNpKSQLgqSJNEG4GkivUh2o9Sdjxw33g3v2D: "
+            "all dials failed\n  * [/ip4/11.77.3.2/tcp/38415] dial backoff")
+
+
+def test_the_daemon_s_hold_off_is_told_apart_from_a_dial_that_failed():
+    assert dial_held_off(HELD_OFF)
+    assert dial_held_off(HELD_OFF + "\n  * [/ip4/127.0.0.1/tcp/38415] dial backoff")
+    # one address tried and refused: the server's own word (it is down), a failure as before
+    assert not dial_held_off(HELD_OFF + "\n  * [/ip4/127.0.0.1/tcp/38415] dial tcp4 127.0.0.1:38415: connect: "
+                                        "connection refused")
+    assert not dial_held_off("failed to dial Qm: all dials failed\n  * [/ip4/1.2.3.4/tcp/1] i/o timeout")
+    assert not dial_held_off("stream reset")
+    assert not dial_held_off("a server's message saying dial backoff")
+
+
+def test_a_call_our_daemon_held_off_bans_nobody_and_goes_to_another_server():
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        if peer == "a0":
+            raise DialHeldOff(f"stage 0 forward on a0 failed: ControlFailure: {HELD_OFF}")
+        return answer(stage, request, 1)
+
+    pipeline = FakePipeline({0: ["a0", "b0"]}, behaviour)
+    assert pipeline.trip() == 2.5
+    assert [peer for _, peer, _ in pipeline.sent] == ["a0", "b0"]
+    a0 = pipeline.balancers[0].servers["a0"]
+    assert a0.failures == 0 and pipeline.stats.failures == 0 and pipeline.stats.held_off[0] == 1
+    assert pipeline.open_tickets() == 0
+    # left out while libp2p holds off, back once it ends
+    assert pipeline.balancers[0].available() == ["b0"]
+    pipeline.clock.now += DIAL_HOLD_OFF
+    assert sorted(pipeline.balancers[0].available()) == ["a0", "b0"]
 
 
 def test_a_reply_with_the_wrong_tensors_counts_as_a_failure():

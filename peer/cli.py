@@ -28,7 +28,7 @@ from swarm.dht import (
     visible_maddrs,
 )
 from swarm.dht.node import REACHABILITY_CHOICES, NatOptions
-from swarm.dht.reachability import Reachability, serve_dial_back, start_check
+from swarm.dht.reachability import Reachability, behind_nat, serve_dial_back, start_check
 from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer, metrics_address
@@ -203,7 +203,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             gate.install(swarm_key)
         initial_peers = read_initial_peers(args.initial_peers, args.join_timeout, stop.wait)
         serves = role in ("server", "expert")  # a trainer only dials out: behind NAT it needs no relay
-        nat = NatOptions(reachability=args.reachability, relay_client=serves, relay_service=serves,
+        reachability = args.reachability
+        if serves and reachability == "auto" and behind_nat(initial_peers, args.host_maddrs, args.announce_maddrs):
+            log.info("no peer could dial this machine: telling libp2p it is behind NAT, so that it takes a relay "
+                     "slot at once and opens direct connections by hole punching where the NAT allows")
+            reachability = "private"
+        nat = NatOptions(reachability=reachability, relay_client=serves, relay_service=serves,
                          relays=tuple(args.relays))
         dht, info, config = join_run(initial_peers, identity, loop, host_maddrs=args.host_maddrs,
                                      announce_maddrs=args.announce_maddrs, timeout=args.join_timeout,

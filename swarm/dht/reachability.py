@@ -20,8 +20,10 @@ announce, so this adds no new reach; it is bounded so that it adds no new volume
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +37,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import parse_maddrs, peer_id_of, visible_maddrs
-from swarm.dht.relays import RelayOffer, ask_relay
+from swarm.dht.relays import RelayOffer, ask_relay, throwaway_daemon
 from swarm.dht.schemas import DIRECT, RELAYED, UNREACHABLE
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,10 @@ class Reachability:
         return self.ended.wait(timeout)
 
 
+class ReachabilityError(RuntimeError):
+    """The check could not be made (this peer's own addresses could not be listed)."""
+
+
 def relay_of(maddrs: Sequence[str]) -> str | None:
     """The relay's peer id in the first /p2p-circuit address among `maddrs`; None if there is none."""
     for maddr in maddrs:
@@ -224,7 +230,19 @@ def check_reachability(
 
 def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll, clock,
            relay_offer) -> Reachability:
-    listening = sorted((maddr for maddr in own_maddrs() if CIRCUIT not in maddr), key=_is_loopback)  # loopback last
+    def maddrs_now() -> list[str] | None:
+        try:
+            return own_maddrs()
+        except Exception as e:  # noqa: BLE001 - a call into the DHT process that failed once; asked again
+            log.debug("could not list this peer's addresses: %s: %s", type(e).__name__, e)
+            return None
+
+    deadline = clock() + relay_wait
+    while (maddrs := maddrs_now()) is None:
+        if clock() >= deadline:
+            raise ReachabilityError(f"could not list this peer's own addresses within {relay_wait:g}s")
+        poll(0.5)
+    listening = sorted((maddr for maddr in maddrs if CIRCUIT not in maddr), key=_is_loopback)  # loopback last
     result.listening = listening
     failures = []
     for peer in list(dict.fromkeys(peers))[:ASK_PEERS]:
@@ -242,7 +260,7 @@ def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll
     asked = f"no peer could dial {shown}" + (f" (not answered: {'; '.join(failures)})" if failures else "")
     deadline = clock() + relay_wait
     while True:
-        relay = relay_of(own_maddrs())
+        relay = relay_of(maddrs_now() or [])
         if relay is not None:
             result.via = relay
             result.line = (f"reachability: relayed: {asked}; others reach this peer through relay {relay[-8:]} "
@@ -262,6 +280,63 @@ def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll
                    f"peers behind NAT with --relays /ip4/.../tcp/.../p2p/<peer id>")
     result.state = UNREACHABLE
     return result
+
+
+PRECHECK_TIMEOUT = ASK_PEERS * (RPC_TIMEOUT + 1.0) + 10.0  # a throwaway daemon, then the peers asked in turn
+
+
+async def _dialed_directly(initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> bool | None:
+    listen = [re.sub(r"/(tcp|udp)/\d+", r"/\1/0", str(maddr), count=1) for maddr in host_maddrs]  # ports of its own
+    asker = await throwaway_daemon(listen)
+    try:
+        own = [str(maddr) for maddr in await asker.get_visible_maddrs()]
+        answered = False
+        for maddr in parse_maddrs(initial_peers, "initial peer", need_peer_id=True)[:ASK_PEERS]:
+            peer = peer_id_of(maddr)
+            try:
+                await asyncio.wait_for(asker._client.connect(peer, [Multiaddr(str(maddr).split("/p2p/", 1)[0])]),
+                                       RPC_TIMEOUT)
+                stub = DialBackServicer.get_stub(asker, peer, namespace=RPC_NAMESPACE)
+                request = runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(own[:MAX_ADDRS]))
+                answer = await asyncio.wait_for(stub.rpc_dial_back(request), RPC_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot answer tells nothing either way
+                log.debug("pre-check: %s did not answer: %s", peer, e)
+                continue
+            data = answer.serialized_info
+            reached = MSGPackSerializer.loads(data) if len(data) <= MAX_REQUEST_BYTES else None
+            if not isinstance(reached, list):
+                continue
+            answered = True
+            if any(maddr in own for maddr in reached):
+                return True
+        return False if answered else None
+    finally:
+        await asker.shutdown()
+
+
+def behind_nat(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
+               ) -> bool:
+    """Before a server's daemon starts: whether this machine is behind NAT, asked of the initial peers with a
+    throwaway daemon listening as the server will (on another port). True only if a peer answered and
+    none could dial it; False when unknown, and not asked at all when the answer is known or moot: with
+    --announce-maddrs (a forwarded port: the throwaway's port would not be), or listening on loopback only.
+
+    Why: libp2p's AutoNAT takes its first probe 15 s after start; until it says "private" the daemon
+    takes no relay slot and does no hole punching, and a connection relayed before then stays relayed.
+    A server told up front takes its slot at once and opens direct connections where the NAT allows
+    (measured in the lab: a stage behind NAT at 50 ms one way, 0.68 of the all-public swarm's samples/s
+    with AutoNAT, 0.96 told up front; joining in 7.7 s instead of 19).
+    """
+    if announce_maddrs or all(_is_loopback(maddr) for maddr in host_maddrs):
+        return False
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nat-precheck") as pool:
+            found = pool.submit(lambda: asyncio.run(asyncio.wait_for(
+                _dialed_directly(initial_peers, host_maddrs), PRECHECK_TIMEOUT))).result()
+    except Exception as e:  # noqa: BLE001 - unknown: libp2p's AutoNAT finds out as before
+        log.info("could not learn up front whether other peers can dial this machine: %s: %s", type(e).__name__, e)
+        return False
+    return found is False
 
 
 def wait_until_reachable(result: Reachability | None) -> None:
@@ -292,8 +367,10 @@ def start_check(dht: hivemind.DHT, loop: BackgroundLoop, initial_peers: Sequence
     def run() -> None:
         try:
             check_reachability(lambda: visible_maddrs(dht, latest=True), ask, peers, result, relay_offer=offer_of)
-        except Exception as e:  # the DHT went away (shutting down); nothing to tell
-            log.debug("reachability check stopped: %s", e)
+        except Exception as e:  # noqa: BLE001 - the DHT went away (shutting down), or it failed for good
+            (log.warning if dht.is_alive() else log.debug)(
+                "reachability: unknown (the check failed: %s: %s); this server serves all the same, and peers "
+                "that cannot dial it route around it", type(e).__name__, e)
             return
         (log.info if result.state == DIRECT else log.warning)("%s", result.line)
 

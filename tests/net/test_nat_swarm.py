@@ -24,6 +24,7 @@ COORDINATOR_TIMEOUT = 60.0
 METRICS_PORT = 9100  # every host has its own network: the same port everywhere
 RELAYED_LINE = r"reachability: relayed: no peer could dial .*192\.168\.\d+\.2.* through relay (\S+) "
 DIRECT_LINE = r"reachability: direct \(\S+ dialed /ip4/11\.77\.\d+\.2/tcp/"
+TOLD_BEHIND_NAT = "telling libp2p it is behind NAT"
 UNREACHABLE_LINE = r"reachability: unreachable: no peer could dial .*no relay gave this peer a slot.*$"
 STEPS = 20  # steps the stage-1 server must take through its relay
 LOSS_DROP, LOSS_CEILING = 0.8, 4.0  # the loss falls below both (an untrained byte model's is ln 256 = 5.55)
@@ -91,6 +92,8 @@ def test_a_server_and_a_trainer_behind_two_nats_train_through_a_relay(lab: Lab, 
 
     stage1.wait_until(trained, TRAIN_TIMEOUT, f"{STEPS} steps on the relayed server, the loss below {target:.2f}")
     assert "reachability" not in trainer.stderr()  # a trainer only dials out: it is not checked
+    # asked before its daemon started, the server behind NAT told libp2p so (a relay slot at once, hole punching)
+    assert TOLD_BEHIND_NAT in stage1.stderr() and TOLD_BEHIND_NAT not in stage0.stderr()
 
 
 def test_a_server_behind_nat_with_no_relay_is_told_it_is_unreachable_and_how_to_fix_it(

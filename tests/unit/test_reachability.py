@@ -18,6 +18,7 @@ from swarm.dht.reachability import (
     MAX_REQUEST_BYTES,
     DialBackServicer,
     Reachability,
+    ReachabilityError,
     check_reachability,
     dialable,
     relay_of,
@@ -130,13 +131,34 @@ def test_an_answer_naming_addresses_never_asked_about_is_not_believed():
 
 
 def test_a_check_that_fails_still_ends():
+    clock = FakeClock()
+
     def own():
         raise RuntimeError("DHT process gone")
 
     result = Reachability()
-    with pytest.raises(RuntimeError):
-        check_reachability(own, lambda peer, maddrs: [], peers(1), result)
+    with pytest.raises(ReachabilityError):
+        check_reachability(own, lambda peer, maddrs: [], peers(1), result, relay_wait=7, poll=clock.sleep,
+                           clock=clock)
     assert result.ended.is_set() and not result.known
+    assert clock.now == pytest.approx(7.0)
+
+
+def test_a_listing_of_its_own_addresses_that_fails_now_and_then_does_not_end_the_check():
+    # (a call into the DHT process failed once in the lab, right after the server joined, and the check ended
+    # silently: no reachability line at all)
+    clock = FakeClock()
+    calls = []
+
+    def own():
+        calls.append(clock.now)
+        if len(calls) % 2:  # every other call fails, the first among them
+            raise TimeoutError("a call into the DHT process")
+        return LISTEN + ([CIRCUIT] if clock.now >= 2.0 else [])
+
+    result = check_reachability(own, lambda peer, maddrs: [], peers(1), Reachability(), relay_wait=30,
+                                poll=clock.sleep, clock=clock)
+    assert result.state == RELAYED and result.listening == LISTEN
 
 
 @pytest.mark.parametrize("maddr, loopback_ok, expected", [
@@ -227,3 +249,25 @@ def test_nat_options_map_to_the_daemon():
     with pytest.raises(ValueError, match="reachability"):
         NatOptions(reachability="sometimes")
 
+
+@pytest.mark.parametrize("hosts, announce", [
+    (["/ip4/127.0.0.1/tcp/0"], []),  # one machine: no NAT between its peers
+    (["/ip4/0.0.0.0/tcp/4100"], ["/ip4/11.77.1.2/tcp/4100"]),  # a forwarded port, announced
+])
+def test_no_nat_precheck_where_the_answer_is_known_or_moot(monkeypatch, hosts, announce):
+    import swarm.dht.reachability as reachability
+
+    monkeypatch.setattr(reachability, "_dialed_directly", lambda *a: pytest.fail("asked"))
+    assert reachability.behind_nat([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], hosts, announce) is False
+
+
+@pytest.mark.parametrize("dialed, expected", [(True, False), (False, True), (None, False)])
+def test_behind_nat_only_when_a_peer_answered_and_none_could_dial(monkeypatch, dialed, expected):
+    import swarm.dht.reachability as reachability
+
+    async def dialed_directly(initial_peers, host_maddrs):
+        assert host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
+        return dialed
+
+    monkeypatch.setattr(reachability, "_dialed_directly", dialed_directly)
+    assert reachability.behind_nat([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], ["/ip4/0.0.0.0/tcp/0"], []) is expected

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ REACHABILITY_CHOICES = ("auto", "public", "private")
 RELAY_CIRCUITS = 64  # relayed connections one peer may hold through us at once (p2pd's default: 16)
 RELAY_DATA_LIMIT = 1 << 40  # bytes a relayed connection may carry each way before the relay resets it
 RELAY_TIME_LIMIT = "24h0m0s"  # how long one relayed connection may last (p2pd's default: 30 minutes)
+BOOTSTRAP_ATTEMPTS = 2  # DHT starts while no initial peer answers at once (see _start_dht_joined)
+BOOTSTRAP_RETRY_PAUSE = 1.0
 RELAY_START_ATTEMPTS = 8  # daemon starts of a public relay until its relay offers our limits
 
 
@@ -188,7 +191,7 @@ def start_dht(
     args = (run_id, identity, initial_peers, host_maddrs, announce_maddrs, client_mode, startup_timeout,
             rpc_timeout, swarm_key, nat)
     for attempt in itertools.count(1):
-        dht = _start_dht_once(*args)
+        dht = _start_dht_joined(*args)
         problem = relay_problem(dht) if nat.verifies_relay else None
         if problem is None:
             return dht
@@ -199,6 +202,20 @@ def start_dht(
         log.warning("%s (a race inside the libp2p daemon); starting it again (%d/%d)", problem, attempt,
                     RELAY_START_ATTEMPTS)
         dht.shutdown()
+
+
+def _start_dht_joined(*args) -> hivemind.DHT:
+    """_start_dht_once, tried again once if no initial peer answered at once: the DHT ping a fresh daemon
+    sends its initial peers has `rpc_timeout` (3 s), which a loaded machine can miss (once in the lab, a
+    server behind NAT joining beside three other peers' start). A dead address fails twice, in seconds."""
+    for attempt in itertools.count(1):
+        try:
+            return _start_dht_once(*args)
+        except BootstrapError as e:
+            if attempt >= BOOTSTRAP_ATTEMPTS or not getattr(e, "quick", False):
+                raise
+            log.warning("%s; trying once more", e)
+            time.sleep(BOOTSTRAP_RETRY_PAUSE)
 
 
 def relay_problem(dht: hivemind.DHT) -> str | None:
@@ -308,10 +325,13 @@ def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multi
         # a private swarm's peers answer nobody without its key (swarm.protocol.gate): that looks the same here
         hint = ("do they belong to the swarm of this --swarm-key?" if private
                 else "is the swarm private? then start with --swarm-key and a copy of its key")
-        return BootstrapError(
-            f"none of the initial peers ({peers}) answered{f' within {timeout:g}s' if timed_out else ''}: "
+        said = "" if timed_out else f" ({message.splitlines()[0][:200]})" if message else ""
+        failed = BootstrapError(
+            f"none of the initial peers ({peers}) answered{f' within {timeout:g}s' if timed_out else said}: "
             f"is the coordinator running and reachable from this machine? {hint}"
         )
+        failed.quick = not timed_out
+        return failed
     if timed_out:
         return SwarmDHTError(f"the DHT node did not start within {timeout:g}s")
     if isinstance(error, P2PDaemonError):

@@ -16,7 +16,10 @@ the coordinator's relay; with --nat-trainer the trainer sits behind a NAT of its
 --hub-latency puts latency on the coordinator's link alone (a relayed call pays it, a direct one
 not). Also printed: how long after the coordinator every server was serving
 (the join), and the mean averaging round in the window (matchmaking included), against the
-bytes-over-rate bound 2(n-1)/n x stage 0's gradient bytes / rate when a rate is set.
+bytes-over-rate bound 2(n-1)/n x stage 0's gradient bytes / rate when a rate is set. With
+--delayer-control, a 0 ms point with every link through the lab's userspace delayer is run too, and
+each point is also printed against it: latency needs the delayer, a Python process per link that
+handles every packet on the cores the swarm shares, and the plain 0 ms point pays nothing for it.
 
 Defaults: configs/tiny.yaml at batch 64 (its compute takes milliseconds, as on a GPU).
 """
@@ -63,9 +66,10 @@ def stale_share(samples: dict) -> float | None:
 
 def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixed: int | None, warmup: float,
             window: float, workdir: Path, per_stage: int = 1, nat_stage: int | None = None,
-            nat_reachability: str = "auto", nat_trainer: bool = False, hub_ms: float | None = None) -> dict:
+            nat_reachability: str = "auto", nat_trainer: bool = False, hub_ms: float | None = None,
+            queued: bool = False) -> dict:
     procs = ProcSet(workdir)
-    link = {"latency_ms": latency_ms / 2, "rate_mbit": rate or None}
+    link = {"latency_ms": latency_ms / 2, "rate_mbit": rate or None, "queued": queued}
     with Lab() as lab:
         hub = lab.add_host("hub", **{**link, **({} if hub_ms is None else {"latency_ms": hub_ms})})
         servers = [(k, lab.add_host(f"s{k}r{j}", kind="nat" if k == nat_stage else "public", **link))
@@ -107,7 +111,7 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
             waited = [value(after, "swarm_averaging_round_start_seconds_sum")
                       - value(before, "swarm_averaging_round_start_seconds_sum")
                       for before, after in zip(rounds_before, rounds_after)]
-            return {"latency_ms": latency_ms, "rate_mbit": rate, "fixed": fixed, "joined_s": joined,
+            return {"latency_ms": latency_ms, "rate_mbit": rate, "fixed": fixed, "queued": queued, "joined_s": joined,
                     "all_reduce_seconds": (sum(took) - sum(waited)) / sum(count) if sum(count) else None,
                     "samples_per_second": (value(end_samples, "swarm_trainer_samples_total") - start) / elapsed,
                     "in_flight": value(end_samples, "swarm_trainer_in_flight"),
@@ -116,6 +120,12 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
                     "rounds": sum(count)}
         finally:
             procs.stop_all()
+
+
+def base(results: list[dict], rate: float, through_delayer: bool) -> float | None:
+    """The samples/s of the 0 ms adaptive point at `rate`, plain or through the delayer (None: not run yet)."""
+    return next((b["samples_per_second"] for b in results if b["rate_mbit"] == rate and b["latency_ms"] == 0
+                 and b["fixed"] is None and b["queued"] == through_delayer), None)
 
 
 def rounds_line(r: dict, config: RunConfig, n: int) -> str:
@@ -148,6 +158,9 @@ def main() -> None:
     p.add_argument("--nat-trainer", action="store_true", help="put the trainer behind NAT too (its own)")
     p.add_argument("--hub-latency", type=float, help="one-way ms on the coordinator's link alone (the relay's), "
                    "instead of half the latency asked for: a relayed call crosses it twice each way")
+    p.add_argument("--delayer-control", action="store_true",
+                   help="also run 0 ms with every link through the userspace delayer (which latency needs), and "
+                        "print each point against it too: the latency's own cost, without the delayer's CPU")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     config = RunConfig.load(args.config)
@@ -159,20 +172,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="swarm-wan-") as tmp:
         config_path = Path(tmp) / "config.yaml"
         config.save(config_path)
+        points = [(latency, False) for latency in args.latencies]
+        if args.delayer_control:  # right after the plain 0 ms point (or first)
+            at = next((i + 1 for i, (latency, _) in enumerate(points) if latency == 0), 0)
+            points.insert(at, (0.0, True))
         for rate in args.rates:
-            for latency in args.latencies:
+            for latency, queued in points:
                 for fixed in ([None, old] if args.fixed else [None]):
-                    workdir = Path(tmp) / f"r{rate}-l{latency}-{fixed}"
+                    workdir = Path(tmp) / f"r{rate}-l{latency}-{fixed}-{'q' if queued else 'd'}"
                     workdir.mkdir()
                     r = measure(config_path, config.stages.num_stages, latency, rate, fixed, args.warmup,
                                 args.window, workdir, args.servers_per_stage, args.nat_stage,
-                                args.nat_reachability, args.nat_trainer, args.hub_latency)
+                                args.nat_reachability, args.nat_trainer, args.hub_latency, queued)
                     results.append(r)
-                    base = next((b["samples_per_second"] for b in results if b["rate_mbit"] == rate
-                                 and b["latency_ms"] == 0 and b["fixed"] is None), None)
-                    ratio = f"{r['samples_per_second'] / base:.2f}" if base else "-"
+
+                    plain, control = (base(results, rate, through) for through in (False, True))
+                    ratio = f"{r['samples_per_second'] / plain:.2f}" if plain else "-"
+                    if control and not (latency == 0 and queued):
+                        ratio += f", {r['samples_per_second'] / control:.2f} of 0 ms through the delayer"
                     stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
-                    print(f"{config.run_id} batch {config.optimizer.batch_size}, {latency:g} ms one way, "
+                    print(f"{config.run_id} batch {config.optimizer.batch_size}, {latency:g} ms one way"
+                          f"{' (through the delayer)' if queued else ''}, "
                           f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
                           f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
                           f"samples/s ({ratio} of 0 ms adaptive), {r['in_flight']:.0f} in flight at the end, "

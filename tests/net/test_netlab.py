@@ -44,15 +44,18 @@ def test_round_trip_is_twice_the_two_links_latencies(lab: Lab):
     a = lab.add_host("a", latency_ms=10)
     b = lab.add_host("b", latency_ms=40)
     c = lab.add_host("c")
+    d = lab.add_host("d", queued=True)  # through a delayer at 0 ms (bench/wan.py --delayer-control)
     lab.start()
+    assert len(lab._delayers) == 3  # a's, b's and d's; c's link has none
     server = serve(b, "echo", "7000")
     measured = probe(a, "rtt", b.address, "7000", "20")["median_s"]
     assert measured == pytest.approx(2 * (0.010 + 0.040), rel=0.2)
     server.wait(timeout=30)
-    server = serve(c, "echo", "7000")  # a link with no latency adds none
-    measured = probe(a, "rtt", c.address, "7000", "20")["median_s"]
-    assert measured == pytest.approx(2 * 0.010, rel=0.2)
-    server.wait(timeout=30)
+    for host in (c, d):  # a link with no latency adds none, through the delayer or not
+        server = serve(host, "echo", "7000")
+        measured = probe(a, "rtt", host.address, "7000", "20")["median_s"]
+        assert measured == pytest.approx(2 * 0.010, rel=0.2), host.name
+        server.wait(timeout=30)
 
 
 def test_uplink_and_downlink_rates_cap_a_transfer(lab: Lab):

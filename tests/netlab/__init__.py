@@ -133,6 +133,7 @@ class Host:
     up_mbit: float | None = None
     down_mbit: float | None = None
     loss: float = 0.0
+    queued: bool = False  # its link's packets go through the delayer even with no latency or loss (a control)
     ns: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -225,8 +226,11 @@ class Lab:
         self.close()
 
     def add_host(self, name: str, kind: str = "public", latency_ms: float = 0.0, up_mbit: float | None = None,
-                 down_mbit: float | None = None, rate_mbit: float | None = None, loss: float = 0.0) -> Host:
-        """A host on its own link; `rate_mbit` caps both directions unless up/down say otherwise."""
+                 down_mbit: float | None = None, rate_mbit: float | None = None, loss: float = 0.0,
+                 queued: bool = False) -> Host:
+        """A host on its own link; `rate_mbit` caps both directions unless up/down say otherwise. With
+        `queued`, its packets cross the userspace delayer even at 0 ms: what the delayer itself costs (its
+        CPU, on the machine the swarm shares) then weighs on both sides of a latency comparison."""
         if self.started:
             raise RuntimeError("add hosts before start()")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", name) or name == "router" or name in self.hosts:
@@ -242,7 +246,7 @@ class Lab:
         for rate in (up, down):
             if rate is not None and rate <= 0:
                 raise ValueError("rates must be > 0 Mbit/s")
-        host = Host(self, name, len(self.hosts) + 1, kind, latency_ms, up, down, loss)
+        host = Host(self, name, len(self.hosts) + 1, kind, latency_ms, up, down, loss, queued)
         self.hosts[name] = host
         return host
 
@@ -285,7 +289,7 @@ class Lab:
                 self._router("iptables", "-A", "FORWARD", "-o", link, "-m", "conntrack",
                              "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
                 self._router("iptables", "-A", "FORWARD", "-o", link, "-j", "DROP")
-            if host.latency_ms > 0 or host.loss > 0:
+            if host.latency_ms > 0 or host.loss > 0 or host.queued:
                 self._start_delayer(host)
 
     def _add_namespace(self, ns: str) -> None:

@@ -188,6 +188,7 @@ def main() -> None:
 
                     plain, control = (base(results, rate, through) for through in (False, True))
                     ratio = f"{r['samples_per_second'] / plain:.2f}" if plain else "-"
+                    ratio += " of 0 ms adaptive"
                     if control and not (latency == 0 and queued):
                         ratio += f", {r['samples_per_second'] / control:.2f} of 0 ms through the delayer"
                     stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
@@ -195,7 +196,7 @@ def main() -> None:
                           f"{' (through the delayer)' if queued else ''}, "
                           f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
                           f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
-                          f"samples/s ({ratio} of 0 ms adaptive), {r['in_flight']:.0f} in flight at the end, "
+                          f"samples/s ({ratio}), {r['in_flight']:.0f} in flight at the end, "
                           f"{stale} of backwards stale; all servers serving {r['joined_s']:.1f} s after the "
                           f"coordinator" + rounds_line(r, config, args.servers_per_stage), flush=True)
     if args.json:

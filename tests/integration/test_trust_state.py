@@ -12,6 +12,8 @@ the other way round, a server far behind its elder takes the elder's state.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -99,14 +101,23 @@ def test_an_established_server_claiming_the_next_step_with_its_own_weights_moves
             assert 0 < moved < sum(float(t.norm()) for t in before["params"].values())
 
 
+@contextlib.contextmanager
+def stage_of_two(run_id: str):
+    """The run's config and a stage of two servers on peers of their own: the elder, and one that joined it
+    later, each established in the other's eyes."""
+    config = make_config(run_id)
+    with running_peers(config.run_id, 1) as peers, stage_servers(config, peers, [STAGE]) as (elder,), \
+            running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer,), \
+            stage_servers(config, [peer], [STAGE]) as (younger,):
+        wait_until_peers_see_each_other([elder, younger])
+        wait_until(lambda: younger.peer_id in elder.averager._established()
+                   and elder.peer_id in younger.averager._established(), SEE_TIMEOUT, interval=0.1,
+                   what="each established in the other's eyes")
+        yield config, elder, younger
+
+
 def test_a_server_that_joined_a_lone_honest_server_cannot_lead_it_with_a_step_ahead():
-    config = make_config("trust-pair")
-    with running_peers(config.run_id, 1) as peers, stage_servers(config, peers, [STAGE]) as (a,), \
-            running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_m,), \
-            stage_servers(config, [peer_m], [STAGE]) as (m,):
-        wait_until_peers_see_each_other([a, m])
-        wait_until(lambda: m.peer_id in a.averager._established(), SEE_TIMEOUT, interval=0.1,
-                   what="m established in a's eyes")
+    with stage_of_two("trust-pair") as (config, a, m):
         assert m.peer_id not in a.averager._tracker.elders()  # m came second
         assert a.peer_id in m.averager._tracker.elders()  # as m itself sees it
         honest = snapshot(a)
@@ -135,13 +146,7 @@ def test_a_server_that_joined_a_lone_honest_server_cannot_lead_it_with_a_step_ah
 def test_a_server_far_behind_its_elder_in_a_stage_of_two_takes_the_elder_s_state():
     # The lab's NAT test: the elder stepped 6 times alone before it counted the other, which never took a step
     # of its own (no trainer sent it samples) and, bounding the elder's step by its own, never saw it ahead.
-    config = make_config("trust-lead")
-    with running_peers(config.run_id, 1) as peers, stage_servers(config, peers, [STAGE]) as (a,), \
-            running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_b,), \
-            stage_servers(config, [peer_b], [STAGE]) as (b,):
-        wait_until_peers_see_each_other([a, b])
-        wait_until(lambda: a.peer_id in b.averager._established(), SEE_TIMEOUT, interval=0.1,
-                   what="a established in b's eyes")
+    with stage_of_two("trust-lead") as (_, a, b):
         assert a.peer_id in b.averager._tracker.elders()
         step, downloaded = snapshot(b)["step"], downloads(b)
         lead = step + 3 * MAX_STEP_LEAD

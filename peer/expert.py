@@ -57,6 +57,7 @@ log = logging.getLogger("swarm.expert")
 
 LOOP_CALL_TIMEOUT = 30.0
 STATE_TIMEOUT = 60.0  # for one expert's state to arrive from a host that has it
+DONOR_LOOKUPS = 3  # reads of the experts' hosts, an announce period apart, while one is beyond the bound
 STATE_SLOTS = 4  # expert state requests answered at once (each holds a copy of one expert's state)
 
 
@@ -146,18 +147,7 @@ class ExpertServer:
     def _download_state(self) -> None:
         """Take each hosted expert's state from an ONLINE host of it, so replicas start equal; an expert
         that no live host has starts from its initial weights (said loudly once the run has trained)."""
-        hosts = [r for r in self.records.lookup_expert_hosts()
-                 if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
-        # A host's step is its own claim: one far ahead of what most of the run's servers announce is no donor
-        # (the lower median of every ONLINE stage server's and expert host's step, plus the checkpoint lead).
-        servers = self.records.lookup_all_servers(self.config.stages.num_stages)
-        bound = step_bound([r.step for found in servers.values() for r in found if r.state == ServerState.ONLINE.value]
-                           + [r.step for r in hosts])
-        for r in hosts:
-            if bound is not None and r.step > bound:
-                log.warning("not taking expert states from %s: its step %d is beyond step %d, the furthest the run's "
-                            "servers make believable", r.peer_id, r.step, bound)
-        hosts = [r for r in hosts if bound is None or r.step <= bound]
+        hosts = self._donors_within_bound()
         fresh = []
         for e in self.experts:
             donors = sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)
@@ -177,6 +167,35 @@ class ExpertServer:
         if fresh and steps and max(steps) > 0:
             log.warning("experts %s have no live host to take their state from: they start from their initial "
                         "weights although the run is at step %d", fresh, max(steps))
+
+    def _donors_within_bound(self) -> list:
+        """The hosts that may give their state (_donors), read again an announce period later while one is
+        beyond the bound, DONOR_LOOKUPS times at most; each one refused in the end is logged."""
+        for lookup in range(1, DONOR_LOOKUPS + 1):
+            hosts, refused = self._donors()
+            if not refused or lookup == DONOR_LOOKUPS or self._stop.wait(self.config.network.announce_period):
+                break
+        for r, bound in refused:
+            log.warning("not taking expert states from %s: its step %d is beyond step %d, the furthest the run's "
+                        "servers make believable", r.peer_id, r.step, bound)
+        return hosts
+
+    def _donors(self) -> tuple[list, list]:
+        """The ONLINE hosts of experts that may give their state, and those refused (with the bound).
+
+        A host's step is its own claim: one far ahead of what most of the run's servers announce is no donor
+        (the lower median of every ONLINE stage server's and expert host's step, plus MAX_STEP_LEAD). Records
+        are a moment old, each its own: in a run of several steps a second an honest host's can be a few steps
+        past the others' (seen in a test: 72 against 71), hence a few lookups a period apart.
+        """
+        hosts = [r for r in self.records.lookup_expert_hosts()
+                 if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
+        servers = self.records.lookup_all_servers(self.config.stages.num_stages)
+        bound = step_bound([r.step for found in servers.values() for r in found if r.state == ServerState.ONLINE.value]
+                           + [r.step for r in hosts])
+        if bound is None:
+            return hosts, []
+        return [r for r in hosts if r.step <= bound], [(r, bound) for r in hosts if r.step > bound]
 
     def _restore(self, experts: list[int]) -> list[int]:
         """Load `experts` from the newest of this server's checkpoints that holds them; those it cannot."""

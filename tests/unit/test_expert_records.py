@@ -171,3 +171,31 @@ def test_expert_hosts_are_discovery_targets():
         {"targets": ["10.0.0.1:1"], "labels": {"role": "server", "stage": "0", "peer_id": "s", "run_id": "run"}},
         {"targets": ["10.0.0.2:1"], "labels": {"role": "expert", "peer_id": "e", "run_id": "run"}},
     ]
+
+
+def test_an_expert_host_a_moment_ahead_of_the_run_s_records_is_looked_up_again(caplog):
+    # Records are announced each on its own phase: in a run of several steps a second an honest host's step
+    # can be past the bound the others' make (a test saw 72 against 71); a liar's stays past it
+    import threading
+    from types import SimpleNamespace
+
+    from peer.expert import DONOR_LOOKUPS, ExpertServer
+    from swarm.dht.schemas import ServerState
+
+    def reads(host_steps, server_steps):
+        server = object.__new__(ExpertServer)
+        server.peer_id, server._stop = "me", threading.Event()
+        server.config = SimpleNamespace(network=SimpleNamespace(announce_period=0.0),
+                                        stages=SimpleNamespace(num_stages=2))
+        online = ServerState.ONLINE.value
+        hosts, servers = iter(host_steps), iter(server_steps)
+        server.records = SimpleNamespace(
+            lookup_expert_hosts=lambda: [SimpleNamespace(peer_id="host", state=online, step=next(hosts),
+                                                         experts=[0])],
+            lookup_all_servers=lambda num_stages: {0: [SimpleNamespace(peer_id=p, state=online, step=s)
+                                                       for p, s in zip("ab", next(servers))]})
+        return [r.step for r in server._donors_within_bound()]
+
+    assert reads([72, 73], [(69, 69), (71, 72)]) == [73]  # the second read catches up
+    assert reads([10**9] * DONOR_LOOKUPS, [(69, 69)] * DONOR_LOOKUPS) == []  # a liar, refused in the end
+    assert "beyond step 71" in caplog.text

@@ -5,6 +5,7 @@ stages of the model in float32 and bfloat16, never are. The routing runs without
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -224,13 +225,29 @@ def test_a_witness_a_step_apart_gets_a_strike_not_a_ban():
     assert not pipeline.stats.caught and witnesses.strikes("c", FORWARD) <= 1
 
 
-def test_two_servers_alone_cannot_settle_a_dispute():
+def test_two_servers_alone_cannot_settle_a_dispute(caplog):
     swarm = Swarm({0: ["h"], 1: ["h1", "liar"], 2: ["h"]}, "flipped gradient")
-    for seed in range(4):
-        swarm.trip(seed)
+    with caplog.at_level(logging.INFO, "swarm.routing.spot_checks"):
+        for seed in range(4):
+            swarm.trip(seed)
     stats = swarm.pipeline.stats
     assert stats.disputes >= 1 and not stats.caught  # which of the two lies, nothing says
     assert all(s.banned_until == 0 for s in swarm.pipeline.balancers[1].servers.values())
+    assert {r.levelno for r in caplog.records if "no third server" in r.message} == {logging.WARNING}
+
+
+def test_two_servers_steps_apart_disagree_without_a_warning(caplog):
+    # one of a stage of two still catching up: its outputs are another step's, a dispute the log need not shout
+    swarm = Swarm({0: ["a", "b"], 1: ["h"], 2: ["h"]})
+    swarm.trip(0)
+    with caplog.at_level(logging.INFO, "swarm.routing.spot_checks"):
+        for seed in range(1, 8):
+            swarm.once["b"] = lambda r: StageReply([r.tensors[0] * 3], STEP - 5, r.info)
+            swarm.trip(seed)
+    disputes = [r for r in caplog.records if "no third server" in r.message]
+    apart = (f"at steps {STEP} and {STEP - 5}", f"at steps {STEP - 5} and {STEP}")
+    assert disputes and all(r.levelno == logging.INFO and any(a in r.message for a in apart) for r in disputes)
+    assert not swarm.pipeline.stats.caught
 
 
 def test_a_lying_witness_is_banned_and_the_reply_it_disputed_kept():

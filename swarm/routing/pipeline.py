@@ -100,9 +100,9 @@ class PipelineSettings:
 class PipelineStats:
     calls: int = 0
     failures: int = 0  # failed calls, each retried on another server or later
-    held_off: Counter = field(default_factory=Counter)  # by stage: calls our p2p daemon did not send (DialHeldOff)
     bad_replies: int = 0  # of them, replies that did not fit the request (shape, dtype, non-finite, no loss)
     error_replies: Counter = field(default_factory=Counter)  # of them, error replies by code
+    held_off: Counter = field(default_factory=Counter)  # by stage: calls our p2p daemon did not send (DialHeldOff)
     refused: int = 0  # micro-batches dropped because every server of a stage refused them as bad requests
     spot_checks: int = 0  # replies checked against a witness
     disputes: int = 0  # of them, replies a witness disagreed with

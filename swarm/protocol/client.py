@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.protocol.errors import DialHeldOff, RemoteStageError, StageUnavailable
@@ -28,11 +29,15 @@ log = logging.getLogger(__name__)
 DEFAULT_CALL_TIMEOUT = 60.0  # seconds for one whole call: connect, send, server compute, receive
 
 
-def dial_held_off(error: str) -> bool:
-    """Whether a p2p daemon's error says it tried no address of the peer: each is on libp2p's dial backoff
-    (its lines read ``* [address] dial backoff``), held off after a dial that did not complete."""
-    reasons = [line.split("]", 1)[-1].strip() for line in error.splitlines() if line.lstrip().startswith("* [")]
-    return bool(reasons) and all(reason == "dial backoff" for reason in reasons) and "skipping" not in error
+def dial_held_off(error: Exception) -> bool:
+    """Whether our own p2p daemon's error (a ControlFailure; a server's error reply, whatever its words, never
+    is one) says it tried no address of the peer: each is on libp2p's dial backoff (its lines read
+    ``* [address] dial backoff``), held off after a dial that did not complete."""
+    if not isinstance(error, ControlFailure):
+        return False
+    text = str(error)
+    reasons = [line.split("]", 1)[-1].strip() for line in text.splitlines() if line.lstrip().startswith("* [")]
+    return bool(reasons) and all(reason == "dial backoff" for reason in reasons) and "skipping" not in text
 
 
 class StageClient:
@@ -99,7 +104,7 @@ class StageClient:
             raise StageUnavailable(f"{where} did not answer within {timeout:g}s") from e
         except Exception as e:  # daemon errors, resets, truncated or garbled replies: all mean "go elsewhere"
             log.debug("%s failed", where, exc_info=True)
-            error = DialHeldOff if dial_held_off(str(e)) else StageUnavailable
+            error = DialHeldOff if dial_held_off(e) else StageUnavailable
             raise error(f"{where} failed: {type(e).__name__}: {e}") from e
 
     async def _exchange(self, kind: str, frames: Iterator) -> StageReply:

@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
+from hivemind.p2p import P2PHandlerError
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from swarm.protocol import (
     BACKWARD,
@@ -107,14 +109,16 @@ HELD_OFF = ("Connect failed. msg=failed to dial: failed to dial QmNwVpyx6AKNpKSQ
 
 
 def test_the_daemon_s_hold_off_is_told_apart_from_a_dial_that_failed():
-    assert dial_held_off(HELD_OFF)
-    assert dial_held_off(HELD_OFF + "\n  * [/ip4/127.0.0.1/tcp/38415] dial backoff")
+    assert dial_held_off(ControlFailure(HELD_OFF))
+    assert dial_held_off(ControlFailure(HELD_OFF + "\n  * [/ip4/127.0.0.1/tcp/38415] dial backoff"))
     # one address tried and refused: the server's own word (it is down), a failure as before
-    assert not dial_held_off(HELD_OFF + "\n  * [/ip4/127.0.0.1/tcp/38415] dial tcp4 127.0.0.1:38415: connect: "
-                                        "connection refused")
-    assert not dial_held_off("failed to dial Qm: all dials failed\n  * [/ip4/1.2.3.4/tcp/1] i/o timeout")
-    assert not dial_held_off("stream reset")
-    assert not dial_held_off("a server's message saying dial backoff")
+    assert not dial_held_off(ControlFailure(HELD_OFF + "\n  * [/ip4/127.0.0.1/tcp/38415] dial tcp4 127.0.0.1:38415: "
+                                                       "connect: connection refused"))
+    assert not dial_held_off(ControlFailure("failed to dial Qm: all dials failed\n  * [/ip4/1.2.3.4/tcp/1] i/o "
+                                            "timeout"))
+    assert not dial_held_off(ControlFailure("stream reset"))
+    # a server that answers with the daemon's words is still failing (else it would dodge every ban)
+    assert not dial_held_off(P2PHandlerError(HELD_OFF))
 
 
 def test_a_call_our_daemon_held_off_bans_nobody_and_goes_to_another_server():

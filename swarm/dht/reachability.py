@@ -39,6 +39,7 @@ from swarm.dht.loop import BackgroundLoop
 from swarm.dht.node import parse_maddrs, peer_id_of, visible_maddrs
 from swarm.dht.relays import RelayOffer, ask_relay, throwaway_daemon
 from swarm.dht.schemas import DIRECT, RELAYED, UNREACHABLE
+from swarm.hivemind_internals import connect
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +295,7 @@ async def _dialed_directly(initial_peers: Sequence[str], host_maddrs: Sequence[s
         for maddr in parse_maddrs(initial_peers, "initial peer", need_peer_id=True)[:ASK_PEERS]:
             peer = peer_id_of(maddr)
             try:
-                await asyncio.wait_for(asker._client.connect(peer, [Multiaddr(str(maddr).split("/p2p/", 1)[0])]),
-                                       RPC_TIMEOUT)
+                await asyncio.wait_for(connect(asker, peer, [str(maddr)]), RPC_TIMEOUT)
                 stub = DialBackServicer.get_stub(asker, peer, namespace=RPC_NAMESPACE)
                 request = runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(own[:MAX_ADDRS]))
                 answer = await asyncio.wait_for(stub.rpc_dial_back(request), RPC_TIMEOUT)

@@ -109,13 +109,14 @@ def lone_elder(others: Sequence[ProgressRecord], established: Collection[str] | 
     word is all there is, at any step (see :func:`backs_state`). Bounded by the median of two steps, which is
     this server's own, a server that fell more than MAX_STEP_LEAD behind (its elder stepping alone before it
     was counted) would never see the elder ahead, and so never catch up."""
-    if established is None or elders is None:
-        return None
-    counted = {r.peer_id for r in others if r.peer_id in established}
-    if len(counted) != 1:
-        return None
-    (peer,) = counted
-    return peer if peer in elders else None
+    peer = lone_peer(others, established)
+    return peer if peer is not None and elders is not None and peer in elders else None
+
+
+def lone_peer(others: Sequence[ProgressRecord], established: Collection[str] | None) -> str | None:
+    """The stage's one other established server, if there is exactly one (a stage of two); else None."""
+    counted = [] if established is None else [r.peer_id for r in others if r.peer_id in established]
+    return counted[0] if len(counted) == 1 else None
 
 
 def voters(others: Sequence[ProgressRecord], established: Collection[str] | None) -> list[ProgressRecord]:
@@ -259,7 +260,7 @@ def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: floa
     others = list(others)
     counted = voters(others, established)
     same_step = [r for r in others if r.step == own.step]
-    lone = established is not None and elders is not None and sum(r.peer_id in established for r in others) == 1
+    lone = elders is not None and lone_peer(others, established) is not None
 
     def backed(r: ProgressRecord) -> bool:
         return established is None or backs_state(r.peer_id, r.step, r.fingerprint, own, others, established,

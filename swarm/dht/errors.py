@@ -14,6 +14,8 @@ class InvalidMultiaddr(SwarmDHTError, ValueError):
 class BootstrapError(SwarmDHTError):
     """None of the initial peers answered, so this peer could not join the swarm."""
 
+    quick = False  # it failed at once (not by running out of time): a start worth trying once more
+
 
 class RunConfigNotFound(SwarmDHTError):
     """No run config signed by the expected coordinator is visible in the DHT (yet).

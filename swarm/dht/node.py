@@ -212,7 +212,7 @@ def _start_dht_joined(*args) -> hivemind.DHT:
         try:
             return _start_dht_once(*args)
         except BootstrapError as e:
-            if attempt >= BOOTSTRAP_ATTEMPTS or not getattr(e, "quick", False):
+            if attempt >= BOOTSTRAP_ATTEMPTS or not e.quick:
                 raise
             log.warning("%s; trying once more", e)
             time.sleep(BOOTSTRAP_RETRY_PAUSE)

@@ -393,10 +393,16 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
             # others' (then m was not established yet when it downloaded). Either way, it asks m now.
             wait_until(lambda: m.peer_id in j.averager._established(), SEE_TIMEOUT, interval=0.1,
                        what="the joiner watching the poisoned replica long enough to ask it")
-            intake = j.averager._intake
-            loaded = intake.process.download_state(ROUND_TIMEOUT, threading.Event(), max_bytes=intake.max_bytes,
-                                                   only=[m.peer_id])
-            assert loaded is not None and loaded[2] == m.peer_id, "the poisoned replica sent no state"
+            intake, asked = j.averager._intake, []
+
+            def ask_m() -> bool:  # (a download a loaded machine cuts off by its chunk timeout: again)
+                asked.append(intake.process.download_state(ROUND_TIMEOUT, threading.Event(),
+                                                           max_bytes=intake.max_bytes, only=[m.peer_id]))
+                return asked[-1] is not None
+
+            wait_until(ask_m, 3 * ROUND_TIMEOUT, interval=0.5, what="the poisoned replica sending its state")
+            loaded = asked[-1]
+            assert loaded[2] == m.peer_id
             assert unflatten(*loaded[:2])[0].step == m.backend.step > honest[0]["step"], "m is not poisoned"
             with pytest.raises(StateRejected):
                 j.backend.call(lambda: j.averager._adopt(loaded, 0), BACKEND_CALL_TIMEOUT)

@@ -35,8 +35,6 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from hivemind.utils.multiaddr import Multiaddr
 
-ANSWER_WAIT = 10.0  # s a member waits, after its own all-reduce parts, to send the others theirs (no reducer timeout)
-
 
 class AveragerInternals(DecentralizedAverager):
     """A DecentralizedAverager whose private parts are reached through named methods, and whose
@@ -54,14 +52,6 @@ class AveragerInternals(DecentralizedAverager):
             hivemind_averager.AllReduceRunner = functools.partial(PolicyAllReduceRunner, policy=policy,
                                                                   sent=self.all_reduce_bytes)
         super().run()
-
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
-                                      group_id: bytes | None = None, **kwargs: Any) -> None:
-        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
-        running = self._running_groups.get(group_info.group_id if group_id is None else group_id)
-        runner = running.result() if running is not None and running.done() else None
-        if isinstance(runner, PolicyAllReduceRunner):
-            await runner.answers_sent()
 
     async def _declare_for_download_periodically(self) -> None:
         await self.declare_for_download()
@@ -223,18 +213,6 @@ class PolicyAllReduceRunner(AllReduceRunner):
         plain.finished.set()  # replaced before any part arrived: it must not report what it never received
         self.tensor_part_reducer = PolicyPartReducer(plain.part_shapes, plain.num_senders, policy)
         self._sent = sent
-        self._answering = 0  # senders this member is still sending averaged parts back to
-        self._answered = asyncio.Event()
-        self._answered.set()
-
-    async def answers_sent(self) -> None:
-        """Once this member has its own averaged parts (when hivemind's run ends), until it has also sent
-        the others theirs, at most `ANSWER_WAIT` (or the runner's reducer timeout): a round's bytes are then
-        all counted by the time the round returns, not in the next round's count."""
-        try:
-            await asyncio.wait_for(self._answered.wait(), self.reducer_timeout or ANSWER_WAIT)
-        except asyncio.TimeoutError:
-            pass  # a slow sender's answer is counted when it goes: in a later round's count
 
     def _count(self, message: Any) -> Any:
         if self._sent is not None:
@@ -246,15 +224,8 @@ class PolicyAllReduceRunner(AllReduceRunner):
             yield self._count(message)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        self._answering += 1
-        self._answered.clear()
-        try:
-            async for message in super().rpc_aggregate_part(stream, context):
-                yield self._count(message)
-        finally:
-            self._answering -= 1
-            if self._answering == 0:
-                self._answered.set()
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield self._count(message)
 
 
 # Every RPC of hivemind 1.1.12's P2P goes through these four methods, by role: stream handlers (protobuf

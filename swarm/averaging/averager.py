@@ -141,6 +141,8 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
                                          declare_period=ttl, all_reduce=self._zero is None,
                                          max_weight=self.max_member_samples)
         self._counted_sent = 0  # of the averaging process's all-reduce bytes, what the metrics have
+        self._count_lock = threading.Lock()  # (counted after each round, and when the metrics are read)
+        self.metrics.before_scrape = self._count_sent
         self._process.start_process(start_timeout)
         self._intake = StateIntake(state, self._process, self.metrics, lambda: self._tracker.others(),
                                    self._fingerprint_rtol, self._closing, own=self._own_if_started,
@@ -395,9 +397,11 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
 
     def _count_sent(self) -> None:
         """Add what the averaging process's all-reduce sent since the last count to the metrics."""
-        total = self._process.all_reduce_bytes.value
-        sent, self._counted_sent = total - self._counted_sent, total
-        self.metrics.sent(sent)
+        with self._count_lock:
+            total = self._process.all_reduce_bytes.value
+            sent, self._counted_sent = total - self._counted_sent, total
+            if sent:
+                self.metrics.sent(sent)
 
     def _end_round(self) -> None:
         with self._state_lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from swarm.traffic import TRAFFIC
@@ -16,6 +18,9 @@ class AveragingMetrics:
 
     def __init__(self, registry: CollectorRegistry, stage: int):
         label = str(stage)
+        # first in the registry, so a scrape counts what was sent since the last round before it reads the counter
+        self.before_scrape: Callable[[], None] | None = None
+        registry.register(_BeforeScrape(self))
         rounds = Counter("swarm_averaging_rounds", "Optimizer steps by how their gradient was made: averaged "
                          "with peers (succeeded), local after a failed round (failed), local with no peer (local)",
                          ["stage", "outcome"], registry=registry)
@@ -72,3 +77,20 @@ class AveragingMetrics:
         """Bytes this server sent in an averaging round: this stage's counter and the peer's traffic."""
         self.bytes_sent.inc(nbytes)
         TRAFFIC.add("averaging", nbytes)
+
+
+class _BeforeScrape:
+    """A collector of no metric that runs `metrics.before_scrape` when the registry is read (a scrape, or
+    get_sample_value): the all-reduce's bytes are counted in the averaging process, and its last answers
+    to the other members go after this member's round returned."""
+
+    def __init__(self, metrics: AveragingMetrics):
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        if self.metrics.before_scrape is not None:
+            self.metrics.before_scrape()
+        return []

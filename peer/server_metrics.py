@@ -112,6 +112,11 @@ class ComputeCollector:
                                      "CPU seconds the stage's compute thread spent on requests and steps")
         family.add_metric([], backend.cpu_seconds if backend is not None else 0.0)
         yield family
+        ahead = CounterMetricFamily("swarm_server_forwards_ahead", "Forwards run on the parameters the stage's "
+                                    "next step is predicted to make, their backward due after that step "
+                                    "(optimizer.lookahead)")
+        ahead.add_metric([], backend.forwards_ahead if backend is not None else 0)
+        yield ahead
 
 
 class ActivationCacheCollector:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +65,14 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+MAX_TRACKED = 1024  # forwards whose backward is awaited, at most (forwards ahead)
+
+
+def _bound(tracked: OrderedDict, limit: int) -> None:
+    while len(tracked) > limit:
+        tracked.popitem(last=False)
 
 
 class Overloaded(RuntimeError):
@@ -174,6 +182,15 @@ class StageBackend(Worker):
         self._param_names = [name for name, p in module.named_parameters() if p.requires_grad]
         self._stash: list[torch.Tensor] | None = None
         self._stash_step: int | None = None  # the step whose parameters _stash holds
+        # Forwards ahead (optimizer.lookahead): a forward whose backward will come after the stage's next
+        # step (the samples in flight before it fill the batch) runs on the parameters that step is
+        # predicted to make, kept for its backward: its gradient, applied at the step after, is then
+        # nearly fresh instead of a step stale (README, Learning).
+        self.ahead = self.stash_weights and optimizer.config.lookahead
+        self._in_flight: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # key: (samples, forward step)
+        self._predicted: dict[int, list[torch.Tensor]] = {}  # step t: the parameters step t+1 is predicted at
+        self._ahead_of: OrderedDict[Hashable, int] = OrderedDict()  # key of a forward ahead: its step t
+        self.forwards_ahead = 0
         # Forward graphs kept for their backward (never for the last stage: it runs both in one call)
         # ... nor for a stage with MoE blocks: their aux loss is a second root of the backward, which a
         # kept graph does not hold (the backward recomputes the forward instead).
@@ -209,7 +226,11 @@ class StageBackend(Worker):
         module = self.module
         x = self._to_device(x)
         targets = self._to_device(targets)
-        if keep is not None and self.cache is not None:
+        predicted = self._ahead_for(keep, x.shape[0]) if keep is not None and self.ahead else None
+        if predicted is not None:
+            with torch.no_grad(), self._autocast():
+                out = functional_call(module, dict(zip(self._param_names, predicted)), (x, targets))
+        elif keep is not None and self.cache is not None:
             if not module.is_first:  # before .float(), which would pass integers off as hidden states
                 module.check_input(x, targets)
             inputs = x if module.is_first else x.detach().float().requires_grad_(True)
@@ -240,6 +261,12 @@ class StageBackend(Worker):
         the gradient is consistent (one step old); if more, on the parameters of now.
         """
         staleness = None if forward_step is None else max(0, self.step - forward_step)
+        predicted = None
+        if key is not None and self.ahead:
+            self._in_flight.pop(key, None)
+            ahead_step = self._ahead_of.pop(key, None)
+            if ahead_step is not None and ahead_step == forward_step:
+                predicted = self._predicted.get(ahead_step)
         module = self.module
         n = x.shape[0]
         x = self._to_device(x)
@@ -253,12 +280,15 @@ class StageBackend(Worker):
         try:
             for p in params:
                 p.grad = None
-            usable = entry is not None and self._usable(entry, x, forward_step)
+            usable = predicted is None and entry is not None and self._usable(entry, x, forward_step)
             result = self._backward_cached(entry, grad_output) if usable else None
             cached = result is not None
-            if not cached:
+            if predicted is not None:  # on the parameters its forward ran on, predicted ahead
+                stashed, cached, result = True, False, self._backward_recomputed(x, grad_output, targets, n,
+                                                                                 predicted)
+            if not cached and predicted is None:
                 stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
-                result = self._backward_recomputed(x, grad_output, targets, n, stashed)
+                result = self._backward_recomputed(x, grad_output, targets, n, self._stash if stashed else None)
             grads, loss, grad_input = result
         finally:  # a request that fails changes nothing
             for p, grad in zip(params, kept):
@@ -298,14 +328,15 @@ class StageBackend(Worker):
         return [p.grad for p in self.optimizer.params], None, grad_input
 
     def _backward_recomputed(self, x: torch.Tensor, grad_output: torch.Tensor | None, targets: torch.Tensor | None,
-                             n: int, stashed: bool):
-        """(gradients, loss on the last stage, grad of the input) by running the forward again."""
+                             n: int, kept: list[torch.Tensor] | None):
+        """(gradients, loss on the last stage, grad of the input) by running the forward again: on the
+        parameters of now, or on `kept` ones (stashed from before a step, or predicted ahead)."""
         module = self.module
         if not module.is_first:
             x = x.detach().float().requires_grad_(True)
         with self._autocast(), record_moe() as routed:
-            if stashed:  # fresh leaves each time, so their gradients are this micro-batch's alone
-                leaves = [t.detach().requires_grad_(True) for t in self._stash]
+            if kept is not None:  # fresh leaves each time, so their gradients are this micro-batch's alone
+                leaves = [t.detach().requires_grad_(True) for t in kept]
                 out = functional_call(module, dict(zip(self._param_names, leaves)), (x, targets))
             else:
                 leaves = self.optimizer.params
@@ -327,6 +358,35 @@ class StageBackend(Worker):
                 torch.autograd.backward([out, aux], [grad, aux.new_tensor(self.aux_loss_weight * n)])
         grad_input = None if module.is_first else x.grad.detach()
         return [leaf.grad for leaf in leaves], loss, grad_input
+
+    def _ahead_for(self, key: Hashable, n: int) -> list[torch.Tensor] | None:
+        """The parameters a forward of `n` samples runs on if its backward will come after the stage's next
+        step (None: the parameters of now); it is counted in flight until its backward."""
+        step = self.step
+        for old in [k for k, (_, at) in self._in_flight.items() if at < step - 1]:  # (a backward that never came)
+            del self._in_flight[old]
+        ahead_of = sum(samples for samples, _ in self._in_flight.values())
+        self._in_flight[key] = (n, step)
+        _bound(self._in_flight, MAX_TRACKED)
+        needed = self.stepper.samples_to_step()
+        if needed is None or ahead_of < needed or self.optimizer.shards is not None:
+            return None  # (sharded moments: no one server can predict the step)
+        if step not in self._predicted:
+            self._predicted = {t: p for t, p in self._predicted.items() if t == step - 1}  # (backwards to come)
+            self._predicted[step] = self._predict()
+        self._ahead_of[key] = step
+        _bound(self._ahead_of, MAX_TRACKED)
+        self.forwards_ahead += 1
+        return self._predicted[step]
+
+    def _predict(self) -> list[torch.Tensor]:
+        """The parameters the stage's next step is predicted to make: the optimizer's step on this server's
+        gradient so far (its moments alone, before any)."""
+        optimizer = self.optimizer
+        grads, samples = [p.grad for p in optimizer.params], optimizer.samples
+        if samples <= 0:
+            grads, samples = [torch.zeros_like(p) for p in optimizer.params], 1
+        return optimizer.preview(grads, samples)
 
     def _count_routing(self, routed: list[MoERecord]) -> None:
         for record in routed:

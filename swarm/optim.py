@@ -96,6 +96,10 @@ class StageOptimizer:
                 else:
                     param.grad.add_(grad)
 
+    def samples_to_step(self) -> int | None:
+        """Samples this batch still needs (StageStepper)."""
+        return max(0, self.config.batch_size - self.samples)
+
     @property
     def ready(self) -> bool:
         """Whether the stage has accumulated a full batch."""

@@ -173,6 +173,16 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
                     self.metrics.late_samples.inc(n)
         self._tracker.nudge()
 
+    def samples_to_step(self) -> int | None:
+        """Samples the stage's batch still needs, by every server's progress (StageStepper); None while a round
+        or a download runs (its samples already run on look-ahead parameters, or a state replaces them)."""
+        if self._job is not None or self._averaging:
+            return None
+        view = self.view()
+        if view.needs_state:
+            return None
+        return 0 if view.closed else max(0, self.batch_size - view.samples)
+
     @property
     def ready(self) -> bool:
         job = self._job

@@ -39,3 +39,9 @@ class StageStepper(Protocol):
         grad_norm, samples, skipped``, ...), or None if none was (a round began, or the parameters
         changed without a step of this replica's own: it caught up with its peers)."""
         ...
+
+    def samples_to_step(self) -> int | None:
+        """Samples the stage still needs before its next step starts, as far as this replica knows; None
+        when it cannot say, or when the parameters its compute runs on are already a look-ahead (a round
+        runs): the backend then predicts nothing (:class:`swarm.backend.StageBackend`, forwards ahead)."""
+        ...

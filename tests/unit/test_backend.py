@@ -206,3 +206,38 @@ def test_cpu_seconds_count_the_workers_cpu_time_not_its_waits():
         assert backend.cpu_seconds - spun < 0.1 and backend.busy_seconds >= 0.5
     finally:
         backend.shutdown()
+
+
+def test_a_forward_whose_backward_comes_after_the_step_runs_on_the_predicted_parameters():
+    # batch 4 of micro-batches of 2: a has been through, b is in flight and fills the batch, so c's
+    # backward comes after the step: c runs ahead, on the parameters the step is predicted to make
+    config = tiny_config()
+    stage = build_stages(config)[0]
+    first = StageBackend(stage, StageOptimizer(stage, config.optimizer))
+    assert first.ahead
+    (xa, _), (xc, _) = batch(1), batch(3)
+    grad = torch.randn(2, 8, config.model.d_model, generator=torch.Generator().manual_seed(7))
+    first.forward_at(xa, keep="a")
+    first.backward(xa, grad_output=grad, forward_step=0, key="a")
+    predicted = first.optimizer.preview([p.grad.clone() for p in first.optimizer.params], 2)
+    first.forward_at(xa, keep="b")  # the same samples as a: the step's mean gradient is a's, as predicted
+    _, step = first.forward_at(xc, keep="c")
+    assert first.forwards_ahead == 1 and step == 0
+    result_b = first.backward(xa, grad_output=grad, forward_step=0, key="b")
+    assert result_b.step_stats is not None and not result_b.stashed
+    for param, expected in zip(first.optimizer.params, predicted):  # the prediction was the step
+        torch.testing.assert_close(param.detach(), expected)
+
+    at_prediction = copy.deepcopy(stage)
+    with torch.no_grad():
+        for param, value in zip(at_prediction.parameters(), predicted):
+            param.copy_(value)
+    out, _ = first.forward_at(xc)
+    torch.testing.assert_close(out, at_prediction(xc).detach())  # (the forward of c ran there too)
+    first.optimizer.zero_grad()
+    result = first.backward(xc, grad_output=grad, forward_step=0, key="c")
+    assert result.stashed and result.staleness == 1
+    at_prediction(xc).backward(grad)
+    for param, expected in zip(first.optimizer.params, at_prediction.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad)
+    first.shutdown()

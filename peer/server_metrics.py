@@ -113,7 +113,8 @@ class ComputeCollector:
         family.add_metric([], backend.cpu_seconds if backend is not None else 0.0)
         yield family
         ahead = CounterMetricFamily("swarm_server_forwards_ahead", "Forwards run on the parameters the stage's "
-                                    "next step is predicted to make, their backward due after that step "
+                                    "next step is predicted to make, their backward due after that step; on "
+                                    "the last stage, calls that came while its batch was due "
                                     "(optimizer.lookahead)")
         ahead.add_metric([], backend.forwards_ahead if backend is not None else 0)
         yield ahead

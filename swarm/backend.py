@@ -186,7 +186,9 @@ class StageBackend(Worker):
         # step (the samples in flight before it fill the batch) runs on the parameters that step is
         # predicted to make, kept for its backward: its gradient, applied at the step after, is then
         # nearly fresh instead of a step stale (README, Learning).
-        self.ahead = self.stash_weights and optimizer.config.lookahead
+        # The last stage runs forward and backward in one call: one that comes while the batch is due (its
+        # samples are held for the step after) runs ahead the same way.
+        self.ahead = optimizer.config.lookahead and (self.stash_weights or module.is_last)
         self._in_flight: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # key: (samples, forward step)
         self._predicted: dict[int, list[torch.Tensor]] = {}  # step t: the parameters step t+1 is predicted at
         self._ahead_of: OrderedDict[Hashable, int] = OrderedDict()  # key of a forward ahead: its step t
@@ -226,7 +228,8 @@ class StageBackend(Worker):
         module = self.module
         x = self._to_device(x)
         targets = self._to_device(targets)
-        predicted = self._ahead_for(keep, x.shape[0]) if keep is not None and self.ahead else None
+        predicted = self._ahead_for(keep, x.shape[0]) if keep is not None and self.stash_weights and self.ahead \
+            else None
         if predicted is not None:
             with torch.no_grad(), self._autocast():
                 out = functional_call(module, dict(zip(self._param_names, predicted)), (x, targets))
@@ -262,12 +265,16 @@ class StageBackend(Worker):
         """
         staleness = None if forward_step is None else max(0, self.step - forward_step)
         predicted = None
-        if key is not None and self.ahead:
+        module = self.module
+        if self.ahead and module.is_last:
+            if self.stepper.samples_to_step() == 0 and self.optimizer.shards is None:
+                predicted = self._prediction()  # the batch is due: these samples count towards the step after
+                self.forwards_ahead += 1
+        elif key is not None and self.ahead:
             self._in_flight.pop(key, None)
             ahead_step = self._ahead_of.pop(key, None)
             if ahead_step is not None and ahead_step == forward_step:
                 predicted = self._predicted.get(ahead_step)
-        module = self.module
         n = x.shape[0]
         x = self._to_device(x)
         targets = self._to_device(targets)
@@ -283,9 +290,9 @@ class StageBackend(Worker):
             usable = predicted is None and entry is not None and self._usable(entry, x, forward_step)
             result = self._backward_cached(entry, grad_output) if usable else None
             cached = result is not None
-            if predicted is not None:  # on the parameters its forward ran on, predicted ahead
-                stashed, cached, result = True, False, self._backward_recomputed(x, grad_output, targets, n,
-                                                                                 predicted)
+            if predicted is not None:  # on the parameters its forward ran on (or, last, runs on), predicted ahead
+                stashed, cached = not module.is_last, False
+                result = self._backward_recomputed(x, grad_output, targets, n, predicted)
             if not cached and predicted is None:
                 stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
                 result = self._backward_recomputed(x, grad_output, targets, n, self._stash if stashed else None)
@@ -371,17 +378,21 @@ class StageBackend(Worker):
         needed = self.stepper.samples_to_step()
         if needed is None or ahead_of < needed or self.optimizer.shards is not None:
             return None  # (sharded moments: no one server can predict the step)
-        if step not in self._predicted:
-            self._predicted = {t: p for t, p in self._predicted.items() if t == step - 1}  # (backwards to come)
-            self._predicted[step] = self._predict()
         self._ahead_of[key] = step
         _bound(self._ahead_of, MAX_TRACKED)
         self.forwards_ahead += 1
+        return self._prediction()
+
+    def _prediction(self) -> list[torch.Tensor]:
+        """The parameters the stage's next step is predicted to make (once a step): the optimizer's step on
+        this server's gradient so far (its moments alone, before any)."""
+        step = self.step
+        if step not in self._predicted:
+            self._predicted = {t: p for t, p in self._predicted.items() if t == step - 1}  # (backwards to come)
+            self._predicted[step] = self._predict()
         return self._predicted[step]
 
     def _predict(self) -> list[torch.Tensor]:
-        """The parameters the stage's next step is predicted to make: the optimizer's step on this server's
-        gradient so far (its moments alone, before any)."""
         optimizer = self.optimizer
         grads, samples = [p.grad for p in optimizer.params], optimizer.samples
         if samples <= 0:

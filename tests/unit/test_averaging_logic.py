@@ -246,6 +246,9 @@ class FakeStepper:
         self.stepped.set()
         return self.result
 
+    def samples_to_step(self):
+        return None  # (it cannot say: nothing runs ahead)
+
 
 def test_backend_steps_through_its_stepper_and_on_request():
     config = tiny_config()

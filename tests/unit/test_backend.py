@@ -241,3 +241,41 @@ def test_a_forward_whose_backward_comes_after_the_step_runs_on_the_predicted_par
     for param, expected in zip(first.optimizer.params, at_prediction.parameters()):
         torch.testing.assert_close(param.grad, expected.grad)
     first.shutdown()
+
+
+class DueOptimizer(StageOptimizer):
+    """A stage optimizer that can be told the stage's batch is due (as a replica learns from its peers)."""
+
+    due = False
+
+    def samples_to_step(self):
+        return 0 if self.due else super().samples_to_step()
+
+    def accumulate(self, grads, n):
+        self.last = [None if g is None else g.clone() for g in grads]
+        super().accumulate(grads, n)
+
+
+def test_on_the_last_stage_a_backward_while_the_batch_is_due_runs_on_the_predicted_parameters():
+    config = tiny_config()
+    stage = build_stages(config)[1]
+    optimizer = DueOptimizer(stage, config.optimizer)
+    last = StageBackend(stage, optimizer)
+    (ha, ya), (hc, yc) = [(torch.randn(2, 8, config.model.d_model, generator=torch.Generator().manual_seed(s)),
+                           batch(s)[1]) for s in (1, 3)]
+    last.backward(ha, targets=ya)  # 2 of the batch's 4 samples: nothing predicted yet
+    assert last.forwards_ahead == 0
+    predicted = optimizer.preview([p.grad.clone() for p in optimizer.params], 2)
+    optimizer.due = True  # the other replica filled the batch: these samples count towards the step after
+    result = last.backward(hc, targets=yc)
+    assert last.forwards_ahead == 1 and not result.stashed
+
+    at_prediction = copy.deepcopy(stage)
+    with torch.no_grad():
+        for param, value in zip(at_prediction.parameters(), predicted):
+            param.copy_(value)
+    (at_prediction(hc, targets=yc) * 2).backward()
+    assert result.loss == pytest.approx(float(at_prediction(hc, targets=yc).detach()), rel=1e-5)
+    for got, expected in zip(optimizer.last, at_prediction.parameters()):
+        torch.testing.assert_close(got, expected.grad)
+    last.shutdown()

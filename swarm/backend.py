@@ -228,8 +228,8 @@ class StageBackend(Worker):
         module = self.module
         x = self._to_device(x)
         targets = self._to_device(targets)
-        predicted = self._ahead_for(keep, x.shape[0]) if keep is not None and self.stash_weights and self.ahead \
-            else None
+        ahead = keep is not None and self.ahead and not module.is_last  # (the last stage's call is its backward)
+        predicted = self._ahead_for(keep, x.shape[0]) if ahead else None
         if predicted is not None:
             with torch.no_grad(), self._autocast():
                 out = functional_call(module, dict(zip(self._param_names, predicted)), (x, targets))
@@ -290,12 +290,13 @@ class StageBackend(Worker):
             usable = predicted is None and entry is not None and self._usable(entry, x, forward_step)
             result = self._backward_cached(entry, grad_output) if usable else None
             cached = result is not None
-            if predicted is not None:  # on the parameters its forward ran on (or, last, runs on), predicted ahead
-                stashed, cached = not module.is_last, False
-                result = self._backward_recomputed(x, grad_output, targets, n, predicted)
-            if not cached and predicted is None:
-                stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
-                result = self._backward_recomputed(x, grad_output, targets, n, self._stash if stashed else None)
+            if not cached:  # on the parameters its forward ran on (or, last, runs on): predicted, stashed or now's
+                if predicted is None:
+                    stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
+                else:
+                    stashed = not module.is_last
+                on = predicted if predicted is not None else self._stash if stashed else None
+                result = self._backward_recomputed(x, grad_output, targets, n, on)
             grads, loss, grad_input = result
         finally:  # a request that fails changes nothing
             for p, grad in zip(params, kept):

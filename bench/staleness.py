@@ -13,7 +13,15 @@ forward and backward run on the parameters the late samples would have seen. Wha
   and learning rate: all a server knows when its round starts;
 - DC-ASGD: at apply time the late gradients' mean g becomes g + lambda * g * g * (w_now - w_used),
   lambda = --dc-lambda / sqrt(mean(g^2)) per tensor (the adaptive form of Zheng et al., 2017);
-- block: the first --block-steps steps have no late samples (rounds block compute during warm-up).
+- block: the first --block-steps steps have no late samples (rounds block compute during warm-up);
+- steps of more samples than a batch (--step-samples: the swarm's steps grow when a round takes longer
+  than a batch takes to fill), and what might make up for them: +sqrt (a step's learning rate times
+  the square root of its batches' worth of samples) and +bysamples (the schedule advanced by batches'
+  worth of samples instead of by steps). Losses are then compared at equal samples.
+
+One seed's run can differ from another's by several percent (tiny.yaml: exact NAdamW / exact AdamW
+0.96-1.08 over seeds); --seeds N runs each N times with other model, data and lateness seeds and
+prints the mean loss, the mean ratio and its range.
 
 Printed: validation loss at each --at step for each variant, its ratio to the exact run (no late
 samples) with the same optimizer, and to exact AdamW. Runs in one thread, seeded: the same command
@@ -22,13 +30,16 @@ gives the same figures.
     .venv/bin/python bench/staleness.py                               # share 0.6, steps 50 and 300
     .venv/bin/python bench/staleness.py --share 0.4 --batch-size 128 --at 50
     .venv/bin/python bench/staleness.py --variants adamw adamw+lookahead nadamw nadamw+lookahead
+    .venv/bin/python bench/staleness.py --seeds 5 --share 0.7 --step-samples 28 --variants nadamw+lookahead
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swarm.config import RunConfig  # noqa: E402
-from swarm.optim import StageOptimizer  # noqa: E402
+from swarm.optim import StageOptimizer, lr_at  # noqa: E402
 from swarm.reference import ReferenceTrainer  # noqa: E402
 
 VARIANTS = ("adamw", "adamw+lookahead", "adamw+dc", "adamw+block", "nadamw", "nadamw+lookahead", "nadamw+dc",
@@ -52,14 +63,40 @@ class Variant:
     lookahead: bool = False
     dc: bool = False
     block: bool = False
+    sqrt: bool = False
+    bysamples: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         name, *extras = text.split("+")
-        unknown = set(extras) - {"lookahead", "dc", "block"}
+        unknown = set(extras) - {"lookahead", "dc", "block", "sqrt", "bysamples"}
         if name not in ("adamw", "nadamw") or unknown:
-            raise SystemExit(f"unknown variant {text!r}: an optimizer (adamw, nadamw) and +lookahead, +dc, +block")
-        return cls(name, "lookahead" in extras, "dc" in extras, "block" in extras)
+            raise SystemExit(f"unknown variant {text!r}: an optimizer (adamw, nadamw) and +lookahead, +dc, +block, "
+                             "+sqrt, +bysamples")
+        return cls(name, "lookahead" in extras, "dc" in extras, "block" in extras, "sqrt" in extras,
+                   "bysamples" in extras)
+
+
+class SampleScaledOptimizer(StageOptimizer):
+    """What might make up for steps of more samples than a batch (`--step-samples`): +sqrt multiplies a step's
+    learning rate by the square root of its batches' worth of samples (Adam's square-root scaling rule, at most
+    2x); +bysamples advances the schedule by batches' worth of samples stepped on instead of by steps."""
+
+    sqrt = bysamples = False
+    stepped_batches, last_samples = 0.0, 0
+
+    def learning_rate(self, samples: int | None = None) -> float:
+        batch = self.config.batch_size
+        scale = min(4.0, (samples if samples is not None else self.last_samples or batch) / batch)
+        lr = lr_at(self.stepped_batches if self.bysamples else self.step_count, self.config)
+        return lr * math.sqrt(scale) if self.sqrt else lr
+
+    def step_with(self, mean_grads, samples):  # type: ignore[no-untyped-def]
+        stats = super().step_with(mean_grads, samples)
+        if not stats["skipped"]:
+            self.stepped_batches += samples / self.config.batch_size
+            self.last_samples = samples
+        return stats
 
 
 def configure(base: RunConfig, optimizer: str, batch_size: int | None, nadamw_beta1: float = 0.99) -> RunConfig:
@@ -89,9 +126,9 @@ def preview(stages: list[torch.nn.Module], optimizers: list[StageOptimizer], gra
     ahead = []
     for stage, opt, sums in zip(stages, optimizers, grads):
         stage_copy = copy.deepcopy(stage)
-        opt_copy = StageOptimizer(stage_copy, opt.config)
-        opt_copy.load_state_dict(opt.state_dict())
-        opt_copy.step_with([g / samples for g in sums], samples)
+        with torch.no_grad():
+            for param, predicted in zip(stage_copy.parameters(), opt.preview(sums, samples)):
+                param.copy_(predicted)
         ahead.append(stage_copy)
     return ahead
 
@@ -107,19 +144,31 @@ def compensate(late: list[list[torch.Tensor]], samples: int, now: list[torch.nn.
 
 
 def train(config: RunConfig, variant: Variant, share: float, at: list[int], servers: int, block_steps: int,
-          dc_lambda: float, seed: int = 0) -> dict[int, float]:
+          dc_lambda: float, step_samples: int | None = None, seed: int = 0) -> dict[int, float]:
+    """Validation losses after as many samples as `at` batches hold (at those steps, where every step takes a
+    batch); with `step_samples`, steps take that many samples on average (whole micro-batches)."""
     torch.manual_seed(seed)
     trainer = ReferenceTrainer(config)
     stages, optimizers = trainer.stages, trainer.optimizers
-    rng = random.Random(seed)
+    for opt in optimizers:
+        opt.__class__ = SampleScaledOptimizer
+        opt.sqrt, opt.bysamples = variant.sqrt, variant.bysamples
+    batch, micro = config.optimizer.batch_size, config.optimizer.micro_batch_size
+    extra = max(0.0, ((step_samples or batch) - batch) / micro)  # mean micro-batches a step takes beyond a batch
+    more = extra / (1.0 + extra)  # each one more with this probability: a geometric count of mean `extra`
+    rng, sizes = random.Random(seed), random.Random(seed + 1)
     used: list[torch.nn.Module] | None = None  # the parameters late samples run on (none before the first step)
-    losses = {}
-    for step in range(max(at)):
+    losses: dict[int, float] = {}
+    seen = step = 0
+    while len(losses) < len(at):
+        target = batch
+        while sizes.random() < more:
+            target += micro
         late_share = 0.0 if used is None or (variant.block and step < block_steps) else share
         late = [[torch.zeros_like(p) for p in s.parameters()] for s in stages]
         local = [[torch.zeros_like(p) for p in s.parameters()] for s in stages]  # this server's own share
         late_n = local_n = index = 0
-        while not optimizers[0].ready:
+        while optimizers[0].samples < target:
             x, y = trainer.sampler.next_batch()
             n = x.shape[0]
             if used is not None and rng.random() < late_share:
@@ -143,6 +192,7 @@ def train(config: RunConfig, variant: Variant, share: float, at: list[int], serv
             index += 1
             for opt in optimizers:
                 opt.add_samples(n)
+            seen += n
         if late_n:
             if variant.dc:
                 compensate(late, late_n, stages, used, dc_lambda)
@@ -154,8 +204,11 @@ def train(config: RunConfig, variant: Variant, share: float, at: list[int], serv
         for opt in optimizers:
             opt.step()
         used = next_used
-        if step + 1 in at:
-            losses[step + 1] = trainer.evaluate()
+        step += 1
+        due = [s for s in at if s not in losses and seen >= s * batch]
+        if due:
+            loss = trainer.evaluate()
+            losses.update({s: loss for s in due})
     return losses
 
 
@@ -170,29 +223,48 @@ def main() -> None:
     p.add_argument("--dc-lambda", type=float, default=2.0, help="DC-ASGD's lambda_0 (adaptive form)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--nadamw-beta1", type=float, default=0.99, help="NAdamW's beta1 (AdamW's is 0.9)")
+    p.add_argument("--step-samples", type=int, help="samples a step takes on average (default: a batch), as the "
+                   "swarm's steps grow when rounds take longer than a batch; losses are then at equal samples")
+    p.add_argument("--seeds", type=int, default=1, help="runs of each, with model, data and lateness seeds 0.. "
+                   "(figures: the mean loss, the mean ratio and, with more than one, its range over seeds)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     base = RunConfig.from_yaml(Path(args.config).read_text())
     at = sorted(set(args.at or [50, base.optimizer.total_steps]))
     variants = [Variant.parse(v) for v in args.variants]
-    exact: dict[str, dict[int, float]] = {}
+    seeds = range(args.seeds)
+
+    def runs(variant: Variant, share: float, step_samples: int | None) -> list[dict[int, float]]:
+        out = []
+        for seed in seeds:
+            config = configure(base, variant.optimizer, args.batch_size, args.nadamw_beta1)
+            config.model.seed, config.data.seed = base.model.seed + seed, base.data.seed + seed
+            out.append(train(config, variant, share, at, args.servers, args.block_steps, args.dc_lambda, step_samples,
+                             seed))
+        return out
+
+    exact: dict[str, list[dict[int, float]]] = {}
     print(f"{args.config}: batch {args.batch_size or base.optimizer.batch_size}, late share {args.share}, "
-          f"NAdamW beta1 {args.nadamw_beta1}, "
-          f"{args.servers} servers per stage; validation loss at steps {at}", flush=True)
+          f"{args.step_samples or 'a batch of'} samples a step, NAdamW beta1 {args.nadamw_beta1}, "
+          f"{args.servers} servers per stage, {args.seeds} seed(s); validation loss at steps {at} "
+          "(at equal samples)", flush=True)
     for name in sorted({v.optimizer for v in variants} | {"adamw"}):
         started = time.perf_counter()
-        exact[name] = train(configure(base, name, args.batch_size, args.nadamw_beta1), Variant(name), 0.0, at,
-                            args.servers, args.block_steps, args.dc_lambda)
-        print(f"  {name + ' exact':26} " + "  ".join(f"{exact[name][s]:.4f}" for s in at)
+        exact[name] = runs(Variant(name), 0.0, None)
+        print(f"  {name + ' exact':26} " + "  ".join(f"{statistics.mean(r[s] for r in exact[name]):.4f}" for s in at)
               + f"   ({time.perf_counter() - started:.0f} s)", flush=True)
     print(f"  {'variant':26} " + "  ".join(f"{'@' + str(s):>6}  /own   /adamw" for s in at))
     for text, variant in zip(args.variants, variants):
         started = time.perf_counter()
-        losses = train(configure(base, variant.optimizer, args.batch_size, args.nadamw_beta1), variant, args.share, at,
-                       args.servers, args.block_steps, args.dc_lambda)
-        cells = [f"{losses[s]:.4f} {losses[s] / exact[variant.optimizer][s]:.3f} {losses[s] / exact['adamw'][s]:.3f}"
-                 for s in at]
+        losses = runs(variant, args.share, args.step_samples)
+        cells = []
+        for s in at:
+            own = [r[s] / e[s] for r, e in zip(losses, exact[variant.optimizer])]
+            adamw = [r[s] / e[s] for r, e in zip(losses, exact["adamw"])]
+            spread = f" [{min(own):.3f}-{max(own):.3f}]" if len(own) > 1 else ""
+            cells.append(f"{statistics.mean(r[s] for r in losses):.4f} {statistics.mean(own):.3f}{spread} "
+                         f"{statistics.mean(adamw):.3f}")
         print(f"  {text:26} " + "  ".join(cells) + f"   ({time.perf_counter() - started:.0f} s)", flush=True)
 
 

@@ -135,7 +135,7 @@ class StageOptimizer:
             raise ValueError(f"got {len(mean_grads)} gradients for {len(self.params)} parameters")
         grads = [g for g in mean_grads if g is not None]
         grad_norm = _total_norm(grads)
-        lr = lr_at(self.step_count, self.config)
+        lr = self.learning_rate(samples)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             if self.config.grad_clip > 0 and grad_norm > self.config.grad_clip:
@@ -161,6 +161,12 @@ class StageOptimizer:
             "skipped": skipped,
         }
 
+    def learning_rate(self, samples: int | None = None) -> float:
+        """The next step's learning rate: the schedule's, by steps taken. `samples`: how many samples that step
+        averages (None: not known yet, as at a preview); the schedule does not depend on it, but a variant
+        may (bench/staleness.py's `+sqrt` and `+bysamples`)."""
+        return lr_at(self.step_count, self.config)
+
     def preview(self, grads: Sequence[torch.Tensor | None], samples: int = 1) -> list[torch.Tensor]:
         """The parameters :meth:`step_with` would make from the mean gradient ``grads / samples``, changing
         nothing (look-ahead; `grads` are not changed either).
@@ -177,7 +183,7 @@ class StageOptimizer:
         clip = cfg.grad_clip / (norm + 1e-6) if cfg.grad_clip > 0 and norm > cfg.grad_clip else 1.0
         clip /= samples
         mean_grads = grads
-        lr, (beta1, beta2) = lr_at(self.step_count, cfg), (cfg.beta1, cfg.beta2)
+        lr, (beta1, beta2) = self.learning_rate(), (cfg.beta1, cfg.beta2)
         decay = {id(p): group["weight_decay"] for group in self.optimizer.param_groups for p in group["params"]}
         ahead = []
         with torch.no_grad():

@@ -168,16 +168,16 @@ class StagesConfig:
 class OptimizerConfig:
     """AdamW (or NAdamW) with linear warmup then cosine decay; one step per `batch_size` samples per stage."""
 
-    # adamw: torch's AdamW; nadamw: torch's NAdam with decoupled weight decay (Nesterov momentum), which at a
-    # high beta1 takes gradients a step late better: the swarm ends lower with it at batch 16 and 128 alike,
-    # though alone, at batch 128, AdamW trains better (bench/convergence.py, bench/staleness.py, README)
-    name: str = "nadamw"
+    # adamw: torch's AdamW; nadamw: torch's NAdam with decoupled weight decay (Nesterov momentum, beta1 0.99).
+    # With look-ahead, AdamW ends lower over seeds at the swarm's late shares and step sizes, and exact NAdamW
+    # itself is ~4% behind exact AdamW on tiny.yaml (bench/staleness.py --seeds 5; README, Learning)
+    name: str = "adamw"
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10
     total_steps: int = 1000
     weight_decay: float = 0.1
-    # None: the optimizer's own, 0.99 for nadamw (its momentum absorbs late gradients), 0.9 for adamw
+    # None: the optimizer's own, 0.9 for adamw, 0.99 for nadamw
     beta1: float | None = None
     beta2: float = 0.95
     eps: float = 1e-8

@@ -59,9 +59,9 @@ def test_a_snapshot_during_look_ahead_holds_the_parameters_the_state_is_at():
     assert all(torch.equal(before[k], during[k]) for k in before)
 
 
-def test_nadamw_with_lookahead_is_the_default_and_its_state_carries_its_momentum_product():
-    assert (OptimizerConfig().name, OptimizerConfig().beta1, OptimizerConfig().lookahead) == ("nadamw", 0.99, True)
-    assert OptimizerConfig(name="adamw").beta1 == 0.9
+def test_adamw_with_lookahead_is_the_default_and_nadamw_state_carries_its_momentum_product():
+    assert (OptimizerConfig().name, OptimizerConfig().beta1, OptimizerConfig().lookahead) == ("adamw", 0.9, True)
+    assert OptimizerConfig(name="nadamw").beta1 == 0.99
     config = tiny_config()
     config.optimizer.name, config.optimizer.beta1 = "nadamw", 0.99
     opt = trained_replica(config, 1, steps=2)

@@ -105,7 +105,9 @@ class GroupsAhead:
             self._disarm()
             return
         self._armed = None
-        self._zero_buffers()
+        with self._process.buffers() as buffers, torch.no_grad():
+            for buffer in buffers:
+                buffer.zero_()
         enough = threading.Event()
         timer = threading.Timer(self.config.request_timeout, enough.set)
         timer.start()
@@ -120,12 +122,6 @@ class GroupsAhead:
             if self._closing.is_set():
                 armed.control.cancel()
         self._count_sent()
-
-    def _zero_buffers(self) -> None:
-        """Zeros into the averaging buffers: what a member that takes part with nothing puts into a round."""
-        with self._process.buffers() as buffers, torch.no_grad():
-            for buffer in buffers:
-                buffer.zero_()
 
     def _disarm(self) -> None:
         armed, self._armed = self._armed, None

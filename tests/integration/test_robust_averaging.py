@@ -65,9 +65,6 @@ def make_liar(averager, poison) -> None:
 
     def poisoned_load(grads, samples):
         load(grads, samples)
-        poisoned_zeros()
-
-    def poisoned_zeros():  # (also what it puts into a round it leaves to catch up)
         with process.buffers() as buffers, torch.no_grad():
             for buffer in buffers:
                 poison[0](buffer)
@@ -75,7 +72,7 @@ def make_liar(averager, poison) -> None:
     def lying_round(control, weight, *args, **kwargs):  # (the weight is what the others count as its samples)
         return run_round(control, float(CLAIMED_SAMPLES), *args, **kwargs)
 
-    averager._load_buffers, averager._zero_buffers, process.run_round = poisoned_load, poisoned_zeros, lying_round
+    averager._load_buffers, process.run_round = poisoned_load, lying_round
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -14,7 +14,6 @@ import logging
 import threading
 from dataclasses import dataclass
 
-import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 
 from swarm.averaging.errors import AveragingError
@@ -105,9 +104,7 @@ class GroupsAhead:
             self._disarm()
             return
         self._armed = None
-        with self._process.buffers() as buffers, torch.no_grad():
-            for buffer in buffers:
-                buffer.zero_()
+        self._load_buffers([None] * len(self.optimizer.params), 0)
         enough = threading.Event()
         timer = threading.Timer(self.config.request_timeout, enough.set)
         timer.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from dataclasses import dataclass
 
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -87,38 +86,6 @@ class GroupsAhead:
 
     def _group_target(self, view: StageView) -> int:
         return max(2, min(view.group_size, self.config.target_group_size))
-
-    def _leave_formed_group(self) -> None:
-        """Give up the round armed ahead, without failing the others' round if its group has formed (averaging
-        thread; before a catch-up replaces this replica's state).
-
-        Cancelled after its group formed, this server would leave the others waiting for its part until
-        averaging.next_chunk_timeout and their round would lose it: in a stage of two the other then steps
-        alone, the replicas differ, one catches up, cancels the round the other formed with it meanwhile, and
-        so on (seen here: four such rounds in a row, a stage stalled for a minute). So it takes part with
-        nothing (weight 0, zero buffers: the others average their own samples) and ignores the result, waiting
-        at most averaging.request_timeout for them to close their batch; a group still forming is cancelled.
-        """
-        armed = self._armed
-        if armed is None or armed.control.done() or armed.control.stage != AWAITING_TRIGGER:
-            self._disarm()
-            return
-        self._armed = None
-        self._load_buffers([None] * len(self.optimizer.params), 0)
-        enough = threading.Event()
-        timer = threading.Timer(self.config.request_timeout, enough.set)
-        timer.start()
-        try:
-            self._process.run_round(armed.control, 0.0, enough, lambda: False)
-            log.info("stage %d: took part in the round for step %d with nothing (its group had formed), to catch up",
-                     self.stage, armed.step + 1)
-        except AveragingError as e:
-            log.debug("stage %d: left the round for step %d: %s", self.stage, armed.step + 1, e)
-        finally:
-            timer.cancel()
-            if self._closing.is_set():
-                armed.control.cancel()
-        self._count_sent()
 
     def _disarm(self) -> None:
         armed, self._armed = self._armed, None

@@ -73,7 +73,7 @@ class StateCatchUp:
     # catching up (on the averaging thread; what it returns runs on the compute thread)
     def _catch_up(self, view: StageView) -> Callable[[], None]:
         """Download the stage's state (averaging thread); what it returns adopts it on the compute thread."""
-        self._leave_formed_group()  # (a round at this step would wait for a group this server no longer joins)
+        self._disarm()  # (a round at this step would wait for a group this server no longer joins)
         why = ("behind its stage" if view.behind else
                "its state differs from a better-ranked replica's at the same step (another round, or a round "
                "that lost a member partway)" if view.diverged else

@@ -114,10 +114,11 @@ class ExpertServer:
 
     def start(self) -> None:
         moe = self.config.model.moe
-        experts = self.options.experts
+        experts, seen = self.options.experts, []
         if experts is None:
             count = self.options.count or max(1, moe.num_experts // 2)
-            experts = choose_experts(self.records.lookup_expert_hosts(), moe.num_experts, count)
+            seen = self.records.lookup_expert_hosts()
+            experts = choose_experts(seen, moe.num_experts, count)
         bad = [e for e in experts if not 0 <= e < moe.num_experts]
         if bad or not experts:
             raise ValueError(f"--experts must name experts in 0..{moe.num_experts - 1}, got {sorted(experts)}")
@@ -129,7 +130,7 @@ class ExpertServer:
         self._state_service = ExpertStateService(self)
         self.loop.run(self._state_service.add_p2p_handlers(self._p2p, namespace=self._state_namespace()),
                       LOOP_CALL_TIMEOUT)
-        self._download_state()
+        self._download_state(seen)
         self._saved_step = self.host.step
         handler = ExpertRequestHandler(self)
         self._service = self.loop.run(handler.serve(self._p2p), LOOP_CALL_TIMEOUT)
@@ -144,10 +145,15 @@ class ExpertServer:
     def _state_namespace(self) -> str:
         return experts_namespace(self.config.run_id) + "/state"
 
-    def _download_state(self) -> None:
+    def _download_state(self, seen: list[ExpertHostRecord] = ()) -> None:
         """Take each hosted expert's state from an ONLINE host of it, so replicas start equal; an expert
-        that no live host has starts from its initial weights (said loudly once the run has trained)."""
-        hosts = self._donors_within_bound()
+        that no live host has starts from its initial weights (said loudly once the run has trained).
+
+        `seen`: the hosts looked up when choosing the experts. A later lookup can miss one (a DHT get that
+        reached no holder of the key; seen once in CI, where the joiner then started an expert afresh beside
+        its live host), so those records stay candidates too: asking a host for its state needs no DHT.
+        """
+        hosts = self._donors_within_bound(seen)
         fresh = []
         for e in self.experts:
             donors = sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)
@@ -164,15 +170,16 @@ class ExpertServer:
                 fresh.append(e)
         fresh = self._restore(fresh)
         steps = [r.step for r in self.records.lookup_all_servers(self.config.stages.num_stages).get(0, [])]
+        steps += [r.step for r in hosts]
         if fresh and steps and max(steps) > 0:
             log.warning("experts %s have no live host to take their state from: they start from their initial "
                         "weights although the run is at step %d", fresh, max(steps))
 
-    def _donors_within_bound(self) -> list:
+    def _donors_within_bound(self, seen: list[ExpertHostRecord] = ()) -> list:
         """The hosts that may give their state (_donors), read again an announce period later while one is
         beyond the bound, DONOR_LOOKUPS times at most; each one refused in the end is logged."""
         for lookup in range(1, DONOR_LOOKUPS + 1):
-            hosts, refused = self._donors()
+            hosts, refused = self._donors(seen)
             if not refused or lookup == DONOR_LOOKUPS or self._stop.wait(self.config.network.announce_period):
                 break
         for r, bound in refused:
@@ -180,7 +187,7 @@ class ExpertServer:
                         "servers make believable", r.peer_id, r.step, bound)
         return hosts
 
-    def _donors(self) -> tuple[list, list]:
+    def _donors(self, seen: list[ExpertHostRecord] = ()) -> tuple[list, list]:
         """The ONLINE hosts of experts that may give their state, and those refused (with the bound).
 
         A host's step is its own claim: one far ahead of what most of the run's servers announce is no donor
@@ -188,8 +195,9 @@ class ExpertServer:
         are a moment old, each its own: in a run of several steps a second an honest host's can be a few steps
         past the others' (seen in a test: 72 against 71), hence a few lookups a period apart.
         """
-        hosts = [r for r in self.records.lookup_expert_hosts()
-                 if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
+        found = {r.peer_id: r for r in seen}
+        found.update((r.peer_id, r) for r in self.records.lookup_expert_hosts())  # a fresh record wins
+        hosts = [r for r in found.values() if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
         servers = self.records.lookup_all_servers(self.config.stages.num_stages)
         bound = step_bound([r.step for found in servers.values() for r in found if r.state == ServerState.ONLINE.value]
                            + [r.step for r in hosts])

@@ -199,3 +199,21 @@ def test_an_expert_host_a_moment_ahead_of_the_run_s_records_is_looked_up_again(c
     assert reads([72, 73], [(69, 69), (71, 72)]) == [73]  # the second read catches up
     assert reads([10**9] * DONOR_LOOKUPS, [(69, 69)] * DONOR_LOOKUPS) == []  # a liar, refused in the end
     assert "beyond step 71" in caplog.text
+
+
+def test_a_host_seen_when_choosing_stays_a_donor_when_a_later_lookup_misses_it():
+    # CI saw a joiner choose expert 0 beside its live host, then find no host of it and start it afresh
+    import threading
+    from types import SimpleNamespace
+
+    from peer.expert import ExpertServer
+
+    server = object.__new__(ExpertServer)
+    server.peer_id, server._stop = "me", threading.Event()
+    server.config = SimpleNamespace(network=SimpleNamespace(announce_period=0.0), stages=SimpleNamespace(num_stages=2))
+    lookups = iter([[], [host("a", [0, 1], step=5)]])
+    server.records = SimpleNamespace(lookup_expert_hosts=lambda: next(lookups),
+                                     lookup_all_servers=lambda num_stages: {0: [], 1: []})
+    seen = [host("a", [0, 1], step=4), host("me", [2]), host("gone", [3], "OFFLINE")]
+    assert [(r.peer_id, r.step) for r in server._donors_within_bound(seen)] == [("a", 4)]
+    assert [(r.peer_id, r.step) for r in server._donors_within_bound(seen)] == [("a", 5)]  # the fresh record wins

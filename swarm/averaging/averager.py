@@ -15,8 +15,10 @@ on the same averaged gradient on every replica, so the replicas stay equal. The 
 never waits on the network; what it spends on averaging (closing a batch, applying a step or a
 downloaded state) is exported as ``swarm_averaging_compute_seconds_total``.
 
-A round that fails (no group, a member gone, a timeout) never stops training: the server steps on
-its own gradient and says so (log and metrics). Every replica knows which round made its state; one
+A round that fails (no group, a member gone, a timeout) never stops training. Its batch tries again
+after a short pause, with the samples that came meanwhile (the other members, most likely failed
+too, do the same, so the replicas stay equal); after MAX_FAILED_TRIES failures in a row the server
+steps on its own gradient and says so (log and metrics). Every replica knows which round made its state; one
 whose state came from another round than a better-ranked replica's at the same step (a lone step, a
 group that formed apart) downloads that replica's state, as does a server behind its stage's step;
 the download too runs beside compute, and its state replaces the replica's between two requests.
@@ -59,7 +61,7 @@ from swarm.averaging.progress import (
     sharing_priority,
     stage_view,
 )
-from swarm.averaging.sharded import ROUND_RETRY_PAUSE, ShardedRounds
+from swarm.averaging.sharded import ROUND_RETRY_PAUSE, ROUND_RETRY_PAUSE_MAX, ShardedRounds
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import RunConfig
 from swarm.dht.keys import averaging_prefix
@@ -67,6 +69,10 @@ from swarm.state import StageState
 from swarm.zero import Layout, ShardedMoments
 
 MAX_MEMBER_BATCHES = 4  # a member's claimed samples count for at most this many of its stage's batches
+# Failed rounds in a row whose batch tries again before a server steps on its own samples alone. A member that
+# gave up on matchmaking while its group formed fails the others' all-reduce only after next_chunk_timeout,
+# so the two ends of one failure meet again a try or two apart.
+MAX_FAILED_TRIES = 3
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +133,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._alone_since: float | None = None  # sharded: since when this server has seen no other
         self._next_round = 0.0  # sharded: monotonic time before which no round is retried
         self._round_pause = ROUND_RETRY_PAUSE
+        self._failed_tries = 0  # failed rounds in a row whose samples went back to try again, at this step
         self._prefix = prefix
         if self._zero is not None:  # a round only forms the group; the collective carries the rest
             self._layout = Layout([p.shape for p in optimizer.params], self._zero.chunk_elements)
@@ -348,6 +355,16 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._count_sent()  # a failed round sent parts too
         if failure is not None:
             self._check_process()
+            if samples > 0 and view.group_size > 1 and self._failed_tries < MAX_FAILED_TRIES:
+                # Everyone else in the round failed it too, most likely (a member that left matchmaking just
+                # as the group formed makes the others' all-reduce miss its part): all retrying keeps the
+                # replicas equal, where each stepping alone parts them, and a catch-up then throws away the
+                # work of all but one (seen in clusters at batch 128: README, Averaging)
+                self._failed_tries += 1
+                log.warning("stage %d: averaging for step %d failed (%s); its %d samples count towards try %d of %d",
+                            self.stage, view.step + 1, failure, samples, self._failed_tries + 1,
+                            MAX_FAILED_TRIES + 1)
+                return functools.partial(self._try_again, grads, samples)
             log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
                         self.stage, view.step + 1, failure, samples)
             if samples == 0:  # nothing of our own to step on: wait to catch up
@@ -395,6 +412,10 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         """
         with self._state_lock:
             self._back_from_look_ahead()
+            if outcome == SUCCEEDED:
+                self._failed_tries, self._round_pause = 0, ROUND_RETRY_PAUSE
+            elif outcome == FAILED:  # no more tries until a round succeeds: a stage whose rounds keep failing
+                self._failed_tries = MAX_FAILED_TRIES  # pays them once, not at every step
             self.metrics.rounds[outcome].inc()  # (first: whoever sees the step sees how it was made)
             stats = self.optimizer.step_with(mean, samples)
             if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
@@ -412,6 +433,23 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             sent, self._counted_sent = total - self._counted_sent, total
             if sent:
                 self.metrics.sent(sent)
+
+    def _try_again(self, grads: list[torch.Tensor | None], samples: int) -> None:
+        """A failed round's batch goes back to the accumulation, to try again after a pause (compute thread)."""
+        self.metrics.retried.inc()
+        self._put_back(grads, samples)
+
+    def _put_back(self, grads: list[torch.Tensor | None], samples: int) -> None:
+        """A failed round's samples count towards the next try, after a pause that doubles with each failure."""
+        with self._state_lock:
+            self._back_from_look_ahead()
+            if samples > 0:
+                self.optimizer.accumulate(grads, samples)
+            self._late += self._late_in_round
+            self._averaging = False
+        self._next_round = time.monotonic() + self._round_pause
+        self._round_pause = min(2 * self._round_pause, ROUND_RETRY_PAUSE_MAX)
+        self._tracker.nudge()
 
     def _end_round(self) -> None:
         with self._state_lock:

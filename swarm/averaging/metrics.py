@@ -25,6 +25,9 @@ class AveragingMetrics:
                          "with peers (succeeded), local after a failed round (failed), local with no peer (local)",
                          ["stage", "outcome"], registry=registry)
         self.rounds = {outcome: rounds.labels(stage=label, outcome=outcome) for outcome in (SUCCEEDED, FAILED, LOCAL)}
+        self.retried = Counter("swarm_averaging_retried_rounds", "Failed rounds whose samples went back to try again "
+                               "at the same step (the stage's other servers most likely failed it too)", ["stage"],
+                               registry=registry).labels(stage=label)
         self.group_size = Gauge("swarm_averaging_group_size", "Servers in the last successful averaging round",
                                 ["stage"], registry=registry).labels(stage=label)
         self.bytes_sent = Counter("swarm_averaging_bytes_sent", "Bytes this server sent in averaging rounds (the "

@@ -129,15 +129,8 @@ class ShardedRounds:
     def _retry_later(self, grads: list[torch.Tensor | None], samples: int) -> None:
         """A sharded round failed (compute thread): its samples go back to the accumulation for the next try
         (a replica cannot step on its own where others hold the moments)."""
-        with self._state_lock:
-            if samples > 0:
-                self.optimizer.accumulate(grads, samples)
-            self._late += self._late_in_round
-            self._averaging = False
-        self._next_round = time.monotonic() + self._round_pause
-        self._round_pause = min(2 * self._round_pause, ROUND_RETRY_PAUSE_MAX)
         self.metrics.rounds[FAILED].inc()
-        self._tracker.nudge()
+        self._put_back(grads, samples)
 
     def _sharded_round(self, view: StageView, grads: list[torch.Tensor | None],
                        samples: int) -> tuple[Plan, int, RoundResult]:

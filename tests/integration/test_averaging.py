@@ -107,10 +107,10 @@ def run_round(servers: list[StageServer], batches: list[list], wait_to_see: bool
     """Feed servers[i] the micro-batches batches[i] (one full batch in all); wait until every one stepped,
     or one stepped alone.
 
-    A server whose round fails steps alone on its own samples; a server that has not closed its batch yet
-    then waits for samples of its own (an unbacked record ahead closes nobody's batch), and the younger of
-    two takes the elder's state back. So after a failed round not every server steps: averaged_round
-    waits for the replicas to agree instead.
+    A server whose round fails tries again a few times, then steps alone on its own samples; a server that
+    has not closed its batch yet then waits for samples of its own (an unbacked record ahead closes
+    nobody's batch), and the younger of two takes the elder's state back. So after a failed round not every
+    server steps: averaged_round waits for the replicas to agree instead.
     """
     if wait_to_see:
         wait_until_peers_see_each_other(servers)
@@ -353,6 +353,38 @@ def test_a_server_answers_forwards_at_once_while_its_round_waits_for_a_stalled_p
     wait_until(lambda: a.backend.step == step + 1 and b.backend.step == step + 1 and not a.averager.busy
                and not b.averager.busy, ROUND_TIMEOUT, interval=0.1, what="a stepping alone and b catching up")
     assert_same_state(snapshot(a), snapshot(b))
+
+
+def retried(server: StageServer) -> float:
+    return server.registry.get_sample_value("swarm_averaging_retried_rounds_total", {"stage": str(STAGE)}) or 0.0
+
+
+def test_a_failed_round_tries_again_and_the_replicas_step_together_once_the_other_is_back(pair):
+    # A member that cannot take part for a while fails the other's round. Stepping alone would part the
+    # replicas (and a catch-up would then throw one's samples away); the batch tries again instead
+    config, _, (a, b) = pair
+    wait_until_agreed([a, b])
+    wait_until_peers_see_each_other([a, b])
+    step, lone, tries, downloads = a.backend.step, [alone(a), alone(b)], retried(a), caught_up(b)
+    averaged = [rounds(s, "succeeded") for s in (a, b)]
+    os.kill(b.averager.process_id, signal.SIGSTOP)  # b still publishes progress, but cannot take part in a round
+    try:
+        for seed in (30, 31, 32):  # a full batch on a
+            feed(a, micro_batch(config, seed))
+        wait_until(lambda: retried(a) > tries, ROUND_TIMEOUT, interval=0.1, what="a's round to fail and try again")
+        assert a.backend.step == step
+    finally:
+        os.kill(b.averager.process_id, signal.SIGCONT)
+    wait_until(lambda: a.backend.step == step + 1 and b.backend.step == step + 1 and not a.averager.busy
+               and not b.averager.busy, 3 * ROUND_TIMEOUT, interval=0.1, what="a and b stepping together")
+    assert [alone(a), alone(b)] == lone and caught_up(b) == downloads
+    assert [rounds(s, "succeeded") for s in (a, b)] == [n + 1 for n in averaged]
+    assert_same_state(snapshot(a), snapshot(b))
+
+
+def caught_up(server: StageServer) -> float:
+    return server.registry.get_sample_value("swarm_averaging_state_downloads_total",
+                                            {"stage": str(STAGE), "outcome": "succeeded"}) or 0.0
 
 
 def poison(server: StageServer, how: str) -> None:

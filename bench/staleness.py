@@ -147,9 +147,11 @@ def compensate(late: list[list[torch.Tensor]], samples: int, now: list[torch.nn.
 
 
 def train(config: RunConfig, variant: Variant, share: float, at: list[int], servers: int, block_steps: int,
-          dc_lambda: float, step_samples: int | None = None, seed: int = 0) -> dict[int, float]:
+          dc_lambda: float, step_samples: int | None = None, seed: int = 0,
+          unpredicted: float = 0.0) -> dict[int, float]:
     """Validation losses after as many samples as `at` batches hold (at those steps, where every step takes a
-    batch); with `step_samples`, steps take that many samples on average (whole micro-batches)."""
+    batch); with `step_samples`, steps take that many samples on average (whole micro-batches). With
+    look-ahead, a late micro-batch runs on w_t instead of the prediction with probability `unpredicted`."""
     torch.manual_seed(seed)
     trainer = ReferenceTrainer(config)
     stages, optimizers = trainer.stages, trainer.optimizers
@@ -159,8 +161,9 @@ def train(config: RunConfig, variant: Variant, share: float, at: list[int], serv
     batch, micro = config.optimizer.batch_size, config.optimizer.micro_batch_size
     extra = max(0.0, ((step_samples or batch) - batch) / micro)  # mean micro-batches a step takes beyond a batch
     more = extra / (1.0 + extra)  # each one more with this probability: a geometric count of mean `extra`
-    rng, sizes = random.Random(seed), random.Random(seed + 1)
+    rng, sizes, misses = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)
     used: list[torch.nn.Module] | None = None  # the parameters late samples run on (none before the first step)
+    before: list[torch.nn.Module] | None = None  # w_t: the parameters before the last step
     losses: dict[int, float] = {}
     seen = step = 0
     previous: list[list[torch.Tensor]] = [[] for _ in stages]  # the last step's mean gradient (+fillprev)
@@ -176,18 +179,19 @@ def train(config: RunConfig, variant: Variant, share: float, at: list[int], serv
             x, y = trainer.sampler.next_batch()
             n = x.shape[0]
             if used is not None and rng.random() < late_share:
-                for s in used:
+                on = before if variant.lookahead and misses.random() < unpredicted else used
+                for s in on:
                     s.zero_grad(set_to_none=True)
-                (chain(used, x, y) * n).backward()
-                mine = grads_of(used)
+                (chain(on, x, y) * n).backward()
+                mine = grads_of(on)
                 for sums, part in zip(late, mine):
                     for g, d in zip(sums, part):
                         g.add_(d)
                 late_n += n
             else:
-                before = grads_of(stages)
+                prior_sums = grads_of(stages)
                 (chain(stages, x, y) * n).backward()
-                mine = [[a - b for a, b in zip(after, prior)] for after, prior in zip(grads_of(stages), before)]
+                mine = [[a - b for a, b in zip(after, prior)] for after, prior in zip(grads_of(stages), prior_sums)]
             if index % servers == 0:
                 for sums, part in zip(local, mine):
                     for g, d in zip(sums, part):
@@ -222,7 +226,7 @@ def train(config: RunConfig, variant: Variant, share: float, at: list[int], serv
         next_used = preview(stages, optimizers, local, local_n) if variant.lookahead else current
         for opt in optimizers:
             opt.step()
-        used = next_used
+        used, before = next_used, current
         step += 1
         due = [s for s in at if s not in losses and seen >= s * batch]
         if due:
@@ -244,6 +248,9 @@ def main() -> None:
     p.add_argument("--nadamw-beta1", type=float, default=0.99, help="NAdamW's beta1 (AdamW's is 0.9)")
     p.add_argument("--step-samples", type=int, help="samples a step takes on average (default: a batch), as the "
                    "swarm's steps grow when rounds take longer than a batch; losses are then at equal samples")
+    p.add_argument("--unpredicted", type=float, default=0.0, help="with look-ahead, the share of late micro-batches "
+                   "that run on w_t all the same (the swarm's: backwards after a step no forward ahead predicted, "
+                   "samples a replica holds before its own round starts)")
     p.add_argument("--seeds", type=int, default=1, help="runs of each, with model, data and lateness seeds 0.. "
                    "(figures: the mean loss, the mean ratio and, with more than one, its range over seeds)")
     args = p.parse_args()
@@ -260,13 +267,14 @@ def main() -> None:
             config = configure(base, variant.optimizer, args.batch_size, args.nadamw_beta1)
             config.model.seed, config.data.seed = base.model.seed + seed, base.data.seed + seed
             out.append(train(config, variant, share, at, args.servers, args.block_steps, args.dc_lambda, step_samples,
-                             seed))
+                             seed, args.unpredicted))
         return out
 
     exact: dict[str, list[dict[int, float]]] = {}
     print(f"{args.config}: batch {args.batch_size or base.optimizer.batch_size}, late share {args.share}, "
           f"{args.step_samples or 'a batch of'} samples a step, NAdamW beta1 {args.nadamw_beta1}, "
-          f"{args.servers} servers per stage, {args.seeds} seed(s); validation loss at steps {at} "
+          f"{args.servers} servers per stage, {args.unpredicted} of late samples unpredicted with look-ahead, "
+          f"{args.seeds} seed(s); validation loss at steps {at} "
           "(at equal samples)", flush=True)
     for name in sorted({v.optimizer for v in variants} | {"adamw"}):
         started = time.perf_counter()

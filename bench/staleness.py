@@ -18,6 +18,11 @@ forward and backward run on the parameters the late samples would have seen. Wha
   than a batch takes to fill), and what might make up for them: +sqrt (a step's learning rate times
   the square root of its batches' worth of samples) and +bysamples (the schedule advanced by batches'
   worth of samples instead of by steps). Losses are then compared at equal samples.
+- what the swarm's late samples may differ by (look-ahead variants): --unpredicted U, the share of late
+  micro-batches that run on w_t all the same; --apart A, the share of which one stage (at random) is not
+  in a round and runs on its parameters of now, its gradient fresh. At batch 128, 45% late (2026-12-04):
+  U 0.25 gives 1.038/1.047 at steps 50/100 and U 0.5 1.103/1.119 (0 gives 1.028/1.015); A 0.5 and 1.0
+  cost nothing (1.007/1.000, 0.991/0.995).
 
 One seed's ratio can differ from another's by several percent (tiny.yaml at batch 16, 60% late:
 AdamW + look-ahead / exact AdamW 1.010-1.054 at step 300 over 5 seeds, NAdamW + look-ahead / exact
@@ -148,10 +153,12 @@ def compensate(late: list[list[torch.Tensor]], samples: int, now: list[torch.nn.
 
 def train(config: RunConfig, variant: Variant, share: float, at: list[int], servers: int, block_steps: int,
           dc_lambda: float, step_samples: int | None = None, seed: int = 0,
-          unpredicted: float = 0.0) -> dict[int, float]:
+          unpredicted: float = 0.0, apart: float = 0.0) -> dict[int, float]:
     """Validation losses after as many samples as `at` batches hold (at those steps, where every step takes a
     batch); with `step_samples`, steps take that many samples on average (whole micro-batches). With
-    look-ahead, a late micro-batch runs on w_t instead of the prediction with probability `unpredicted`."""
+    look-ahead, a late micro-batch runs on w_t instead of the prediction with probability `unpredicted`, and
+    with probability `apart` one stage (at random) is not in a round: it runs on its parameters of now and its
+    gradient counts fresh, while the others run on their prediction, late."""
     torch.manual_seed(seed)
     trainer = ReferenceTrainer(config)
     stages, optimizers = trainer.stages, trainer.optimizers
@@ -161,7 +168,8 @@ def train(config: RunConfig, variant: Variant, share: float, at: list[int], serv
     batch, micro = config.optimizer.batch_size, config.optimizer.micro_batch_size
     extra = max(0.0, ((step_samples or batch) - batch) / micro)  # mean micro-batches a step takes beyond a batch
     more = extra / (1.0 + extra)  # each one more with this probability: a geometric count of mean `extra`
-    rng, sizes, misses = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)
+    rng, sizes, misses, rounds = random.Random(seed), random.Random(seed + 1), random.Random(seed + 2), \
+        random.Random(seed + 3)
     used: list[torch.nn.Module] | None = None  # the parameters late samples run on (none before the first step)
     before: list[torch.nn.Module] | None = None  # w_t: the parameters before the last step
     losses: dict[int, float] = {}
@@ -180,13 +188,21 @@ def train(config: RunConfig, variant: Variant, share: float, at: list[int], serv
             n = x.shape[0]
             if used is not None and rng.random() < late_share:
                 on = before if variant.lookahead and misses.random() < unpredicted else used
-                for s in on:
-                    s.zero_grad(set_to_none=True)
+                fresh = rounds.randrange(len(stages)) if variant.lookahead and rounds.random() < apart else None
+                if fresh is not None:  # that stage runs now, and its gradient adds to this step's as it comes
+                    on = [stages[i] if i == fresh else m for i, m in enumerate(on)]
+                for i, s in enumerate(on):
+                    if i != fresh:
+                        s.zero_grad(set_to_none=True)
+                prior_sums = grads_of(stages)
                 (chain(on, x, y) * n).backward()
                 mine = grads_of(on)
-                for sums, part in zip(late, mine):
-                    for g, d in zip(sums, part):
-                        g.add_(d)
+                if fresh is not None:
+                    mine[fresh] = [a - b for a, b in zip(mine[fresh], prior_sums[fresh])]
+                for i, (sums, part) in enumerate(zip(late, mine)):
+                    if i != fresh:
+                        for g, d in zip(sums, part):
+                            g.add_(d)
                 late_n += n
             else:
                 prior_sums = grads_of(stages)
@@ -251,6 +267,9 @@ def main() -> None:
     p.add_argument("--unpredicted", type=float, default=0.0, help="with look-ahead, the share of late micro-batches "
                    "that run on w_t all the same (the swarm's: backwards after a step no forward ahead predicted, "
                    "samples a replica holds before its own round starts)")
+    p.add_argument("--apart", type=float, default=0.0, help="with look-ahead, the share of late micro-batches of "
+                   "which one stage (at random) is not in a round: it runs on its parameters of now, its gradient "
+                   "fresh (the swarm's stages run their rounds each at its own time)")
     p.add_argument("--seeds", type=int, default=1, help="runs of each, with model, data and lateness seeds 0.. "
                    "(figures: the mean loss, the mean ratio and, with more than one, its range over seeds)")
     args = p.parse_args()
@@ -267,13 +286,14 @@ def main() -> None:
             config = configure(base, variant.optimizer, args.batch_size, args.nadamw_beta1)
             config.model.seed, config.data.seed = base.model.seed + seed, base.data.seed + seed
             out.append(train(config, variant, share, at, args.servers, args.block_steps, args.dc_lambda, step_samples,
-                             seed, args.unpredicted))
+                             seed, args.unpredicted, args.apart))
         return out
 
     exact: dict[str, list[dict[int, float]]] = {}
     print(f"{args.config}: batch {args.batch_size or base.optimizer.batch_size}, late share {args.share}, "
           f"{args.step_samples or 'a batch of'} samples a step, NAdamW beta1 {args.nadamw_beta1}, "
-          f"{args.servers} servers per stage, {args.unpredicted} of late samples unpredicted with look-ahead, "
+          f"{args.servers} servers per stage, {args.unpredicted} of late samples unpredicted with look-ahead "
+          f"and {args.apart} with one stage apart, "
           f"{args.seeds} seed(s); validation loss at steps {at} "
           "(at equal samples)", flush=True)
     for name in sorted({v.optimizer for v in variants} | {"adamw"}):

@@ -296,7 +296,7 @@ class AveragingProcess(AveragerInternals):
         # No retries: hivemind's child learns of a cancel through a pipe, and a cancelled round it retries
         # (it has not heard yet) lives on until its deadline, holding the matchmaking lock and joining the
         # peers' groups as a member that never takes part; seen to fail a stage's rounds for minutes. A
-        # failed round is handled here instead (a step alone, then a download of the better state).
+        # failed round is handled by StageAverager instead (a new round for the same batch, armed afresh).
         return self.step(gather=gather, weight=0.0, timeout=self.config.matchmaking_timeout, require_trigger=True,
                          allow_retries=False, wait=False)
 

@@ -133,7 +133,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._alone_since: float | None = None  # sharded: since when this server has seen no other
         self._next_round = 0.0  # sharded: monotonic time before which no round is retried
         self._round_pause = ROUND_RETRY_PAUSE
-        self._failed_tries = 0  # failed rounds in a row whose samples went back to try again, at this step
+        self._failed_tries = 0  # rounds whose samples went back to try again since the last one that succeeded
         self._prefix = prefix
         if self._zero is not None:  # a round only forms the group; the collective carries the rest
             self._layout = Layout([p.shape for p in optimizer.params], self._zero.chunk_elements)

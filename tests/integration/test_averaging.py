@@ -359,6 +359,11 @@ def retried(server: StageServer) -> float:
     return server.registry.get_sample_value("swarm_averaging_retried_rounds_total", {"stage": str(STAGE)}) or 0.0
 
 
+def caught_up(server: StageServer) -> float:
+    return server.registry.get_sample_value("swarm_averaging_state_downloads_total",
+                                            {"stage": str(STAGE), "outcome": "succeeded"}) or 0.0
+
+
 def test_a_failed_round_tries_again_and_the_replicas_step_together_once_the_other_is_back(pair):
     # A member that cannot take part for a while fails the other's round. Stepping alone would part the
     # replicas (and a catch-up would then throw one's samples away); the batch tries again instead
@@ -380,11 +385,6 @@ def test_a_failed_round_tries_again_and_the_replicas_step_together_once_the_othe
     assert [alone(a), alone(b)] == lone and caught_up(b) == downloads
     assert [rounds(s, "succeeded") for s in (a, b)] == [n + 1 for n in averaged]
     assert_same_state(snapshot(a), snapshot(b))
-
-
-def caught_up(server: StageServer) -> float:
-    return server.registry.get_sample_value("swarm_averaging_state_downloads_total",
-                                            {"stage": str(STAGE), "outcome": "succeeded"}) or 0.0
 
 
 def poison(server: StageServer, how: str) -> None:

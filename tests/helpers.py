@@ -10,8 +10,10 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "") -> T:
-    """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds."""
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "",
+               explain: Callable[[], str] | None = None) -> T:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds (saying
+    what `explain` returns then, if given: the state the test waited on)."""
     deadline = time.monotonic() + timeout
     pause = threading.Event()
     while True:
@@ -19,5 +21,6 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.0
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+            said = f": {explain()}" if explain is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}{said}")
         pause.wait(interval)

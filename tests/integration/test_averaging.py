@@ -16,10 +16,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hivemind.p2p import PeerID
 
 from peer.server import StageServer, StageStateMissing
-from swarm.averaging import averaging_prefix
 from swarm.config import AveragingConfig
 from swarm.dht import ServerRecord, ServerState, visible_maddrs
 from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
@@ -88,14 +86,20 @@ def rounds(server: StageServer, outcome: str) -> float:
 
 
 def wait_until_peers_see_each_other(servers: list[StageServer]) -> None:
-    """Every server counts all the others at its step, so a round gathers them all, and sees nobody ahead
-    (a record of an earlier test's server, until it expires, would close a batch early)."""
+    """Every server counts all the others at its step, so a round gathers them all, sees nobody ahead (a
+    record of an earlier test's server, until it expires, would close a batch early), needs no state (a
+    replica whose last round was not whole downloads a whole one's first) and runs no round or download."""
     def seen(server: StageServer) -> bool:
         view = server.averager.view()
-        return view.group_size == len(servers) and not view.behind and not view.closed
+        return (view.group_size == len(servers) and not view.needs_state and not view.closed
+                and not server.averager.busy)
 
-    wait_until(lambda: all(seen(s) for s in servers), SEE_TIMEOUT,
-               interval=0.1, what=f"{len(servers)} servers of stage {STAGE} seeing each other and nobody ahead")
+    def views() -> str:
+        return "; ".join(f"server {i}: {s.averager.view()}, busy {s.averager.busy}, step {s.backend.step}"
+                         for i, s in enumerate(servers))
+
+    wait_until(lambda: all(seen(s) for s in servers), ROUND_TIMEOUT, interval=0.1,  # (a download may run first)
+               what=f"{len(servers)} servers of stage {STAGE} seeing each other, ready for a round", explain=views)
 
 
 def alone(server: StageServer) -> float:
@@ -240,6 +244,8 @@ def test_the_next_round_s_group_forms_while_its_batch_fills_and_counts_what_each
             break
     else:
         pytest.fail(f"{ATTEMPTS} rounds in a row lost a member partway")
+    # (the round's metrics and state change in the step itself; its stats reach the hook just after)
+    wait_until(lambda: all(steps), SEE_TIMEOUT, interval=0.1, what="both servers' step stats")
     assert [(x[0]["samples"], x[0]["own_samples"]) for x in steps] == [(12, 4), (12, 8)]
 
 
@@ -404,12 +410,12 @@ def poison(server: StageServer, how: str) -> None:
     server.averager._after_step()  # (test seam) share the state under its new rank, publish its progress
 
 
-def best_ranked_offer(server: StageServer) -> str:
-    """The peer whose state a joiner of the stage asks for first (hivemind's "all_averagers" entries)."""
-    found = server.dht.get(f"{averaging_prefix(server.config.run_id, STAGE)}.all_averagers", latest=True)
-    offers = {PeerID(peer).to_base58(): item.value for peer, item in (found.value if found else {}).items()
-              if isinstance(item.value, float)}
-    return max(offers, key=offers.get) if offers else ""
+def best_ranked_source(server: StageServer) -> str:
+    """The peer whose state `server` would ask for first: downloads rank the stage's servers by the priority in
+    their signed progress records (StateIntake.fetch), not by hivemind's "all_averagers" entries, which say only
+    that a state is offered (stored once, every value the same)."""
+    records = server.averager._tracker.others()
+    return max(records, key=lambda r: (r.priority, r.peer_id)).peer_id if records else ""
 
 
 @pytest.mark.parametrize("how", ["far-ahead", "nan"])
@@ -422,7 +428,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
         wait_until(lambda: {a.peer_id, b.peer_id} <= m.averager._established(), SEE_TIMEOUT, interval=0.1,
                    what="m watching both honest replicas long enough to count them")
         poison(m, how)
-        wait_until(lambda: best_ranked_offer(a) == m.peer_id, SEE_TIMEOUT, interval=0.1,
+        wait_until(lambda: best_ranked_source(a) == m.peer_id, SEE_TIMEOUT, interval=0.1,
                    what="the poisoned replica ranking first as a source of state")
 
         with stage_servers(config, [peer_j], [STAGE]) as (j,):  # downloads a state on start

@@ -21,12 +21,16 @@ bytes-over-rate bound 2(n-1)/n x stage 0's gradient bytes / rate when a rate is 
 each point is also printed against it: latency needs the delayer, a Python process per link that
 handles every packet on the cores the swarm shares, and the plain 0 ms point pays nothing for it.
 
+With --transports, every peer listens on TCP (the default), QUIC or both, each a run of all the points
+(QUIC does not work with hivemind 1.1.12's p2pd yet: README, Across the internet).
+
 Defaults: configs/tiny.yaml at batch 64 (its compute takes milliseconds, as on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -44,6 +48,8 @@ from tests.netlab import Lab  # noqa: E402
 from tests.procs import INITIAL_PEERS_LINE, ProcSet  # noqa: E402
 
 PORT = 9100
+TRANSPORTS = {"tcp": ("/ip4/0.0.0.0/tcp/0",), "quic": ("/ip4/0.0.0.0/udp/0/quic-v1",),
+              "both": ("/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1")}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -67,8 +73,9 @@ def stale_share(samples: dict) -> float | None:
 def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixed: int | None, warmup: float,
             window: float, workdir: Path, per_stage: int = 1, nat_stage: int | None = None,
             nat_reachability: str = "auto", nat_trainer: bool = False, hub_ms: float | None = None,
-            queued: bool = False) -> dict:
+            queued: bool = False, transport: str = "tcp") -> dict:
     procs = ProcSet(workdir)
+    listen = ("--host-maddrs", *TRANSPORTS[transport])
     link = {"latency_ms": latency_ms / 2, "rate_mbit": rate or None, "queued": queued}
     with Lab() as lab:
         hub = lab.add_host("hub", **{**link, **({} if hub_ms is None else {"latency_ms": hub_ms})})
@@ -77,20 +84,21 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
         trainer_host = lab.add_host("trainer", kind="nat" if nat_trainer else "public", **link)
         lab.start()
         try:
-            coordinator = procs.start("swarm-coordinator", "--config", str(config_path), netns=hub.ns)
+            coordinator = procs.start("swarm-coordinator", "--config", str(config_path), *listen, netns=hub.ns)
             line = coordinator.wait_for_line(INITIAL_PEERS_LINE, 120)
             began = time.monotonic()
             join = ("--initial-peers", *[m for m in line.group(1).split() if f"/ip4/{hub.address}/" in m])
             metrics = ("--metrics-port", str(PORT))
             behind = ("--reachability", nat_reachability)
-            peers = [procs.start("swarm-peer", *join, "--role", "server", "--stage", str(k), *metrics,
+            peers = [procs.start("swarm-peer", *join, *listen, "--role", "server", "--stage", str(k), *metrics,
                                  *(behind if k == nat_stage else ()), netns=h.ns)
                      for k, h in servers]
             for peer in peers:
                 peer.wait_for_line(r"serving stage \d+", 300, stream="stderr")
             joined = time.monotonic() - began
             extra = ("--in-flight", "auto" if fixed is None else str(fixed))
-            trainer = procs.start("swarm-peer", *join, "--role", "trainer", "--trainer-index", "0", *metrics, *extra,
+            trainer = procs.start("swarm-peer", *join, *listen, "--role", "trainer", "--trainer-index", "0", *metrics,
+                                  *extra,
                                   netns=trainer_host.ns)
             trainer.wait_until(lambda: value(families(trainer_host), "swarm_trainer_samples_total") > 0, 300,
                                "the trainer's first samples")
@@ -112,6 +120,7 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
                       - value(before, "swarm_averaging_round_start_seconds_sum")
                       for before, after in zip(rounds_before, rounds_after)]
             return {"latency_ms": latency_ms, "rate_mbit": rate, "fixed": fixed, "queued": queued, "joined_s": joined,
+                    "transport": transport,
                     "all_reduce_seconds": (sum(took) - sum(waited)) / sum(count) if sum(count) else None,
                     "samples_per_second": (value(end_samples, "swarm_trainer_samples_total") - start) / elapsed,
                     "in_flight": value(end_samples, "swarm_trainer_in_flight"),
@@ -122,10 +131,11 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
             procs.stop_all()
 
 
-def base(results: list[dict], rate: float, through_delayer: bool) -> float | None:
-    """The samples/s of the 0 ms adaptive point at `rate`, plain or through the delayer (None: not run yet)."""
+def base(results: list[dict], rate: float, through_delayer: bool, transport: str) -> float | None:
+    """The samples/s of the 0 ms adaptive point at `rate` over `transport`, plain or through the delayer (None:
+    not run yet)."""
     return next((b["samples_per_second"] for b in results if b["rate_mbit"] == rate and b["latency_ms"] == 0
-                 and b["fixed"] is None and b["queued"] == through_delayer), None)
+                 and b["fixed"] is None and b["queued"] == through_delayer and b["transport"] == transport), None)
 
 
 def rounds_line(r: dict, config: RunConfig, n: int) -> str:
@@ -161,6 +171,9 @@ def main() -> None:
     p.add_argument("--delayer-control", action="store_true",
                    help="also run 0 ms with every link through the userspace delayer (which latency needs), and "
                         "print each point against it too: the latency's own cost, without the delayer's CPU")
+    p.add_argument("--transports", nargs="+", default=["tcp"], choices=sorted(TRANSPORTS),
+                   help="what every peer listens on (each a run of all the points): tcp (TCP, yamux streams), "
+                        "quic (QUIC v1 over UDP), both")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     config = RunConfig.load(args.config)
@@ -176,23 +189,23 @@ def main() -> None:
         if args.delayer_control:  # right after the plain 0 ms point (or first)
             at = next((i + 1 for i, (latency, _) in enumerate(points) if latency == 0), 0)
             points.insert(at, (0.0, True))
-        for rate in args.rates:
+        for transport, rate in itertools.product(args.transports, args.rates):
             for latency, queued in points:
                 for fixed in ([None, old] if args.fixed else [None]):
-                    workdir = Path(tmp) / f"r{rate}-l{latency}-{fixed}-{'q' if queued else 'd'}"
+                    workdir = Path(tmp) / f"{transport}-r{rate}-l{latency}-{fixed}-{'q' if queued else 'd'}"
                     workdir.mkdir()
                     r = measure(config_path, config.stages.num_stages, latency, rate, fixed, args.warmup,
                                 args.window, workdir, args.servers_per_stage, args.nat_stage,
-                                args.nat_reachability, args.nat_trainer, args.hub_latency, queued)
+                                args.nat_reachability, args.nat_trainer, args.hub_latency, queued, transport)
                     results.append(r)
 
-                    plain, control = (base(results, rate, through) for through in (False, True))
+                    plain, control = (base(results, rate, through, transport) for through in (False, True))
                     ratio = f"{r['samples_per_second'] / plain:.2f}" if plain else "-"
                     ratio += " of 0 ms adaptive"
                     if control and not (latency == 0 and queued):
                         ratio += f", {r['samples_per_second'] / control:.2f} of 0 ms through the delayer"
                     stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
-                    print(f"{config.run_id} batch {config.optimizer.batch_size}, {latency:g} ms one way"
+                    print(f"{config.run_id} batch {config.optimizer.batch_size}, {transport}, {latency:g} ms one way"
                           f"{' (through the delayer)' if queued else ''}, "
                           f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
                           f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "

@@ -245,6 +245,11 @@ def _check(own_maddrs, ask, peers, result: Reachability, relay_wait: float, poll
         poll(0.5)
     listening = sorted((maddr for maddr in maddrs if CIRCUIT not in maddr), key=_is_loopback)  # loopback last
     result.listening = listening
+    if listening and not any(dialable(maddr, allow_loopback=True) for maddr in listening):
+        # the check opens a TCP connection: "nobody reached" a QUIC-only peer would say nothing
+        result.line = (f"reachability: unknown: the check dials TCP, and this peer listens on none "
+                       f"({', '.join(listening[:3])}); libp2p's AutoNAT decides whether it takes a relay slot")
+        return result
     failures = []
     for peer in list(dict.fromkeys(peers))[:ASK_PEERS]:
         try:
@@ -291,6 +296,8 @@ async def _dialed_directly(initial_peers: Sequence[str], host_maddrs: Sequence[s
     asker = await throwaway_daemon(listen)
     try:
         own = [str(maddr) for maddr in await asker.get_visible_maddrs()]
+        if not any(dialable(maddr, allow_loopback=True) for maddr in own):
+            return None  # (the check opens a TCP connection: a QUIC-only peer's "none reached" would say nothing)
         answered = False
         for maddr in parse_maddrs(initial_peers, "initial peer", need_peer_id=True)[:ASK_PEERS]:
             peer = peer_id_of(maddr)

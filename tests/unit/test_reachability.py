@@ -64,6 +64,17 @@ def test_a_peer_one_of_the_asked_can_dial_is_direct():
     assert asked == peers(2)
 
 
+def test_a_peer_listening_on_quic_only_is_not_called_behind_nat_by_a_check_that_dials_tcp():
+    quic = [f"/ip4/192.168.3.2/udp/4100/quic-v1/p2p/{SELF}"]
+    result = check_reachability(lambda: quic, lambda peer, maddrs: pytest.fail("asked"), peers(2), Reachability())
+    assert result.state is None and result.ended.is_set()
+    assert result.line.startswith("reachability: unknown") and quic[0] in result.line
+    # with a TCP address beside it, the check asks as before
+    both = [f"/ip4/192.168.3.2/tcp/4100/p2p/{SELF}", *quic]
+    result = check_reachability(lambda: both, lambda peer, maddrs: [maddrs[0]], peers(1), Reachability())
+    assert result.state == DIRECT
+
+
 def test_no_dial_and_a_relay_address_is_relayed_the_relay_named():
     clock = FakeClock()
     calls = []

@@ -282,3 +282,29 @@ def test_behind_nat_only_when_a_peer_answered_and_none_could_dial(monkeypatch, d
 
     monkeypatch.setattr(reachability, "_dialed_directly", dialed_directly)
     assert reachability.behind_nat([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], ["/ip4/0.0.0.0/tcp/0"], []) is expected
+
+
+def test_the_nat_precheck_of_a_peer_listening_on_quic_only_is_unknown(monkeypatch):
+    # the peers asked open TCP connections: they could reach none of a QUIC-only peer's addresses, which
+    # says nothing about its NAT (it was once taken for "behind NAT", relayed, and its calls cut short)
+    import swarm.dht.reachability as reachability
+
+    class Asker:
+        shut = False
+
+        async def get_visible_maddrs(self):
+            return [f"/ip4/192.168.3.2/udp/4100/quic-v1/p2p/{SELF}"]
+
+        async def shutdown(self):
+            Asker.shut = True
+
+    async def daemon(listen):
+        assert listen == ["/ip4/0.0.0.0/udp/0/quic-v1"]
+        return Asker()
+
+    monkeypatch.setattr(reachability, "throwaway_daemon", daemon)
+    monkeypatch.setattr(reachability, "connect", lambda *a: pytest.fail("asked"))
+    quic = ["/ip4/0.0.0.0/udp/4100/quic-v1"]
+    assert asyncio.run(reachability._dialed_directly([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], quic)) is None
+    assert Asker.shut
+    assert reachability.behind_nat([f"/ip4/11.77.1.2/tcp/4000/p2p/{RELAY}"], quic, []) is False

@@ -124,6 +124,7 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
                     "all_reduce_seconds": (sum(took) - sum(waited)) / sum(count) if sum(count) else None,
                     "samples_per_second": (value(end_samples, "swarm_trainer_samples_total") - start) / elapsed,
                     "in_flight": value(end_samples, "swarm_trainer_in_flight"),
+                    "pieces": value(end_samples, "swarm_trainer_micro_batch_pieces"),
                     "stale_share": max((s for s in stale if s is not None), default=None),
                     "round_seconds": sum(took) / sum(count) if sum(count) else None,
                     "rounds": sum(count)}
@@ -205,11 +206,12 @@ def main() -> None:
                     if control and not (latency == 0 and queued):
                         ratio += f", {r['samples_per_second'] / control:.2f} of 0 ms through the delayer"
                     stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
+                    pieces = f" in {r['pieces']:.0f} pieces each" if r["pieces"] > 1 else ""
                     print(f"{config.run_id} batch {config.optimizer.batch_size}, {transport}, {latency:g} ms one way"
                           f"{' (through the delayer)' if queued else ''}, "
                           f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
                           f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
-                          f"samples/s ({ratio}), {r['in_flight']:.0f} in flight at the end, "
+                          f"samples/s ({ratio}), {r['in_flight']:.0f} in flight at the end{pieces}, "
                           f"{stale} of backwards stale; all servers serving {r['joined_s']:.1f} s after the "
                           f"coordinator" + rounds_line(r, config, args.servers_per_stage), flush=True)
     if args.json:

@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", type=in_flight_arg, metavar="N|auto",
                    help="trainer: micro-batches in flight at once (default: a quarter of a batch, at least 1; "
                    "more keeps stages busier but makes gradients staler). auto: from that up to a whole batch "
-                   "while the round trips it measures leave the stages idle (for links with latency)")
+                   "while the round trips it measures leave the stages idle (for links with latency); at a "
+                   "whole batch, each micro-batch then travels in pieces small enough for a stream's first window")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",

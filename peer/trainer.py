@@ -68,6 +68,25 @@ def in_flight_cap(config: RunConfig) -> int:
     return max(default_in_flight(config), min(MAX_ADAPTIVE_IN_FLIGHT, opt.batch_size // opt.micro_batch_size))
 
 
+STREAM_WINDOW = 256 * 1024  # bytes a libp2p stream over TCP may carry before its first yamux window update
+MESSAGE_HEADROOM = 8 * 1024  # a message's metadata and framing beside its hidden states
+
+
+def max_split(config: RunConfig) -> int:
+    """Pieces an adaptive window may split each micro-batch into at its cap (InFlightWindow): the fewest (a power
+    of two, none smaller than a sample) whose hidden states cross the wire within a stream's first window;
+    1 where a whole micro-batch's do already, and with MoE blocks (an expert's capacity is a share of the
+    tokens of a request: pieces would drop other tokens than the whole)."""
+    if config.model.moe is not None:
+        return 1
+    wire_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[config.stages.wire]
+    per_sample = config.model.seq_len * config.model.d_model * wire_bytes
+    micro, split = config.optimizer.micro_batch_size, 1
+    while split < micro and -(-micro // split) * per_sample > STREAM_WINDOW - MESSAGE_HEADROOM:
+        split *= 2
+    return split
+
+
 def default_in_flight(config: RunConfig) -> int:
     """Micro-batches a trainer keeps in flight unless told otherwise: at most a quarter of a batch.
 
@@ -93,6 +112,8 @@ class TrainerMetrics:
                              registry=registry)
         self.in_flight = Gauge("swarm_trainer_in_flight", "Micro-batches this trainer lets travel at once "
                                "(grows while the measured round trips leave the stages room)", registry=registry)
+        self.pieces = Gauge("swarm_trainer_micro_batch_pieces", "Pieces each micro-batch travels in at once (more than "
+                            "1 once a window at its cap is bound by latency)", registry=registry)
         self.pipeline: RemotePipeline | None = None
         registry.register(self)  # the per-stage figures below are read from the pipeline at each scrape
 
@@ -149,7 +170,7 @@ class Trainer:
         self.options = options or TrainerOptions()
         wanted = self.options.in_flight
         if wanted == AUTO_IN_FLIGHT:
-            self.window = InFlightWindow(default_in_flight(config), in_flight_cap(config))
+            self.window = InFlightWindow(default_in_flight(config), in_flight_cap(config), max_split=max_split(config))
         else:
             fixed = default_in_flight(config) if wanted is None else wanted
             if not isinstance(fixed, int) or fixed < 1:
@@ -233,23 +254,47 @@ class Trainer:
                     x, y = x[: budget - self.samples], y[: budget - self.samples]
                 n = x.shape[0]
                 self.samples += n  # claimed before the trip, so workers never overshoot the budget
-                count += 1
                 started = time.monotonic()
-                try:
-                    loss = await self.pipeline.train(x, y, request_id=micro_batch_id(self.peer_id, worker, count))
-                except PipelineError as e:
-                    self.samples -= n
+                split = min(self.window.split, n)
+                done, failure = await self._travel(x, y, split, worker, count)
+                count += split
+                if failure is not None:
+                    self.samples -= n - sum(k for _, k in done)
                     self.metrics.failed.inc()
-                    log.warning("micro-batch failed and is dropped: %s", e)
+                    log.warning("micro-batch failed and is dropped%s: %s",
+                                f" ({n - sum(k for _, k in done)} of its {n} samples)" if done else "", failure)
+                if not done:
                     continue
-                trip = time.monotonic() - started
+                n = sum(k for _, k in done)
+                loss = sum(value * k for value, k in done) / n
+                if failure is None:  # (a trip cut short by a failure says nothing of the round trips)
+                    trip = time.monotonic() - started
             finally:
                 await self.window.release(trip)
             self.metrics.in_flight.set(self.window.limit)
+            self.metrics.pieces.set(self.window.split)
             self.recent.append((time.monotonic(), loss, n))
             self.samples_done += n
             self.metrics.samples.inc(n)
             self._note_initial_loss(loss, n)
+
+    async def _travel(self, x, y, split: int, worker: int, count: int,
+                      ) -> tuple[list[tuple[float, int]], PipelineError | None]:
+        """Train the micro-batch (x, y) in `split` pieces at once (InFlightWindow.split); (loss, samples) of each
+        piece that completed, and the failure of one that did not (None if all did)."""
+        pieces = list(zip(x.tensor_split(split), y.tensor_split(split)))
+        results = await asyncio.gather(*(
+            self.pipeline.train(px, py, request_id=micro_batch_id(self.peer_id, worker, count + i + 1))
+            for i, (px, py) in enumerate(pieces)), return_exceptions=True)
+        done, failure = [], None
+        for result, (px, _) in zip(results, pieces):
+            if isinstance(result, PipelineError):
+                failure = result
+            elif isinstance(result, BaseException):  # a bug, or the trainer stopping: as before the pieces
+                raise result
+            else:
+                done.append((result, px.shape[0]))
+        return done, failure
 
     def _note_initial_loss(self, loss: float, n: int) -> None:
         if self.initial_loss is not None:

@@ -14,6 +14,16 @@ are queueing at some stage, and it shrinks by one. It never goes below `floor` (
 default) nor above `cap` (a batch's worth: more would only make gradients staler). Pure logic: the
 trainer feeds it trip times and asks it how many may travel.
 
+At its cap, a window whose trips still leave the stages room is bounded by latency, not compute: each
+message then waits round trips the samples in flight cannot cover. Part of that is the transport's:
+a libp2p stream over TCP starts with yamux's 256 KiB window, so a message above it (tiny.yaml's float32
+activations of 8 samples are 256 KiB and their headers) waits one more round trip for a window
+update. So at its cap the window may split each micro-batch into pieces that travel at once, each a
+message within the stream window (`max_split`: none where a micro-batch's message fits already); the
+samples in flight stay a batch's worth, so staleness does not grow (measured: README, Across the
+internet).
+A split window that shrinks back to its floor joins the pieces again.
+
 It is opt-in (`--in-flight auto`): on one machine, where the round trips are compute, the trips of
 a 2 x 2 swarm with two trainers did not lengthen enough to stop it at one more micro-batch each, and
 the extra staleness cost validation loss (bench/convergence.py, batch 16: 1.20 of the reference at
@@ -36,11 +46,14 @@ BASE_WINDOW = 256  # trips the shortest is taken over (old minima expire: a rout
 class InFlightWindow:
     """The number of micro-batches allowed in flight, adjusted once a round from measured trip times."""
 
-    def __init__(self, floor: int, cap: int, adaptive: bool = True):
+    def __init__(self, floor: int, cap: int, adaptive: bool = True, max_split: int = 1):
         if floor < 1 or cap < floor:
             raise ValueError(f"need 1 <= floor <= cap, got floor {floor}, cap {cap}")
-        self.floor, self.cap, self.adaptive = floor, cap, adaptive
+        if max_split < 1 or max_split & (max_split - 1):
+            raise ValueError(f"max_split must be a power of two, got {max_split}")
+        self.floor, self.cap, self.adaptive, self.max_split = floor, cap, adaptive, max_split
         self.limit = floor
+        self.split = 1  # pieces each micro-batch travels in, at once
         self.active = 0
         self._trips: deque[float] = deque(maxlen=BASE_WINDOW)
         self._round: list[float] = []
@@ -63,8 +76,16 @@ class InFlightWindow:
         base = self.base
         if recent <= GROW_BELOW * base and self.limit < self.cap:
             self.limit += 1
+        elif recent <= GROW_BELOW * base and self.split < self.max_split:  # at the cap, latency-bound
+            self._resplit(2 * self.split)
         elif recent >= SHRINK_ABOVE * base and self.limit > self.floor:
             self.limit -= 1
+            if self.limit == self.floor and self.split > 1:  # queueing, not latency, bounds it now
+                self._resplit(self.split // 2)
+
+    def _resplit(self, split: int) -> None:
+        self.split = split
+        self._trips.clear()  # a piece's trip is not a whole micro-batch's: the shortest is measured anew
 
     async def acquire(self) -> None:
         """Wait until one more micro-batch may start (the trainer's workers call it before each)."""

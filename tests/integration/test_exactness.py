@@ -51,9 +51,11 @@ def optimizer_state(server: StageServer) -> dict:
     return backend.call(lambda: copy.deepcopy(backend.optimizer.state_dict()), BACKEND_CALL_TIMEOUT)
 
 
-def one_step(config, num_stages: int):
+def one_step(config, num_stages: int, pieces: int = 1):
     """Train exactly one batch on a swarm of one server per stage; yield (servers, their steps, their
-    initial parameters, trainer, reference that took the same step, its stats) with the servers still up."""
+    initial parameters, trainer, reference that took the same step, its stats) with the servers still up.
+    With `pieces`, the trainer sends each micro-batch in that many pieces at once (as its window does when
+    latency bounds it: swarm.routing.inflight)."""
     batch = config.optimizer.batch_size
     stages = list(range(num_stages))
     with running_peers(config.run_id, num_stages + 1) as (trainer_peer, *server_peers), \
@@ -63,6 +65,7 @@ def one_step(config, num_stages: int):
         wait_until_online(trainer_peer.records, stages)
         trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
                           TrainerOptions(trainer_index=0, max_samples=batch, in_flight=2))
+        trainer.window.split = pieces  # (test seam: a fixed window never splits by itself)
         train_bounded(trainer, TRAIN_TIMEOUT)
         # (on the stats, which reach the hook just after the step count moves)
         wait_until(lambda: all(steps), STEP_TIMEOUT, what="every server's first optimizer step")
@@ -99,6 +102,24 @@ def test_one_swarm_step_equals_one_reference_step(num_stages):
             swarm_moments = optimizer_state(server)["optimizer"]["state"]
             reference_moments = reference.optimizers[stage].state_dict()["optimizer"]["state"]
             torch.testing.assert_close(swarm_moments, reference_moments, **MOMENTS)
+
+
+def test_micro_batches_sent_in_pieces_make_the_same_step():
+    # the sum of per-sample gradients does not care how the samples travel: pieces of 2 of each micro-batch
+    # of 4, two micro-batches in flight, give the reference's step (to float summation order)
+    config = tiny_config("exactpieces", 2, batch_size=12, micro_batch_size=4, lr=1e-2, warmup_steps=1)
+    for servers, steps, _, trainer, reference, expected in one_step(config, 2, pieces=2):
+        swarm_loss = sum(loss * n for _, loss, n in trainer.recent) / config.optimizer.batch_size
+        assert swarm_loss == pytest.approx(expected["loss"], rel=1e-5)
+        # stage 0 answered a backward per piece (more only if a reply was lost and the call retried)
+        ok_backwards = {"kind": "backward", "status": "ok"}
+        served = servers[0].registry.get_sample_value("swarm_server_requests_total", ok_backwards)
+        assert served >= 2 * config.optimizer.batch_size // config.optimizer.micro_batch_size, served
+        for stage, server in enumerate(servers):
+            assert steps[stage][0]["grad_norm"] == pytest.approx(expected["grad_norms"][stage], rel=1e-4)
+            torch.testing.assert_close(stage_state(server), reference.stages[stage].state_dict(), **EXACT)
+            torch.testing.assert_close(optimizer_state(server)["optimizer"]["state"],
+                                       reference.optimizers[stage].state_dict()["optimizer"]["state"], **MOMENTS)
 
 
 def test_one_moe_swarm_step_equals_one_reference_step():

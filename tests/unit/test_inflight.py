@@ -71,3 +71,42 @@ def test_no_more_than_the_limit_travel_at_once():
         return most
 
     assert asyncio.run(run()) == 2
+
+
+def test_at_its_cap_a_latency_bound_window_splits_its_micro_batches_and_joins_them_when_trips_queue():
+    window = InFlightWindow(floor=2, cap=8, max_split=2)
+    # a 300 ms round trip and little compute: the window reaches its cap, then splits (once: max_split)
+    limits = feed(window, lambda n: 0.3 + 0.005 * n, 12)
+    assert limits[-1] == 8 and window.split == 2
+    # a piece's trips are measured anew: the whole micro-batches' shortest no longer counts
+    assert window.base == 0.3 + 0.005 * 8
+    feed(window, lambda n: 0.3, 4)
+    assert window.split == 2  # never beyond max_split
+    # trips queue (compute, not latency, bounds it now): the window shrinks to its floor and joins the pieces
+    assert feed(window, lambda n: 0.3 * SHRINK_ABOVE * 1.5, 6) == [7, 6, 5, 4, 3, 2]
+    assert window.split == 1 and window.base is None  # (whole micro-batches' trips are measured anew)
+
+
+def test_a_window_that_may_not_split_stays_whole_and_bad_splits_are_refused():
+    window = InFlightWindow(floor=2, cap=8)
+    feed(window, lambda n: 0.3, 12)
+    assert window.limit == 8 and window.split == 1
+    for split in (0, 3):
+        with pytest.raises(ValueError):
+            InFlightWindow(2, 8, max_split=split)
+
+
+def test_micro_batches_split_only_where_their_hidden_states_exceed_a_stream_s_first_window():
+    from peer.trainer import STREAM_WINDOW, max_split
+    from swarm.config import MoEConfig, RunConfig
+
+    config = RunConfig.load("configs/tiny.yaml")
+    config.optimizer.micro_batch_size = 8  # 8 x 64 x 128 float32: 256 KiB, over the window with its headers
+    assert config.model.seq_len * config.model.d_model * 4 * 8 >= STREAM_WINDOW
+    assert max_split(config) == 2
+    config.stages.wire_dtype = "bfloat16"  # half the bytes: within it
+    assert max_split(config) == 1
+    config.stages.wire_dtype, config.optimizer.micro_batch_size = "float32", 1  # never below a sample
+    assert max_split(config) == 1
+    config.optimizer.micro_batch_size, config.model.moe = 8, MoEConfig(every=2, num_experts=4)
+    assert max_split(config) == 1  # an expert's capacity is per request: pieces would route differently

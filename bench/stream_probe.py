@@ -10,8 +10,9 @@ needs).
 
 Why: it shows, without swarm's own protocol in the way, what README "Across the internet" reports.
 Over QUIC the last reply message is often lost when the stream closes (2026-12-04, two runs: 1 of 2
-arrived in all 6 calls at 0 ms one way, in 4 of 6 at 100 ms). Over TCP a call moving 1.2 MB at 100 ms one way takes about five
-round trips (yamux's 256 KiB stream window), where the bytes alone take 0.1 s at 100 Mbit/s.
+arrived in all 6 calls at 0 ms one way, in 4 of 6 at 100 ms). Over TCP a call moving 1.2 MB at 100 ms
+one way takes about five round trips (yamux's 256 KiB stream window), where the bytes alone take 0.1 s
+at 100 Mbit/s.
 """
 
 from __future__ import annotations

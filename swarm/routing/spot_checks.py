@@ -25,11 +25,9 @@ is wrong. If its reported optimizer step is one the others do not report, a step
 nor clear its record with honest answers of the other kind. A wrong
 server is banned for its balancer's longest ban, its peer id logged; a wrong reply (or a struck
 one) is not used: the call is retried on another server. Two servers alone cannot say which is
-wrong: the dispute is logged, and the reply is used unless it is a newcomer's probe that a server
-past its own probation disputes (then it is retried elsewhere, and the newcomer stays on probation).
-What a check catches is gross: zeros, noise, a flipped or scaled-up gradient, a made-up loss. A reply
-within the tolerances (a gradient with some noise added, scaled by less than `SLOPE_RATIO`) passes, and
-so does a lie two witnesses share (colluding servers).
+wrong: the dispute is logged. What a check catches is gross: zeros, noise, a flipped or scaled-up
+gradient, a made-up loss. A reply within the tolerances (a gradient with some noise added, scaled
+by less than `SLOPE_RATIO`) passes, and so does a lie two witnesses share (colluding servers).
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.protocol import BACKWARD, FORWARD, StageReply, StageRequest
-from swarm.routing.balancer import StageBalancer
+from swarm.routing.balancer import StageBalancer, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +168,7 @@ class SpotCheck:
         return found if math.isfinite(found.slope) else None
 
 
-Attempt = Callable[..., Awaitable[StageReply | None]]  # (request, ticket, report=True): one call, its reply or None
+Attempt = Callable[[StageRequest, Ticket], Awaitable[StageReply | None]]
 
 
 class Witnesses:
@@ -191,12 +189,8 @@ class Witnesses:
         peer = self.rng.choice(sorted(others))
         size = int(check.request.inputs.shape[0])
         tickets = [balancer.charge(peer, size, FORWARD) for _ in check.witness_requests]
-        # a newcomer's answers as a witness are checked by nobody: they do not end its probation (a stranger
-        # honest in forwards would pass it so, and its lies as a claimant in a dispute nobody settles be used)
-        report = not balancer.on_probation(peer)
         try:
-            replies = await asyncio.gather(*(self.attempt(r, t, report=report)
-                                             for r, t in zip(check.witness_requests, tickets)))
+            replies = await asyncio.gather(*(self.attempt(r, t) for r, t in zip(check.witness_requests, tickets)))
         finally:
             for ticket in tickets:
                 balancer.release(ticket)
@@ -225,16 +219,11 @@ class Witnesses:
             # Two replicas at different steps compute different things: a stage of two whose servers are steps
             # apart (one catching up) would say so on most checks, which is no news for whoever reads the log
             apart = claim.step is not None and first.step is not None and claim.step != first.step
-            # Unsettled, a newcomer's probe does not outweigh a server that passed its own: not used (retried
-            # elsewhere), the newcomer stays on probation. Between two newcomers nothing says which, and the
-            # stage must still answer: the reply is used.
-            doubted = self.balancer.on_probation(claim.peer) and not self.balancer.on_probation(first.peer)
             (log.info if apart else log.warning)(
-                "spot check of stage %d %s on %s: witness %s disagrees and no third server settles it%s%s",
-                self.stage, check.request.kind, claim.peer, first.peer,
-                f" (they answered at steps {claim.step} and {first.step})" if apart else "",
-                "; the reply, a newcomer's probe, is not used" if doubted else "")
-            return doubted
+                "spot check of stage %d %s on %s: witness %s disagrees and no third server settles it%s", self.stage,
+                check.request.kind, claim.peer, first.peer,
+                f" (they answered at steps {claim.step} and {first.step})" if apart else "")
+            return False
         others = [f for f in (claim, first, second) if f is not wrong]
         for f in others:
             self._note(f.peer, kind, struck=False)

@@ -349,7 +349,8 @@ def test_a_server_answers_forwards_at_once_while_its_round_waits_for_a_stalled_p
     try:
         for seed in (20, 21, 22):  # a full batch: a closes it and waits for b in matchmaking (5 s)
             feed(a, micro_batch(config, seed))
-        wait_until(lambda: a.averager.busy, SEE_TIMEOUT, interval=0.01, what="a's round to begin")
+        wait_until(lambda: a.averager.busy, SEE_TIMEOUT, interval=0.01, what="a's round to begin",
+                   explain=lambda: averager_state(a))
         during = [forward_seconds(a, config) for _ in range(5)]
         assert a.averager.busy and a.backend.step == step, "the round ended before the forwards were timed"
     finally:
@@ -359,6 +360,14 @@ def test_a_server_answers_forwards_at_once_while_its_round_waits_for_a_stalled_p
     wait_until(lambda: a.backend.step == step + 1 and b.backend.step == step + 1 and not a.averager.busy
                and not b.averager.busy, ROUND_TIMEOUT, interval=0.1, what="a stepping alone and b catching up")
     assert_same_state(snapshot(a), snapshot(b))
+
+
+def averager_state(server: StageServer) -> str:
+    """What decides whether a server's averager starts a round now (for a test's timeout message)."""
+    averager = server.averager
+    return (f"view {averager.view()}, step {server.backend.step}, samples {averager.optimizer.samples}, "
+            f"ready {averager.ready}, next round in {averager._next_round - time.monotonic():.1f}s, "
+            f"failed tries {averager._failed_tries}, averaging {averager._averaging}")
 
 
 def retried(server: StageServer) -> float:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import hivemind
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -79,8 +80,7 @@ def max_split(config: RunConfig) -> int:
     tokens of a request: pieces would drop other tokens than the whole)."""
     if config.model.moe is not None:
         return 1
-    wire_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[config.stages.wire]
-    per_sample = config.model.seq_len * config.model.d_model * wire_bytes
+    per_sample = config.model.seq_len * config.model.d_model * getattr(torch, config.stages.wire).itemsize
     micro, split = config.optimizer.micro_batch_size, 1
     while split < micro and -(-micro // split) * per_sample > STREAM_WINDOW - MESSAGE_HEADROOM:
         split *= 2
@@ -258,14 +258,15 @@ class Trainer:
                 split = min(self.window.split, n)
                 done, failure = await self._travel(x, y, split, worker, count)
                 count += split
+                trained = sum(k for _, k in done)
                 if failure is not None:
-                    self.samples -= n - sum(k for _, k in done)
+                    self.samples -= n - trained
                     self.metrics.failed.inc()
                     log.warning("micro-batch failed and is dropped%s: %s",
-                                f" ({n - sum(k for _, k in done)} of its {n} samples)" if done else "", failure)
+                                f" ({n - trained} of its {n} samples)" if done else "", failure)
                 if not done:
                     continue
-                n = sum(k for _, k in done)
+                n = trained
                 loss = sum(value * k for value, k in done) / n
                 if failure is None:  # (a trip cut short by a failure says nothing of the round trips)
                     trip = time.monotonic() - started

@@ -18,6 +18,8 @@ of the stage chosen at random (speed would pick an instant liar), for evidence i
   cover a step taken in between (early in a run of configs/tiny.yaml one step moves the derivative
   by up to 0.44x and the loss by 9%).
 
+A witness whose two forwards straddle its own optimizer step, or whose call fails, says nothing that
+compares: another is asked (`WITNESS_ATTEMPTS` in all) rather than let the reply pass unchecked.
 When the witness disagrees a second one decides: the one of the three the other two agree against
 is wrong. If its reported optimizer step is one the others do not report, a step may explain it
 (replicas apply a step a few milliseconds apart): it gets a strike, and `STRIKES` among its last
@@ -55,6 +57,7 @@ SLOPE_RATIO = 4.0  # derivatives agree if of the same sign and within this facto
 PROBE_STEP = 1e-2  # eps of the central differences, relative to the norm of the stage's input
 STRIKES = 3  # disputes lost with another step as excuse, among a server's last STRIKE_WINDOW checks of a kind,
 STRIKE_WINDOW = 12  # that count as one lost without (an honest server has one now and then, rarely 3 in 12)
+WITNESS_ATTEMPTS = 3  # witnesses asked, one after another, for one finding that compares
 TINY = 1e-12  # below this a norm or a derivative counts as zero
 
 
@@ -180,12 +183,23 @@ class Witnesses:
         self.record: dict[tuple[str, str], deque[bool]] = {}  # (peer, kind) -> its last checks: struck or not
 
     async def ask(self, check: SpotCheck, exclude: set[str]) -> Finding | None:
-        """What a server of the stage picked at random (not by speed: an instant liar is the fastest) says."""
+        """What a server of the stage picked at random (not by speed: an instant liar is the fastest) says;
+        asked again, up to WITNESS_ATTEMPTS times, while what it says cannot be compared."""
+        for _ in range(WITNESS_ATTEMPTS):
+            # A witness that stepped between its two forwards, or failed, is no evidence either way: taken
+            # for none, a probe would pass unchecked, and a liar's first answer be used.
+            found, asked = await self._ask_once(check, exclude)
+            if found is not None or not asked:
+                return found
+        return None
+
+    async def _ask_once(self, check: SpotCheck, exclude: set[str]) -> tuple[Finding | None, bool]:
+        """One witness's finding, and whether there was a witness to ask."""
         balancer = self.balancer
         others = [p for p in balancer.available(exclude) if not balancer.on_probation(p)]
         others = others or balancer.available(exclude)
         if not others or not check.witness_requests:
-            return None
+            return None, False
         peer = self.rng.choice(sorted(others))
         size = int(check.request.inputs.shape[0])
         tickets = [balancer.charge(peer, size, FORWARD) for _ in check.witness_requests]
@@ -195,7 +209,7 @@ class Witnesses:
             for ticket in tickets:
                 balancer.release(ticket)
         self.stats.calls += len(tickets)
-        return None if any(r is None for r in replies) else check.finding(peer, replies)
+        return (None if any(r is None for r in replies) else check.finding(peer, replies)), True
 
     async def rejects(self, check: SpotCheck, claim: Finding | None, first: Finding | None) -> bool:
         """Judge a reply's claim with the first witness's finding (asked before, or now if None): whether

@@ -316,3 +316,17 @@ def test_a_checked_probe_is_timed_without_its_check():
     swarm.trip(0)  # a's probe (0.01 s), witnessed by b (5 s)
     balancer = swarm.pipeline.balancers[1]
     assert balancer.expected_seconds_per_sample("a", FORWARD) < 0.01
+
+
+def test_a_witness_that_steps_between_its_forwards_is_asked_again():
+    """A witness whose two forwards straddle its optimizer step says nothing comparable: the check asks again
+    rather than letting the probe pass unchecked (under load, the liar's first answer was used this way)."""
+    swarm = Swarm({0: ["h"], 1: ["h"], 2: ["h1", "h2"]}, "zero gradient")
+    swarm.trip(0)  # h1 and h2 answer: measured, off probation
+    swarm.pipeline.update_servers({0: ["h"], 1: ["h"], 2: ["h1", "h2", "liar"]})
+    for witness in ("h1", "h2"):  # the first forward each answers next is a step behind its second
+        swarm.once[witness] = lambda r: StageReply(r.tensors, STEP - 1, r.info)
+    loss, grad = swarm.honest_trip(1)
+    assert swarm.trip(1) == pytest.approx(loss, rel=1e-5)
+    torch.testing.assert_close(swarm.sent_to_first[-1], grad, rtol=1e-4, atol=1e-6)  # the zeros were not used
+    assert swarm.calls["liar", BACKWARD] == 1 and swarm.pipeline.stats.caught == {2: 1}

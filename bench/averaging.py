@@ -46,10 +46,10 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionInfo
 from prometheus_client import CollectorRegistry
 
-from swarm.averaging import INITIAL_ROUND, StageAverager
+from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, averaging_prefix
 from swarm.averaging.codecs import installed_compression as compression_for
 from swarm.config import RunConfig
-from swarm.dht import SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
+from swarm.dht import BackgroundLoop, SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from swarm.state import StageState
@@ -63,22 +63,29 @@ POLL = 0.05
 class Member:
     """One peer of the benchmark: a DHT node, our averager over a stage module, a raw averager."""
 
-    def __init__(self, config: RunConfig, initial_peers: list[str], registry: CollectorRegistry):
+    def __init__(self, config: RunConfig, initial_peers: list[str], registry: CollectorRegistry,
+                 host_maddrs: list[str] = HOST, stage: int = STAGE, channel: bool = False):
         identity = load_identity(None)
-        self.dht = start_dht(config.run_id, identity, initial_peers=initial_peers, host_maddrs=HOST)
-        self.registry = registry
+        self.dht = start_dht(config.run_id, identity, initial_peers=initial_peers, host_maddrs=host_maddrs)
+        self.registry, self.stage = registry, stage
+        # With `channel`, progress also goes straight to the other members, as a stage server's does (else
+        # only through the DHT, read each progress period)
+        self.loop = BackgroundLoop("avgbench-loop").start() if channel else None
+        self.p2p = None if self.loop is None else self.loop.run(self.dht.replicate_p2p(), READY_TIMEOUT)
         self.ours: StageAverager | None = None
         self.raw: DecentralizedAverager | None = None
         self.records = SwarmRecords(self.dht, config.run_id, identity)
 
     def start(self, config: RunConfig, group_size: int) -> None:
         """Fork both averaging processes (on the main thread, as StageAverager requires)."""
-        module = build_stage(config, STAGE)
+        module = build_stage(config, self.stage)
         optimizer = StageOptimizer(module, config.optimizer)
-        state = StageState(module, optimizer, STAGE, INITIAL_ROUND)
+        state = StageState(module, optimizer, self.stage, INITIAL_ROUND)
         self.ours = StageAverager(state, self.dht, config, owner_key=self.records.local_owner_key,
                                   peer_id=peer_id(self.dht), registry=self.registry)
-        self.ours.start(lambda: None)  # this benchmark calls step() itself
+        channel = None if self.p2p is None else \
+            ProgressChannel(self.p2p, self.loop, averaging_prefix(config.run_id, self.stage))
+        self.ours.start(lambda: None, channel)  # this benchmark calls step() itself
         avg = config.averaging
         self.raw = DecentralizedAverager(
             [torch.zeros_like(p) for p in optimizer.params], self.dht, start=True, prefix=f"{config.run_id}_raw",
@@ -94,15 +101,18 @@ class Member:
         if self.raw is not None and self.raw.is_alive():
             self.raw.shutdown()
         self.dht.shutdown()
+        if self.loop is not None:
+            self.loop.stop()
 
     def round_seconds(self) -> float:
-        return self.registry.get_sample_value("swarm_averaging_round_seconds_sum", {"stage": str(STAGE)}) or 0.0
+        return self.registry.get_sample_value("swarm_averaging_round_seconds_sum", {"stage": str(self.stage)}) or 0.0
 
     def start_seconds(self) -> float:
-        return self.registry.get_sample_value("swarm_averaging_round_start_seconds_sum", {"stage": str(STAGE)}) or 0.0
+        return self.registry.get_sample_value("swarm_averaging_round_start_seconds_sum",
+                                              {"stage": str(self.stage)}) or 0.0
 
     def estimated_bytes(self) -> float:
-        return self.registry.get_sample_value("swarm_averaging_bytes_sent_total", {"stage": str(STAGE)}) or 0.0
+        return self.registry.get_sample_value("swarm_averaging_bytes_sent_total", {"stage": str(self.stage)}) or 0.0
 
 
 @contextlib.contextmanager
@@ -183,30 +193,30 @@ def whole_step(averager: StageAverager) -> dict | None:
     return averager.step()
 
 
+def raw_step(member: Member, grads: list[torch.Tensor], timeout: float) -> tuple[object, float, float]:
+    """Gradients in, step, mean out, as a caller averaging gradients must; and the step's own time, and of
+    that its matchmaking (hivemind's step with a trigger: the group forms, then the all-reduce runs on it)."""
+    with member.raw.get_tensors() as tensors, torch.no_grad():
+        for tensor, grad in zip(tensors, grads):
+            tensor.copy_(grad)
+    started = time.perf_counter()
+    control = member.raw.step(weight=1.0, timeout=timeout, wait=False, require_trigger=True)
+    while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
+        time.sleep(0.001)
+    formed = time.perf_counter() - started
+    control.allow_allreduce()
+    gathered = control.result(timeout)
+    seconds = time.perf_counter() - started
+    with member.raw.get_tensors() as tensors:
+        [tensor.clone() for tensor in tensors]
+    return gathered, seconds, formed
+
+
 def raw_round(group: list[Member], timeout: float) -> dict:
     n = len(group)
     grads = {id(m): [torch.randn_like(t) for t in m.ours.optimizer.params] for m in group}
-
-    def averaged(member: Member) -> tuple[object, float, float]:
-        """Gradients in, step, mean out, as a caller averaging gradients must; and the step's own time, and of
-        that its matchmaking (hivemind's step with a trigger: the group forms, then the all-reduce runs on it)."""
-        with member.raw.get_tensors() as tensors, torch.no_grad():
-            for tensor, grad in zip(tensors, grads[id(member)]):
-                tensor.copy_(grad)
-        started = time.perf_counter()
-        control = member.raw.step(weight=1.0, timeout=timeout, wait=False, require_trigger=True)
-        while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) and not control.done():
-            time.sleep(0.001)
-        formed = time.perf_counter() - started
-        control.allow_allreduce()
-        gathered = control.result(timeout)
-        seconds = time.perf_counter() - started
-        with member.raw.get_tensors() as tensors:
-            [tensor.clone() for tensor in tensors]
-        return gathered, seconds, formed
-
     before = [written(m.raw.pid) for m in group]
-    results = together([lambda m=m: averaged(m) for m in group])
+    results = together([lambda m=m: raw_step(m, grads[id(m)], timeout) for m in group])
     if any(not gathered or len(gathered) != n for _, (gathered, _, _) in results):
         raise RuntimeError(f"a raw round did not average all {n}: {[r[0] for _, r in results]}")
     # the group formed when its last member saw it; the all-reduce is the rest of the round
@@ -216,10 +226,10 @@ def raw_round(group: list[Member], timeout: float) -> dict:
             "sent": statistics.mean(written(m.raw.pid) - b for m, b in zip(group, before))}
 
 
-def payload_bytes(config: RunConfig) -> float:
-    """Bytes of one replica's gradients after the configured compression."""
+def payload_bytes(config: RunConfig, stage: int = STAGE) -> float:
+    """Bytes of one replica's gradients of `stage` after the configured compression."""
     codec = compression_for(config.averaging.compression)
-    params = [p for p in build_stage(config, STAGE).parameters() if p.requires_grad]
+    params = [p for p in build_stage(config, stage).parameters() if p.requires_grad]
     return sum(p.numel() * 4 * codec.estimate_compression_ratio(CompressionInfo.from_tensor(p)) for p in params)
 
 

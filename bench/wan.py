@@ -157,6 +157,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--stages", type=int, help="cut the config to this many stages (it must divide n_layer)")
     p.add_argument("--latencies", type=float, nargs="+", default=[0, 10, 50, 100], help="one-way ms between hosts")
     p.add_argument("--rates", type=float, nargs="+", default=[0, 100, 20], help="Mbit/s each way per host; 0: none")
     p.add_argument("--fixed", action="store_true", help="also run each point with the old fixed in-flight count")
@@ -179,6 +180,8 @@ def main() -> None:
     args = p.parse_args()
     config = RunConfig.load(args.config)
     config.optimizer.batch_size = args.batch_size
+    if args.stages is not None:
+        config.stages.num_stages = args.stages
     config.data.max_bytes = min(config.data.max_bytes or 300_000, 300_000)
     config.validate()
     old = default_in_flight(config)

@@ -1,20 +1,33 @@
-"""Which stage a new server should host. Pure logic, no I/O."""
+"""Which stage a new server should host. Pure logic, no I/O.
+
+The stages' throughputs are what their servers announce, and a stranger's server can announce any
+number: one record claiming a million samples per second would make its stage look served forever,
+and every joiner would go elsewhere. So a claim counts for at most CLAIM_CAP times the lower median
+of the run's serving claims (a minority, however far it claims, does not move that): a lone liar
+weighs as one fast server, not as the whole stage.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
 from swarm.dht import ServerRecord
+from swarm.tenure import lower_median
 
 SERVING_STATES = ("JOINING", "ONLINE")
+CLAIM_CAP = 4.0  # a server's announced throughput counts at most this many times the run's lower median claim
 
 
 def stage_throughputs(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int) -> list[float]:
-    """Total announced throughput of each stage, counting servers that serve or are about to."""
+    """Total counted throughput of each stage (claims capped, see the module docstring), counting servers
+    that serve or are about to."""
+    serving = {stage: [r for r in records if r.state in SERVING_STATES]
+               for stage, records in servers.items() if 0 <= stage < num_stages}
+    median = lower_median([r.throughput for records in serving.values() for r in records])
+    cap = float("inf") if median is None else CLAIM_CAP * median
     totals = [0.0] * num_stages
-    for stage, records in servers.items():
-        if 0 <= stage < num_stages:
-            totals[stage] = sum(r.throughput for r in records if r.state in SERVING_STATES)
+    for stage, records in serving.items():
+        totals[stage] = sum(min(r.throughput, cap) for r in records)
     return totals
 
 

@@ -58,6 +58,8 @@ def test_a_container_joins_as_a_server_and_the_run_trains_through_it(host_swarm)
     container = procs.start("podman", "run", "--rm", "--name", name, "--network=host", *flags, IMAGE)
     try:
         def container_server() -> dict | None:
+            if container.has_exited():  # (a peer that failed to start: no reason to wait out the timeout)
+                raise AssertionError(f"the container exited:\n{container.describe()}")
             stage1 = [s for s in status(port).get("stages", []) if s["stage"] == 1]
             return next((s for s in stage1[0]["servers"] if s["state"] == "ONLINE"), None) if stage1 else None
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.averaging import Member, payload_bytes, raw_step, whole_step, written  # noqa: E402
 from swarm.config import RunConfig  # noqa: E402
 from swarm.dht import load_identity, start_dht, visible_maddrs  # noqa: E402
+from tests.helpers import wait_until  # noqa: E402
 from tests.netlab import Lab  # noqa: E402
 from tests.procs import ProcSet  # noqa: E402
 
@@ -53,20 +54,15 @@ POLL = 0.05
 def ours_round(member: Member, batch_size: int, n: int) -> dict:
     """This member's share of the batch into a StageAverager round; the round as it timed it."""
     averager = member.ours
-    deadline = time.monotonic() + READY_TIMEOUT
+    state = lambda: str(averager.view())  # noqa: E731 - what a timeout says
     # Every member in sight before any samples: a round's group forms ahead, for the members seen then
-    while averager.view().group_size < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the members did not see each other within {READY_TIMEOUT:g}s: {averager.view()}")
-        time.sleep(POLL)
+    wait_until(lambda: averager.view().group_size >= n, READY_TIMEOUT, POLL, "the members to see each other",
+               explain=state)
     averager.optimizer.zero_grad()
     averager.accumulate([torch.randn_like(p) for p in averager.optimizer.params], -(-batch_size // n))
     # (a member that saw the batch first is in its round already: its record says so, and closes the batch here)
-    while not ((view := averager.view()).group_size == n and (view.samples >= batch_size or view.closed)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the members did not see the stage's batch and each other within {READY_TIMEOUT:g}s: "
-                               f"{averager.view()}")
-        time.sleep(POLL)
+    wait_until(lambda: (view := averager.view()).group_size == n and (view.samples >= batch_size or view.closed),
+               READY_TIMEOUT, POLL, "the stage's batch, full or closed", explain=state)
     before = member.round_seconds(), member.start_seconds(), written(averager.process_id)
     closed = time.time()  # one clock for every member: the lab's hosts share this machine's
     stats = whole_step(averager)

@@ -34,13 +34,13 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.launcher import Child, end_all
 from coordinator.local_swarm import free_port
-from peer.trainer import Trainer, TrainerOptions
 from swarm.config import RunConfig
 from swarm.data import eval_batches, load_tokenizer, load_tokens
 from swarm.dht import BackgroundLoop, SwarmRecords, join_run, load_identity
 from swarm.logs import FORMAT
 from swarm.reference import EVAL_BATCHES
 from swarm.routing import RemotePipeline
+from swarm.trainer import Trainer, TrainerOptions
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 180.0  # a program's start, and every stage getting its servers ONLINE

@@ -38,7 +38,6 @@ import torch
 from fuzz_shots import ABANDONED, MAKERS, OK, OVERLOAD, UNAVAILABLE, Fuzzer, Shot, shots  # bench/, beside this file
 from hivemind.p2p import P2P, PeerID
 
-from peer.server import ServerOptions, StageServer
 from swarm.config import DataConfig, ModelConfig, NetworkConfig, OptimizerConfig, RunConfig, StagesConfig
 from swarm.dht import BackgroundLoop, SwarmRecords, load_identity, start_dht, visible_maddrs
 from swarm.protocol import (
@@ -54,6 +53,7 @@ from swarm.protocol import (
     receive_reply,
     stage_namespace,
 )
+from swarm.serving import ServerOptions, StageServer
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 START_TIMEOUT = 120.0  # the server's start (stage build, speed test, DHT) on 2 shared cores

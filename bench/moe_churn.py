@@ -17,7 +17,7 @@ no server may go (a replacement still starting), and how late kills were on aver
 Every program gets a checkpoint directory of its own under the run's log directory, so no run
 resumes from what an earlier one (or a test of the same run id) left in ~/.cache/swarm/checkpoints;
 training starts once every expert is hosted twice in the DHT and the stage servers had time to
-look the expert servers up (2 x peer.server.EXPERT_LOOKUP_PERIOD).
+look the expert servers up (2 x swarm.serving.stage.EXPERT_LOOKUP_PERIOD).
 
 Printed side by side: samples/s of each run and the ratio churn / mean of no churn (goal >= 0.8),
 kills, how long replacements took to serve (start-up, imports, the experts' state taken from their
@@ -58,10 +58,10 @@ from churn import LOCAL, START_TIMEOUT, Swarm, TrainerRun
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.launcher import Child, end_all
-from peer.server import EXPERT_LOOKUP_PERIOD
 from swarm.config import RunConfig
 from swarm.dht import ServerState
 from swarm.logs import FORMAT
+from swarm.serving.stage import EXPERT_LOOKUP_PERIOD
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTING = re.compile(r"hosting experts \[.* as (\w+)")

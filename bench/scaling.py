@@ -33,8 +33,8 @@ import threading
 from pathlib import Path
 
 from coordinator.local_swarm import LocalSwarm
-from peer.trainer import default_in_flight
 from swarm.config import RunConfig
+from swarm.trainer import default_in_flight
 
 STEPS = {("tiny", 16): 100, ("tiny", 128): 24, ("small", 64): 8}  # optimizer steps per swarm: ~15-60 s on 2 cores
 GOALS = {("tiny", 16): 0.6, ("tiny", 128): 0.85, ("small", 64): 0.85}

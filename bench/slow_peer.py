@@ -40,11 +40,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.launcher import Child, end_all
 from coordinator.local_swarm import free_port
-from peer.trainer import Trainer, TrainerOptions
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords, join_run, load_identity
 from swarm.logs import FORMAT
 from swarm.routing import StageBalancer, Ticket
+from swarm.trainer import Trainer, TrainerOptions
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT = 180.0  # a program's start, and servers showing up ONLINE (2 shared cores, torch imports)

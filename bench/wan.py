@@ -41,9 +41,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.trainer import default_in_flight  # noqa: E402
 from swarm.config import RunConfig  # noqa: E402
 from swarm.model import build_stage  # noqa: E402
+from swarm.trainer import default_in_flight  # noqa: E402
 from tests.netlab import Lab  # noqa: E402
 from tests.procs import INITIAL_PEERS_LINE, ProcSet  # noqa: E402
 

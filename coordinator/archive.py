@@ -44,13 +44,12 @@ from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.checkpoint.transfer import fetch_newest
 from swarm.checkpoint.verify import check_stage, read_manifest, verify_run
 from swarm.config import RunConfig
-from swarm.dht import BackgroundLoop, SwarmRecords
+from swarm.dht import BackgroundLoop, SwarmRecords, online
 from swarm.dht.schemas import (
     CheckpointRecord,
     HeldCheckpoint,
     RunCheckpointRecord,
     RunCheckpointStage,
-    ServerState,
 )
 from swarm.tenure import TenureBook
 
@@ -164,7 +163,7 @@ class RunArchive:
 
     def _believed(self, stage: int, records: list[CheckpointRecord]) -> list[CheckpointRecord]:
         """The checkpoints of `stage` whose step the stage's established servers back (claims.believed)."""
-        servers = [r for r in self.records.lookup_servers(stage) if r.state == ServerState.ONLINE.value]
+        servers = online(self.records.lookup_servers(stage))
         book, holders, now = self._tenure[stage], self._holders[stage], time.monotonic()
         book.observe(r.peer_id for r in servers)
         established = [r for r in servers if book.established(r.peer_id, self.min_tenure)]

@@ -12,11 +12,10 @@ from pathlib import Path
 
 from swarm.checkpoint.errors import CheckpointError
 from swarm.config import ConfigError, RunConfig
-from swarm.dht import SwarmDHTError, load_swarm_key, write_initial_peers
+from swarm.dht import SwarmDHTError, gate, load_swarm_key, write_initial_peers
 from swarm.dht.node import REACHABILITY_CHOICES, NatOptions
 from swarm.envflags import apply_env_defaults
 from swarm.logs import setup_logging
-from swarm.protocol import gate
 
 from .discovery import parse_networks
 from .node import Coordinator

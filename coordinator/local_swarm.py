@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from swarm.checkpoint.errors import CheckpointError
 from swarm.config import RunConfig
 from swarm.data import STDLIB, corpus_files, eval_batches, load_tokenizer, load_tokens
-from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, join_run, load_identity
-from swarm.protocol import stage_wire_limits
+from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, join_run, load_identity, online
+from swarm.protocol import RequestLimits
 from swarm.reference import EVAL_BATCHES
 from swarm.routing import PipelineSettings, RemotePipeline
 
@@ -338,7 +338,7 @@ class LocalSwarm:
     def _unhosted_experts(self) -> list[int]:
         if not self.expert_servers:
             return []
-        hosted = {e for r in self.records.lookup_expert_hosts() if r.state == "ONLINE" for e in r.experts}
+        hosted = {e for r in online(self.records.lookup_expert_hosts()) for e in r.experts}
         return [e for e in range(self.config.model.moe.num_experts) if e not in hosted]
 
     def _train(self, steps: int) -> dict[str, Any]:
@@ -381,7 +381,7 @@ class LocalSwarm:
         config = self.config
         pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire,
                                   PipelineSettings.from_config(config.network), hidden_size=config.model.d_model,
-                                  limits=stage_wire_limits(config.model, config.optimizer.micro_batch_size))
+                                  limits=RequestLimits.of(config).stage)
         servers = self.records.lookup_all_servers(config.stages.num_stages)
-        pipeline.update_servers({k: [r.peer_id for r in v if r.state == "ONLINE"] for k, v in servers.items()})
+        pipeline.update_servers({k: [r.peer_id for r in online(v)] for k, v in servers.items()})
         return pipeline

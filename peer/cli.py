@@ -20,6 +20,7 @@ from swarm.dht import (
     BackgroundLoop,
     SwarmDHTError,
     SwarmRecords,
+    gate,
     join_run,
     load_identity,
     load_swarm_key,
@@ -32,7 +33,6 @@ from swarm.dht.reachability import Reachability, behind_nat, serve_dial_back, st
 from swarm.envflags import apply_env_defaults, positive_int
 from swarm.logs import setup_logging
 from swarm.metrics import MetricsServer, metrics_address
-from swarm.protocol import gate
 from swarm.routing.inflight import AUTO_IN_FLIGHT
 from swarm.traffic import TrafficCollector
 
@@ -183,8 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_checkpoints and args.checkpoint_dir is not None:
         sys.exit("swarm-peer: error: --checkpoint-dir and --no-checkpoints contradict each other: give one")
     from swarm.checkpoint.errors import CheckpointError
-
-    from .server import StageStateMissing
+    from swarm.serving import StageStateMissing
 
     try:
         run(args, stop)
@@ -259,7 +258,7 @@ def checkpoint_root(args: argparse.Namespace) -> Path | None:
 
 def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr, coordinator=None,
                reachability=None) -> None:
-    from .server import ServerOptions, StageServer
+    from swarm.serving import ServerOptions, StageServer
 
     checkpoint_dir = checkpoint_root(args)
     options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
@@ -274,7 +273,7 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
 
 
 def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability=None) -> None:
-    from .expert import ExpertOptions, ExpertServer
+    from swarm.serving import ExpertOptions, ExpertServer
 
     checkpoint_dir = checkpoint_root(args)
     options = ExpertOptions(experts=args.experts, count=args.expert_count, device=device,
@@ -299,7 +298,7 @@ def in_flight_arg(value: str) -> int | str:
 
 
 def run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr) -> None:
-    from .trainer import Trainer, TrainerOptions
+    from swarm.trainer import Trainer, TrainerOptions
 
     config.data = volunteer_data(config.data, args.data)  # the run config's paths stay under --data
     options = TrainerOptions(trainer_index=args.trainer_index, in_flight=args.in_flight, max_samples=args.max_samples,

@@ -31,6 +31,7 @@ from swarm.activations import ActivationCache, CachedForward, SavedBytes, StaleG
 from swarm.model import StageModule
 from swarm.model.moe import MoERecord, record_moe, total_aux_loss
 from swarm.optim import StageOptimizer
+from swarm.threads import Owner
 
 if TYPE_CHECKING:
     from swarm.averaging.stepper import StageStepper
@@ -147,6 +148,10 @@ class Worker:
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run `fn` on the worker thread (e.g. to read a consistent state) and wait for it."""
         return self.submit(fn).result(timeout)
+
+    def hand_over(self, owner: Owner, timeout: float | None = None) -> None:
+        """Make the worker thread the one that may change `owner`'s object from now on (swarm.threads)."""
+        owner.hand_to(self.call(threading.current_thread, timeout))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

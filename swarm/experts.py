@@ -1,6 +1,6 @@
 """What an expert server computes: the experts it hosts, in every MoE block, with their optimizers.
 
-No networking here (peer/expert.py serves it). Each hosted expert is built as the reference builds
+No networking here (swarm/serving/expert.py serves it). Each hosted expert is built as the reference builds
 it (:func:`swarm.model.make_expert`, its own seeded generator) and has its own
 :class:`~swarm.optim.StageOptimizer`: its own gradient clipping and sample count. A stage server
 sends every micro-batch's backward to every expert of its block, also those it routed no token to

@@ -18,6 +18,7 @@ from torch import nn
 from swarm.config import OptimizerConfig
 
 if TYPE_CHECKING:
+    from swarm.threads import Owner
     from swarm.zero import ShardedMoments
 
 ADAMW_SLOTS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's state of each parameter, once it stepped
@@ -75,15 +76,22 @@ class StageOptimizer:
         self.step_count = 0
         self.samples = 0  # accumulated since the last step
         self.shards: ShardedMoments | None = None  # the moments, when sharded among the stage's servers
+        self.owner: Owner | None = None  # the thread that may change it, when it is a StageState's (swarm.threads)
+
+    def _mutating(self, what: str) -> None:
+        if self.owner is not None:
+            self.owner.check(what)
 
     def add_samples(self, n: int) -> None:
         """Record that gradients of ``n`` more samples were summed into ``.grad``."""
+        self._mutating("add_samples")
         if n <= 0:
             raise ValueError(f"sample count must be positive, got {n}")
         self.samples += n
 
     def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
         """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient)."""
+        self._mutating("accumulate")
         if len(grads) != len(self.params):
             raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
         self.add_samples(n)
@@ -121,6 +129,7 @@ class StageOptimizer:
 
         For steppers that step later, on another thread's schedule, while new samples accumulate.
         """
+        self._mutating("take_gradients")
         grads, samples = [p.grad for p in self.params], self.samples
         self.zero_grad()
         return grads, samples
@@ -131,6 +140,7 @@ class StageOptimizer:
         The gradients being accumulated meanwhile are left as they are. The tensors given may be
         changed in place (clipping).
         """
+        self._mutating("step_with")
         if len(mean_grads) != len(self.params):
             raise ValueError(f"got {len(mean_grads)} gradients for {len(self.params)} parameters")
         grads = [g for g in mean_grads if g is not None]
@@ -213,6 +223,7 @@ class StageOptimizer:
     def step_sharded(self, update: torch.Tensor, samples: int, grad_norm: float) -> dict[str, Any]:
         """Apply a sharded round's AdamW update (flat, in ``params`` order; swarm.zero):
         ``p = p * (1 - lr * weight_decay) - lr * u``, as torch.optim.AdamW does (zero runs AdamW only)."""
+        self._mutating("step_sharded")
         lr = lr_at(self.step_count, self.config)
         decay = {id(p): group["weight_decay"] for group in self.optimizer.param_groups for p in group["params"]}
         sizes = [p.numel() for p in self.params]
@@ -233,6 +244,7 @@ class StageOptimizer:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients and the sample count (e.g. after a failed round)."""
+        self._mutating("zero_grad")
         self.optimizer.zero_grad(set_to_none=True)
         self.samples = 0
 
@@ -247,6 +259,7 @@ class StageOptimizer:
 
         Gradients being accumulated and the sample count are kept. The caller checks names and shapes.
         """
+        self._mutating("load_moments")
         # torch numbers parameters in param-group order; ours are in module order
         order = {id(p): k for k, p in enumerate(p for group in self.optimizer.param_groups for p in group["params"])}
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -270,6 +283,7 @@ class StageOptimizer:
         return {"step_count": self.step_count, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._mutating("load_state_dict")
         self.step_count = int(state["step_count"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.zero_grad()

@@ -26,6 +26,7 @@ stage, step and round it is. A refused state changes nothing. Pure torch, no I/O
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from swarm.optim import ADAMW_SLOTS, SLOTS, StageOptimizer
+from swarm.threads import Owner
 from swarm.zero import MAX_CHUNK_ELEMENTS, ChunkMoments, Layout
 
 log = logging.getLogger(__name__)
@@ -90,16 +92,44 @@ class StateInfo:
 class StageState:
     """A stage replica's parameters, optimizer state, step and round identity, behind one interface.
 
-    Not thread-safe by itself: call it where the replica's parameters cannot change meanwhile (the
-    stage's compute thread, or under the averager's state lock).
+    Who may touch it: `lock` is held while parameters, moments, the step or the round change, and by whoever
+    reads them from another thread (a peer's download, a progress record); `owner` is the thread that may
+    change them (the stage's compute thread once the server serves, swarm.threads): every mutator here
+    (load_state_dict, set_round, enter_look_ahead, leave_look_ahead) and the optimizer's checks it.
     """
 
     def __init__(self, module: nn.Module, optimizer: StageOptimizer, stage: int, round_id: str, group: int = 1):
         self.module, self.optimizer, self.stage = module, optimizer, stage
         self.round_id, self.group = round_id, group
         # While the module runs on look-ahead parameters (a round under way), the parameters the state
-        # really is at, in optimizer.params order: what a snapshot holds (StageAverager._look_ahead)
+        # really is at, in optimizer.params order: what a snapshot holds (enter_look_ahead)
         self.lookahead_base: list[torch.Tensor] | None = None
+        self.lock = threading.Lock()
+        self.owner = Owner(f"stage {stage} state")
+        optimizer.owner = self.owner  # the optimizer is math inside the state: its mutators check the same owner
+
+    def set_round(self, round_id: str, group: int) -> None:
+        """The averaging round that made the state now, and how many servers it averaged."""
+        self.owner.check("set_round")
+        self.round_id, self.group = round_id, group
+
+    def enter_look_ahead(self, values: Sequence[torch.Tensor]) -> None:
+        """Run on `values` (the parameters the next step is predicted to make, in optimizer.params order) while
+        snapshots keep the parameters the state is at."""
+        self.owner.check("enter_look_ahead")
+        with torch.no_grad():
+            self.lookahead_base = [p.detach().clone() for p in self.optimizer.params]
+            for param, value in zip(self.optimizer.params, values):
+                param.copy_(value)
+
+    def leave_look_ahead(self) -> None:
+        """The parameters the state is at, back in place of the look-ahead ones (if it ran ahead)."""
+        self.owner.check("leave_look_ahead")
+        base, self.lookahead_base = self.lookahead_base, None
+        if base is not None:
+            with torch.no_grad():
+                for param, value in zip(self.optimizer.params, base):
+                    param.copy_(value)
 
     @property
     def step(self) -> int:
@@ -194,6 +224,7 @@ class StageState:
 
     def load_state_dict(self, info: StateInfo, tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace this replica's state with `tensors` (checked first); gradients being accumulated are kept."""
+        self.owner.check("load_state_dict")
         self.check(info, tensors)
         self.lookahead_base = None  # (the parameters a look-ahead would go back to are replaced too)
         with torch.no_grad():

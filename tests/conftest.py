@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 from swarm.config import RunConfig
+from swarm.threads import CHECK_ENV
 from tests.procs import REPO_ROOT, ProcSet, kill_all
+
+# Mutators check they run on their owner's thread, here and in every process the tests start (swarm.threads)
+os.environ[CHECK_ENV] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,12 @@ Map of the subsystem, from what a server uses down to pure logic::
                  compute too); load_state_from_peers() for a server joining its stage
     intake.py    StateIntake: downloads of the stage's state, bounded, skipping servers refused lately,
                  and the checks that the stage's progress backs what came
+    ahead.py     the group of a stage's next round forms while its batch fills (groups formed ahead)
+    catchup.py   the state downloads: a replica behind (or apart) takes the stage's state from a server of it
     tracker.py   StageProgressTracker: a thread that publishes this server's progress and reads the
                  stage's, through the DHT
+    progress.py  what each server publishes of its stage's progress, and what a server concludes from it
+    direct.py    matchmaking declarations sent straight to the stage's other servers, besides the DHT
     channel.py   ProgressChannel: progress pushed straight to the stage's other servers over libp2p,
                  so a full batch is known at once rather than at the next DHT read
     sharded.py   StageAverager's rounds when the moments are sharded (averaging.zero): meet, plan, run
@@ -32,6 +36,7 @@ Map of the subsystem, from what a server uses down to pure logic::
     progress.py  ProgressRecord, stage_view(), backs_state(): what the records mean (ready, behind,
                  diverged), and whether the stage's established servers back a state; pure (who is
                  established: the tracker's swarm.tenure book)
+    robust.py    robust aggregation of one part of the gradient: what a reducer makes of its members' parts
     codecs.py    pure-torch compression codecs installed into hivemind
     errors.py    AveragingError and its subclasses
 

@@ -103,7 +103,6 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self.max_member_samples = MAX_MEMBER_BATCHES * self.batch_size
         self.metrics = AveragingMetrics(registry or CollectorRegistry(), stage)
         self.solo = False  # True once the averaging process died: this server then trains alone
-        self._state_lock = threading.Lock()  # held while parameters, moments or the step change
         self._closing = threading.Event()
         self._request_step: RequestStep | None = None
         self._requested: Future | None = None  # the last step requested, until the worker ran it
@@ -173,7 +172,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         if not self._averaging and self._full(self.view()):  # a batch is due: these would make it larger
             self._hold(grads, n)
         else:
-            with self._state_lock:
+            with self.state.lock:
                 self.optimizer.accumulate(grads, n)
                 if self._averaging:
                     self._late += n
@@ -242,7 +241,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             # a batch that servers ahead closed, none of it ours, and nobody here to meet: no step on
             # nothing (Adam's moments would still move the weights); the catch-up brings the stage's state
             return None
-        with self._state_lock:  # the batch goes to the round; held samples start the next one
+        with self.state.lock:  # the batch goes to the round; held samples start the next one
             grads, samples = self.optimizer.take_gradients()
             self._late_in_round, self._late = self._late, 0
             self._release_held()
@@ -310,7 +309,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
 
     def state_loaded(self) -> None:
         """The replica's state was replaced from elsewhere (a checkpoint) before start(): take note of it."""
-        with self._state_lock:
+        with self.state.lock:
             self._params_changed()
 
     @property
@@ -410,8 +409,8 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         `own`: how many of the `samples` were this server's (``own_late`` of them came while the round
         before ran).
         """
-        with self._state_lock:
-            self._back_from_look_ahead()
+        with self.state.lock:
+            self.state.leave_look_ahead()
             if outcome == SUCCEEDED:
                 self._failed_tries, self._round_pause = 0, ROUND_RETRY_PAUSE
             elif outcome == FAILED:  # no more tries until a round succeeds: a stage whose rounds keep failing
@@ -419,7 +418,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             self.metrics.rounds[outcome].inc()  # (first: whoever sees the step sees how it was made)
             stats = self.optimizer.step_with(mean, samples)
             if not stats["skipped"]:  # (a non-finite gradient: every member skips alike)
-                self.state.round_id, self.state.group = round_of(self.optimizer.step_count, members), len(members)
+                self.state.set_round(round_of(self.optimizer.step_count, members), len(members))
             self._averaging = False
             self._params_changed()
         self._after_step()
@@ -441,8 +440,8 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
 
     def _put_back(self, grads: list[torch.Tensor | None], samples: int) -> None:
         """A failed round's samples count towards the next try, after a pause that doubles with each failure."""
-        with self._state_lock:
-            self._back_from_look_ahead()
+        with self.state.lock:
+            self.state.leave_look_ahead()
             if samples > 0:
                 self.optimizer.accumulate(grads, samples)
             self._late += self._late_in_round
@@ -452,8 +451,8 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._tracker.nudge()
 
     def _end_round(self) -> None:
-        with self._state_lock:
-            self._back_from_look_ahead()
+        with self.state.lock:
+            self.state.leave_look_ahead()
             self._averaging = False
         self._tracker.nudge()
 
@@ -466,18 +465,8 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         (checkpoints, a peer's download) and the round's own step use them.
         """
         ahead = self.optimizer.preview(grads, samples)
-        with self._state_lock, torch.no_grad():
-            self.state.lookahead_base = [p.detach().clone() for p in self.optimizer.params]
-            for param, value in zip(self.optimizer.params, ahead):
-                param.copy_(value)
-
-    def _back_from_look_ahead(self) -> None:
-        """The parameters the state is at, back in place of the look-ahead ones (state lock held)."""
-        base, self.state.lookahead_base = self.state.lookahead_base, None
-        if base is not None:
-            with torch.no_grad():
-                for param, value in zip(self.optimizer.params, base):
-                    param.copy_(value)
+        with self.state.lock:
+            self.state.enter_look_ahead(ahead)
 
     @staticmethod
     def _mean(grads: list[torch.Tensor | None], samples: int) -> list[torch.Tensor | None]:
@@ -533,7 +522,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
 
     # progress
     def _own_record(self) -> ProgressRecord:
-        with self._state_lock:  # one moment's step, samples and round, not either side of a step
+        with self.state.lock:  # one moment's step, samples and round, not either side of a step
             step, samples, round_, group, fingerprint, averaging = (
                 self.optimizer.step_count, self.optimizer.samples, self.state.round_id, self.state.group,
                 self._fingerprint, self._averaging)

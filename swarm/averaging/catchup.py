@@ -117,7 +117,7 @@ class StateCatchUp:
         StageState.check). Raises StateRejected (and refuses that peer's state for a while) if not."""
         try:
             info, named = self._intake.vet(loaded)
-            with self._state_lock:
+            with self.state.lock:
                 if info.step < min_step:
                     self.metrics.downloads[FAILED].inc()
                     return False
@@ -136,7 +136,7 @@ class StateCatchUp:
 
     def _state_for_peer(self) -> tuple[dict, list[torch.Tensor]]:
         # called by hivemind on a thread of ours when a peer downloads our state
-        with self._state_lock:
+        with self.state.lock:
             return flatten(*self.state.state_dict(shards=False))  # (a joiner's rounds bring it its chunks)
 
     def _share_state(self) -> None:

@@ -61,7 +61,7 @@ class ShardedRounds:
         shards = self.optimizer.shards
         self._round_pause = ROUND_RETRY_PAUSE
         samples = sum(min(n, self.max_member_samples) for n in plan.samples.values())  # (as the round counted them)
-        with self._state_lock:
+        with self.state.lock:
             self.metrics.rounds[outcome].inc()  # (first: whoever sees the step sees how it was made)
             if result.update is None:  # a non-finite gradient norm: every member skips alike
                 stats = {"step": self.optimizer.step_count, "lr": 0.0, "grad_norm": result.grad_norm,
@@ -72,8 +72,7 @@ class ShardedRounds:
                 if kept is not None:  # (weight decay too: a dropped chunk is exactly as it was)
                     self._restore_chunks(kept, result.dropped)
                 shards.replace(result.moments, self.optimizer.step_count)
-                self.state.round_id = round_of(self.optimizer.step_count, list(plan.members))
-                self.state.group = len(plan.members)
+                self.state.set_round(round_of(self.optimizer.step_count, list(plan.members)), len(plan.members))
             self._averaging = False
             self._params_changed()
         if result.fresh and plan.step > 0:

@@ -28,12 +28,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from swarm.checkpoint.claims import believed, step_bound
 from swarm.checkpoint.errors import CheckpointError
 from swarm.checkpoint.manifest import MANIFEST_NAME, StageManifest, manifest_id
+from swarm.checkpoint.schedule import CheckpointSchedule
 from swarm.checkpoint.serving import serve_checkpoints
 from swarm.checkpoint.store import StageCheckpoints
 from swarm.checkpoint.transfer import fetch_newest
 from swarm.config import RunConfig
-from swarm.dht import BackgroundLoop, SwarmRecords
-from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint, ServerState
+from swarm.dht import BackgroundLoop, SwarmRecords, online_steps
+from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
 from swarm.state import StageState, StateInfo, StateRejected
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,7 @@ class StageKeeper:
         self.state_hash = config.state_hash()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint{state.stage}")
         self._writing: Future | None = None
-        self._last_step = -1  # the step of the newest checkpoint written or restored
-        self._last_time = time.monotonic()
+        self.schedule = CheckpointSchedule(config.checkpoint)
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
         self._service: Any = None
@@ -103,7 +103,7 @@ class StageKeeper:
             self.state.load_state_dict(info, tensors)
         except StateRejected as e:
             raise CheckpointError(f"checkpoint {path} does not fit this stage: {e}") from None
-        self._last_step = manifest.step
+        self.schedule.restored(manifest.step)
         self.metrics.step.set(manifest.step)
         log.info("stage %d: resumed from the checkpoint of step %d (%s)", self.state.stage, manifest.step, path)
         return manifest.step
@@ -113,8 +113,7 @@ class StageKeeper:
         ONLINE servers (every stage: they step together) make believable (swarm.checkpoint.claims)."""
         if any(record.peer_id not in self.trusted_holders for record in remote):
             servers = self.records.lookup_all_servers(self.config.stages.num_stages)
-            steps = [r.step for found in servers.values() for r in found
-                     if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
+            steps = online_steps(servers, other_than=self.peer_id)
         else:
             steps = []
         kept, ignored = believed(remote, bound=step_bound(steps), trusted=self.trusted_holders)
@@ -151,18 +150,15 @@ class StageKeeper:
         self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, self.store.path_for),
                                       LOOP_CALL_TIMEOUT)
         self._p2p = p2p
-        self._last_time = time.monotonic()
+        self.schedule.restart_clock()
         self._announcer = threading.Thread(target=self._announce_forever, name="checkpoints", daemon=True)
         self._announcer.start()
 
     def after_step(self, step: int) -> None:
         """Called on the compute thread after every step: copy the state and write it, if one is due."""
-        if self._stop.is_set() or step <= self._last_step or (self._writing is not None and not self._writing.done()):
+        if self._stop.is_set() or (self._writing is not None and not self._writing.done()):
             return
-        every_steps, every_seconds = self.settings.every_steps, self.settings.every_seconds
-        due = (every_steps and step - max(self._last_step, 0) >= every_steps) or \
-              (every_seconds and time.monotonic() - self._last_time >= every_seconds)
-        if due:
+        if self.schedule.due(step):
             self._writing = self._writer.submit(self._write, *self.state.state_dict())
 
     def close(self, snapshot: Callable[[], tuple[StateInfo, dict[str, torch.Tensor]]] | None = None) -> None:
@@ -171,7 +167,7 @@ class StageKeeper:
         self._stop.set()
         if self._writing is not None:
             self._writing.result(FINAL_WRITE_TIMEOUT)
-        if snapshot is not None and self._service is not None and self.state.step > self._last_step:
+        if snapshot is not None and self._service is not None and self.state.step > self.schedule.last_step:
             try:
                 self._write(*snapshot())
             except Exception as e:  # noqa: BLE001 - stopping anyway; the previous checkpoint stays
@@ -193,10 +189,10 @@ class StageKeeper:
             self.metrics.writes.labels(stage=str(self.state.stage), outcome="failed").inc()
             log.error("stage %d: writing the checkpoint of step %d failed: %s", self.state.stage, info.step, e)
             return
-        self._last_step, self._last_time = info.step, time.monotonic()
+        self.schedule.done(info.step)
         self.written += 1
         self.metrics.writes.labels(stage=str(self.state.stage), outcome="succeeded").inc()
-        self.metrics.write_seconds.observe(self._last_time - started)
+        self.metrics.write_seconds.observe(time.monotonic() - started)
         self.metrics.step.set(info.step)
         log.info("stage %d: checkpoint of step %d written in %.2fs (%s)", self.state.stage, info.step,
                  time.monotonic() - started, path)

@@ -16,9 +16,15 @@ Map of the subsystem, from people-facing entry points down to pure logic::
                   StoreBounds: the size and lifetime any value may have)
     storage.py    BoundedStorage: what a node keeps for others, bounded in bytes, entries and lifetime,
                   shared among signers (every node's storage and cache, installed by start_dht)
+    reachability.py  can other peers dial this one? found out on join and said in one line (direct,
+                  relayed, unreachable); dial-back checks for others
+    relays.py     what a relay promises: a slot asked of its libp2p relay service, and the limits it answers
     private.py    SwarmKey: a private swarm's secret (its run's network id, run_info's name, the sealed config)
+    gate.py       RpcGate: in a private swarm, every RPC of a peer (DHT, stage calls, averaging) carries and
+                  asks for a proof of the swarm key
     schemas.py    ServerRecord, ExpertHostRecord, RunConfigRecord, PeerMetricsRecord, CheckpointRecord,
-                  RunCheckpointRecord: strict, tolerant of unknown fields
+                  RunCheckpointRecord: strict, tolerant of unknown fields; online(...): the records that
+                  say ONLINE (online_steps: their steps)
     errors.py     SwarmDHTError and its subclasses
 
 Every network wait is bounded by a named timeout (``DEFAULT_*_TIMEOUT`` in each module).
@@ -58,6 +64,8 @@ from swarm.dht.schemas import (
     RunConfigRecord,
     ServerRecord,
     ServerState,
+    online,
+    online_steps,
 )
 
 __all__ = [
@@ -81,6 +89,8 @@ __all__ = [
     "RunInfoServicer",
     "ServerRecord",
     "ServerState",
+    "online",
+    "online_steps",
     "SwarmDHTError",
     "SwarmKey",
     "SwarmRecords",

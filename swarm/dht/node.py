@@ -21,6 +21,7 @@ from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
+from swarm.dht import gate
 from swarm.dht.errors import BootstrapError, DHTProcessGone, DHTRequestTimeout, InvalidMultiaddr, SwarmDHTError
 from swarm.dht.identity import Identity, create_private_file
 from swarm.dht.keys import RunRecordGuard, make_validators, run_validators
@@ -28,7 +29,6 @@ from swarm.dht.private import SwarmKey
 from swarm.dht.relays import has_public_address, probe_own_relay
 from swarm.dht.storage import install_bounded_storage
 from swarm.hivemind_internals import add_p2pd_flags
-from swarm.protocol import gate
 from swarm.traffic import count_unary_rpcs, shared_counter
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class _DHTProcess(hivemind.DHT):
     hivemind's own shutdown ("terminating it the hard way"), can no longer stop, and the program
     waits for it forever at exit.
 
-    With a swarm key, its RPCs are gated by that key (swarm.protocol.gate), whether or not the
+    With a swarm key, its RPCs are gated by that key (swarm.dht.gate), whether or not the
     process that starts it is.
     """
 
@@ -181,7 +181,7 @@ def start_dht(
 
     `run_id` may be None while the run is not known yet (see join_run): then only signatures are
     checked until :func:`add_run_validators` is called. Raises BootstrapError if no initial peer answers.
-    With `swarm_key` (a private swarm), the node's RPCs carry and ask for proofs of it (swarm.protocol.gate);
+    With `swarm_key` (a private swarm), the node's RPCs carry and ask for proofs of it (swarm.dht.gate);
     so do they when this process installed the gate. `nat` says how its daemon deals with NAT (NatOptions).
 
     A peer that relays and says it is public has its relay's limits checked once it is up, and its
@@ -322,7 +322,7 @@ def _startup_error(error: Exception, initial: list[Multiaddr], hosts: list[Multi
         or "bootstrap failed" in message  # reached, but none answered the DHT ping
     ):
         peers = " ".join(str(maddr) for maddr in initial)
-        # a private swarm's peers answer nobody without its key (swarm.protocol.gate): that looks the same here
+        # a private swarm's peers answer nobody without its key (swarm.dht.gate): that looks the same here
         hint = ("do they belong to the swarm of this --swarm-key?" if private
                 else "is the swarm private? then start with --swarm-key and a copy of its key")
         said = "" if timed_out else f" ({message.splitlines()[0][:200]})" if message else ""

@@ -6,7 +6,7 @@ a private swarm's peers. The key keeps it out all the same:
 - every RPC a peer of a private swarm serves (the DHT's, run_info, stages, checkpoints, averaging,
   expert state) answers only callers that prove they hold the key: a 32-byte HMAC under `rpc_key`
   of the caller's and the callee's peer ids, checked before the handler reads a byte
-  (swarm.protocol.gate). A stranger cannot even be a node of the swarm's DHT.
+  (swarm.dht.gate). A stranger cannot even be a node of the swarm's DHT.
 
 In depth, should the key's RPC proofs ever be bypassed, what a stranger could see is named so it
 learns nothing from it:
@@ -65,7 +65,7 @@ class SwarmKey:
         return f"{run_id}-{self._derive(f'network:{run_id}').hex()[:TAG_HEX]}"
 
     def rpc_key(self) -> bytes:
-        """The key of the proofs a private swarm's RPCs carry (swarm.protocol.gate)."""
+        """The key of the proofs a private swarm's RPCs carry (swarm.dht.gate)."""
         return self._derive("rpc")
 
     def run_info_namespace(self) -> str:

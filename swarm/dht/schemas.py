@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -43,6 +44,16 @@ class ServerState(str, Enum):
     JOINING = "JOINING"  # downloading its stage's state; not ready for requests
     ONLINE = "ONLINE"  # serving forward/backward
     OFFLINE = "OFFLINE"  # leaving; routers should stop sending work
+
+
+def online(records: Iterable[RecordT], other_than: str | None = None) -> list[RecordT]:
+    """The records (server or expert host) that say ONLINE, but `other_than`'s (a peer id: usually one's own)."""
+    return [r for r in records if r.state == ServerState.ONLINE.value and r.peer_id != other_than]
+
+
+def online_steps(servers: Mapping[int, Iterable[RecordT]], other_than: str | None = None) -> list[int]:
+    """The steps the ONLINE servers of every stage announce (claims, each its own: swarm.checkpoint.claims)."""
+    return [r.step for found in servers.values() for r in online(found, other_than)]
 
 
 def is_metrics_address(value: object) -> bool:

@@ -7,7 +7,8 @@ Layers, bottom up:
 - ``framing``   one message = msgpack metadata + tensors, streamed as ExpertRequest/ExpertResponse
                 frames in parts under ``WireLimits``
 - ``messages``  StageRequest / StageReply: what forward and backward carry, built and parsed with checks
-- ``limits``    ``stage_wire_limits``: the WireLimits of a stage server, from its run's model and batch cap
+- ``limits``    ``RequestLimits``: how large a run's stage and expert requests may be, computed once from its
+                config for both sides of the contract (``stage_wire_limits`` underneath)
 - ``slots``     ``CallerSlots``: slots under a global, a per-caller and a newcomers' cap
 - ``service``   server side: ``StageService`` (a hivemind ServicerBase) delegating to a ``StageHandler``;
                 ``register(p2p, handler, namespace)``; request slots shared per caller, each with
@@ -34,7 +35,7 @@ from swarm.protocol.errors import (
     StageUnavailable,
 )
 from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
-from swarm.protocol.limits import stage_wire_limits
+from swarm.protocol.limits import RequestLimits, stage_wire_limits
 from swarm.protocol.messages import (
     BACKWARD,
     FORWARD,
@@ -104,5 +105,6 @@ __all__ = [
     "request_frames",
     "experts_namespace",
     "stage_namespace",
+    "RequestLimits",
     "stage_wire_limits",
 ]

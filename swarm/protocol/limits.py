@@ -7,7 +7,9 @@ so it takes no more than its largest honest request.
 
 from __future__ import annotations
 
-from swarm.config import ModelConfig
+from dataclasses import dataclass
+
+from swarm.config import ModelConfig, RunConfig
 from swarm.protocol.framing import DEFAULT_LIMITS, WireLimits
 
 STAGE_TENSORS = 2  # the most a stage request carries: inputs plus targets or grad_outputs
@@ -34,3 +36,35 @@ def stage_wire_limits(model: ModelConfig, max_batch: int) -> WireLimits:
         max_metadata_bytes=DEFAULT_LIMITS.max_metadata_bytes,
         part_bytes=DEFAULT_LIMITS.part_bytes,
     )
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How large a request of a run may be, computed once from its config and shared by both sides of the
+    wire contract: callers take replies within these limits, servers refuse requests beyond them.
+
+    `samples`: the samples a stage request carries (the run's micro-batch, unless a server says otherwise);
+    an expert request holds at most top_k slots of each token of such a micro-batch.
+    """
+
+    model: ModelConfig
+    samples: int
+    top_k: int = 0  # the run's MoE top_k (0: no experts)
+
+    @classmethod
+    def of(cls, config: RunConfig, max_batch: int | None = None) -> RequestLimits:
+        moe = config.model.moe
+        return cls(config.model, max_batch if max_batch is not None else config.optimizer.micro_batch_size,
+                   moe.top_k if moe is not None else 0)
+
+    @property
+    def stage(self) -> WireLimits:
+        """A stage call's request (server side) or reply (caller side)."""
+        return stage_wire_limits(self.model, self.samples)
+
+    @property
+    def expert(self) -> WireLimits:
+        """An expert call's: top_k slots of each token of a micro-batch."""
+        if self.top_k < 1:
+            raise ValueError("the run has no mixture-of-experts blocks: expert calls have no limits")
+        return stage_wire_limits(self.model, self.samples * self.top_k)

@@ -8,6 +8,10 @@
                 servers, retrying failed calls on other servers of the stage; hands each call's
                 balancer ticket back once, however the call ends; an error reply of any code is that
                 server's failure
+- ``inflight``  how many micro-batches a trainer keeps in flight: enough to cover the round trips it
+                measures, within a batch's worth
+- ``experts``   a stage server's side of remote experts: which host runs each expert's tokens, and what
+                happens when hosts fail or are slow
 - ``spot_checks``  replies checked against witnesses of the same stage (every probe, 1 in 32 others);
                 the server the other two disagree with is banned
 """

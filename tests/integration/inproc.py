@@ -16,8 +16,6 @@ import hivemind
 import torch
 from hivemind.p2p import P2P
 
-from peer.server import ServerOptions, StageServer
-from peer.trainer import Trainer
 from swarm.config import (
     AveragingConfig,
     DataConfig,
@@ -28,6 +26,8 @@ from swarm.config import (
     StagesConfig,
 )
 from swarm.dht import BackgroundLoop, ServerState, SwarmRecords, load_identity, peer_id, start_dht, visible_maddrs
+from swarm.serving import ServerOptions, StageServer
+from swarm.trainer import Trainer
 from tests.helpers import wait_until
 
 HOST = ["/ip4/127.0.0.1/tcp/0"]

@@ -17,12 +17,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from peer.server import StageServer, StageStateMissing
 from swarm.config import AveragingConfig
 from swarm.dht import ServerRecord, ServerState, visible_maddrs
 from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
+from swarm.serving import StageServer, StageStateMissing
 from swarm.state import StateRejected, unflatten
 from tests.helpers import wait_until
 from tests.integration.inproc import (

@@ -11,10 +11,10 @@ import copy
 import pytest
 import torch
 
-from peer.server import StageServer
-from peer.trainer import Trainer, TrainerOptions
 from swarm.config import MoEConfig
 from swarm.reference import ReferenceTrainer
+from swarm.serving import StageServer
+from swarm.trainer import Trainer, TrainerOptions
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     BACKEND_CALL_TIMEOUT,

@@ -18,7 +18,6 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
-from peer.expert import ExpertOptions, ExpertServer
 from swarm.config import MoEConfig
 from swarm.model import make_expert
 from swarm.protocol import (
@@ -38,6 +37,7 @@ from swarm.protocol import (
     stage_wire_limits,
 )
 from swarm.protocol.framing import to_frames
+from swarm.serving import ExpertOptions, ExpertServer
 from tests.integration.inproc import BACKEND_CALL_TIMEOUT, Peer, running_peers, tiny_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from peer.trainer import Trainer, TrainerOptions
 from swarm.reference import ReferenceTrainer
+from swarm.trainer import Trainer, TrainerOptions
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     running_peers,

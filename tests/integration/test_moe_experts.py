@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.expert import ExpertOptions, ExpertServer
-from peer.trainer import Trainer, TrainerOptions
 from swarm.config import MoEConfig
 from swarm.reference import ReferenceTrainer
+from swarm.serving import ExpertOptions, ExpertServer
+from swarm.trainer import Trainer, TrainerOptions
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     BACKEND_CALL_TIMEOUT,

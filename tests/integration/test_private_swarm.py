@@ -5,7 +5,7 @@ the initial peer and cannot find the run config; with a wrong key neither; with 
 
 libp2p's identify protocol tells anyone who dials a peer every handler name it serves, so names
 keep nobody out: every RPC of a private swarm's peers answers only callers that prove they hold the
-key (swarm.protocol.gate). A stranger, with no key or another, that names a stage server's forward,
+key (swarm.dht.gate). A stranger, with no key or another, that names a stage server's forward,
 its checkpoint reads, the DHT or run_info from what identify told it is refused, while a caller with
 the key is answered by the same handlers; a stranger's DHT node cannot join at all. In depth, no
 record a node of the swarm holds names the network id, and the run config it holds is sealed.
@@ -41,6 +41,7 @@ from swarm.dht import (
     ServerRecord,
     ServerState,
     SwarmRecords,
+    gate,
     join_run,
     load_identity,
     load_swarm_key,
@@ -49,7 +50,6 @@ from swarm.dht import (
 from swarm.dht.bootstrap import RUN_INFO_PURPOSE
 from swarm.dht.keys import averaging_prefix, dht_key, progress_key
 from swarm.dht.private import SEALED_PREFIX, SwarmKey
-from swarm.protocol import gate
 from tests.helpers import wait_until
 from tests.integration.test_cli import CHECK_TIMEOUT, assert_clear_error, check_output
 from tests.procs import LOCALHOST, ProcSet, start_coordinator, start_peer

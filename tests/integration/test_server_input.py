@@ -23,8 +23,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
-import peer.server
-from peer.server import ServerOptions, StageServer
+import swarm.serving.handler as serving_handler
 from swarm.backend import Overloaded
 from swarm.dht import ServerState, visible_maddrs
 from swarm.protocol import (
@@ -46,6 +45,7 @@ from swarm.protocol import (
     stage_wire_limits,
 )
 from swarm.protocol.framing import WireLimits, encode_metadata
+from swarm.serving import ServerOptions, StageServer
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     Peer,
@@ -345,7 +345,7 @@ def test_request_before_online_is_not_ready_then_served(swarm, monkeypatch):
         await asyncio.to_thread(release.wait, START_TIMEOUT)  # holds start() in its JOINING window
         return service
 
-    monkeypatch.setattr(peer.server, "register", register_then_hold)
+    monkeypatch.setattr(serving_handler, "register", register_then_hold)
     with running_peers(CONFIG.run_id, 1, initial_peers=visible_maddrs(swarm.client.dht)) as [joining_peer], \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         server = StageServer(CONFIG, joining_peer.dht, joining_peer.records, joining_peer.loop,

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from peer.server import StageServer
-from peer.trainer import Trainer, TrainerOptions
 from swarm.config import AveragingConfig, RunConfig
 from swarm.dht import ServerState
 from swarm.reference import ReferenceTrainer
+from swarm.serving import StageServer
+from swarm.trainer import Trainer, TrainerOptions
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     BACKEND_CALL_TIMEOUT,

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.trainer import Trainer, TrainerOptions
 from swarm.config import RunConfig
 from swarm.dht import ServerRecord, ServerState
 from swarm.protocol import BAD_REQUEST, RequestRejected, StageHandler, StageReply, StageRequest, register
 from swarm.protocol import stage_namespace as namespace_of
 from swarm.routing.spot_checks import STRIKES
+from swarm.trainer import Trainer, TrainerOptions
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     LOOP_CALL_TIMEOUT,

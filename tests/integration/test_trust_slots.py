@@ -75,7 +75,7 @@ def test_130_silent_streams_from_one_peer_leave_honest_forwards_served():
     # the server's peer first: the others join through it, so both daemons hold a connection to it
     with running_peers(CONFIG.run_id, 3) as (server_peer, honest, attacker), \
             stage_servers(CONFIG, [server_peer], [0]) as [server]:
-        service = server._service
+        service = server.service
         assert service.max_concurrent == 128  # the default server of the issue: twice max_queue 64
         server_id, namespace = PeerID.from_base58(server.peer_id), stage_namespace(CONFIG.run_id, 0)
 

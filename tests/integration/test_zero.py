@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.server import StageServer
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
+from swarm.serving import StageServer
 from swarm.zero import Layout, targets
 from tests.integration.inproc import BACKEND_CALL_TIMEOUT, running_peers, stage_servers
 from tests.integration.test_averaging import (

@@ -179,8 +179,8 @@ def test_an_expert_host_a_moment_ahead_of_the_run_s_records_is_looked_up_again(c
     import threading
     from types import SimpleNamespace
 
-    from peer.expert import DONOR_LOOKUPS, ExpertServer
     from swarm.dht.schemas import ServerState
+    from swarm.serving.expert import DONOR_LOOKUPS, ExpertServer
 
     def reads(host_steps, server_steps):
         server = object.__new__(ExpertServer)
@@ -206,7 +206,7 @@ def test_a_host_seen_when_choosing_stays_a_donor_when_a_later_lookup_misses_it()
     import threading
     from types import SimpleNamespace
 
-    from peer.expert import ExpertServer
+    from swarm.serving import ExpertServer
 
     server = object.__new__(ExpertServer)
     server.peer_id, server._stop = "me", threading.Event()

@@ -97,8 +97,8 @@ def test_a_window_that_may_not_split_stays_whole_and_bad_splits_are_refused():
 
 
 def test_micro_batches_split_only_where_their_hidden_states_exceed_a_stream_s_first_window():
-    from peer.trainer import STREAM_WINDOW, max_split
     from swarm.config import MoEConfig, RunConfig
+    from swarm.trainer import STREAM_WINDOW, max_split
 
     config = RunConfig.load("configs/tiny.yaml")
     config.optimizer.micro_batch_size = 8  # 8 x 64 x 128 float32: 256 KiB, over the window with its headers

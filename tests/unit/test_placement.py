@@ -2,8 +2,8 @@
 
 import pytest
 
-from peer.placement import choose_stage
 from swarm.dht import ServerRecord
+from swarm.serving.placement import choose_stage
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""swarm.protocol.gate: proofs of the swarm key per ordered pair of peers, and hivemind's four RPC methods,
+"""swarm.dht.gate: proofs of the swarm key per ordered pair of peers, and hivemind's four RPC methods,
 gated while a gate is installed and exactly hivemind's while none is. A fake p2pd client stands in for the
 daemon (tests/integration/test_private_swarm.py runs the real thing)."""
 
@@ -15,9 +15,9 @@ import pytest
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
+from swarm.dht import gate
 from swarm.dht.private import SwarmKey
 from swarm.hivemind_internals import P2P_RPC_METHODS
-from swarm.protocol import gate
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from hivemind.utils.asyncio import iter_as_aiter
 
-from peer.server import RecentBackwards, ServerOptions, result_bytes
 from swarm.backend import BackwardResult
 from swarm.config import ModelConfig, OptimizerConfig, RunConfig
 from swarm.protocol import (
@@ -16,11 +15,14 @@ from swarm.protocol import (
     DEFAULT_LIMITS,
     FORWARD,
     ProtocolError,
+    RequestLimits,
     StageRequest,
     receive_request,
     request_frames,
     stage_wire_limits,
 )
+from swarm.serving import ServerOptions
+from swarm.serving.backwards import RecentBackwards, result_bytes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -71,10 +73,13 @@ def test_one_value_more_is_refused_from_the_header(shape):
         received(StageRequest(FORWARD, 1, "r", torch.randn(shape)), stage_wire_limits(MODEL, CAP))
 
 
-def test_server_options_default_to_the_runs_micro_batch_and_twice_the_queue():
+def test_request_limits_default_to_the_runs_micro_batch_and_servers_to_twice_the_queue():
     config = RunConfig(model=MODEL, optimizer=OptimizerConfig(batch_size=8, micro_batch_size=4)).validate()
-    assert ServerOptions().batch_cap(config) == 4
-    assert ServerOptions(max_batch=2).batch_cap(config) == 2
+    assert RequestLimits.of(config).samples == 4
+    assert RequestLimits.of(config, max_batch=2).samples == 2
+    assert RequestLimits.of(config).stage == stage_wire_limits(MODEL, 4)  # what callers and servers both use
+    with pytest.raises(ValueError, match="no mixture-of-experts"):
+        _ = RequestLimits.of(config).expert
     assert ServerOptions(max_queue=10).concurrency_cap() == 20
     assert ServerOptions(max_queue=10, max_concurrent_requests=3).concurrency_cap() == 3
 

@@ -1,19 +1,25 @@
-"""A stage server's Prometheus metrics: request counters and histograms, and collectors that read the
-activation cache and the MoE blocks' routing and expert calls when Prometheus scrapes."""
+"""Servers' Prometheus metrics: request counters and histograms, and collectors that read the activation
+cache, the MoE blocks' routing and expert calls, and the hosted experts when Prometheus scrapes.
+
+Collectors read narrow views (a function returning the stage's backend, its expert dispatcher, an expert
+host; None before there is one), never the server object itself.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from .server import StageServer
+View = Callable[[], Any]  # returns the object read now, or None
 
 
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry, backend_ref: StageServer):
+    """A stage server's metrics. `backend`: its StageBackend now; `dispatcher`: its ExpertDispatcher now."""
+
+    def __init__(self, registry: CollectorRegistry, backend: View, dispatcher: View):
         self.requests = Counter("swarm_server_requests_total", "Requests by kind and outcome", ["kind", "status"],
                                 registry=registry)
         self.latency = Histogram("swarm_server_request_seconds", "Time to answer a request", ["kind"],
@@ -21,12 +27,12 @@ class ServerMetrics:
         self.samples = Counter("swarm_server_samples_total", "Samples whose backward this server ran",
                                registry=registry)
         Gauge("swarm_server_queue_depth", "Tasks waiting for or in compute", registry=registry).set_function(
-            lambda: backend_ref.backend.queue_depth if backend_ref.backend else 0)
+            lambda: backend().queue_depth if backend() else 0)
         Gauge("swarm_server_step", "Optimizer steps of this stage replica", registry=registry).set_function(
-            lambda: backend_ref.backend.step if backend_ref.backend else 0)
+            lambda: backend().step if backend() else 0)
         Gauge("swarm_server_utilization_ratio", "Share of the last 30 s the stage's compute thread was busy "
               "(requests, and applying steps)", registry=registry).set_function(
-            lambda: backend_ref.backend.utilization() if backend_ref.backend else 0.0)
+            lambda: backend().utilization() if backend() else 0.0)
         self.throughput = Gauge("swarm_server_throughput_samples_per_second", "Announced throughput",
                                 registry=registry)
         self.staleness = Histogram(
@@ -40,17 +46,17 @@ class ServerMetrics:
                                registry=registry)
         self.expert_latency = Histogram("swarm_moe_expert_call_seconds", "Time for an expert server to answer a "
                                         "request of this stage", ["layer", "kind"], registry=registry)
-        registry.register(ComputeCollector(backend_ref))
-        registry.register(ActivationCacheCollector(backend_ref))
-        registry.register(ExpertCollector(backend_ref))
-        registry.register(ExpertCallCollector(backend_ref))
+        registry.register(ComputeCollector(backend))
+        registry.register(ActivationCacheCollector(backend))
+        registry.register(ExpertCollector(backend))
+        registry.register(ExpertCallCollector(backend, dispatcher, self.expert_latency))
 
 
 class ExpertCollector:
     """Per MoE block of the stage: tokens routed to each expert, and slots dropped over capacity."""
 
-    def __init__(self, server: StageServer):
-        self.server = server
+    def __init__(self, backend: View):
+        self.backend = backend
 
     def collect(self):
         tokens = CounterMetricFamily("swarm_moe_expert_tokens", "Tokens of trained micro-batches each expert "
@@ -58,7 +64,7 @@ class ExpertCollector:
         dropped = CounterMetricFamily("swarm_moe_dropped_slots", "Top-k slots of trained micro-batches dropped "
                                       "for being over an expert's capacity (the token kept its residual)",
                                       labels=["layer"])
-        backend = self.server.backend
+        backend = self.backend()
         if backend is not None:
             for layer, counts in list(backend.expert_tokens.items()):
                 for expert, count in enumerate(counts):
@@ -70,8 +76,8 @@ class ExpertCollector:
 class ExpertCallCollector:
     """Per MoE block whose experts live on expert servers: calls to them, failures, and what was lost."""
 
-    def __init__(self, server: StageServer):
-        self.server = server
+    def __init__(self, backend: View, dispatcher: View, latency: Histogram):
+        self.backend, self.dispatcher, self.latency = backend, dispatcher, latency
 
     def collect(self):
         calls = CounterMetricFamily("swarm_moe_expert_calls", "Requests sent to expert servers",
@@ -83,14 +89,14 @@ class ExpertCallCollector:
                                    "time: the token went on without it", labels=["layer"])
         backward_lost = CounterMetricFamily("swarm_moe_backward_lost_experts", "Experts whose tokens got no "
                                             "gradient in a backward: no host took it", labels=["layer"])
-        latency = self.server.metrics.expert_latency
-        dispatcher = self.server.dispatcher
+        latency = self.latency
+        dispatcher = self.dispatcher()
         if dispatcher is not None:
             stats = dispatcher.stats
             for (layer, kind), count in list(stats.calls.items()):
                 calls.add_metric([str(layer), kind], count)
                 failures.add_metric([str(layer), kind], stats.failures.get((layer, kind), 0))
-            for layer in self.server.backend.module.moe_layers:
+            for layer in self.backend().module.moe_layers:
                 lost.add_metric([str(layer)], stats.lost_slots.get(layer, 0))
                 backward_lost.add_metric([str(layer)], stats.backward_lost.get(layer, 0))
             while stats.latency:  # observed here, off the hot path
@@ -103,11 +109,11 @@ class ComputeCollector:
     """CPU seconds of the stage's compute thread, read when Prometheus scrapes: what a server spends outside it
     (RPCs, the DHT, averaging, p2pd) is its process' CPU time minus this (bench/scaling.py)."""
 
-    def __init__(self, server: StageServer):
-        self.server = server
+    def __init__(self, backend: View):
+        self.backend = backend
 
     def collect(self):
-        backend = self.server.backend
+        backend = self.backend()
         family = CounterMetricFamily("swarm_server_compute_cpu_seconds",
                                      "CPU seconds the stage's compute thread spent on requests and steps")
         family.add_metric([], backend.cpu_seconds if backend is not None else 0.0)
@@ -123,11 +129,11 @@ class ComputeCollector:
 class ActivationCacheCollector:
     """The activation cache's counters, read when Prometheus scrapes (the cache itself stays lock-free)."""
 
-    def __init__(self, server: StageServer):
-        self.server = server
+    def __init__(self, backend: View):
+        self.backend = backend
 
     def collect(self):
-        backend = self.server.backend
+        backend = self.backend()
         cache = backend.cache if backend is not None else None
         values = (0, 0, 0, 0, 0) if cache is None else (cache.hits, cache.misses, cache.evictions,
                                                          cache.bytes_held, len(cache))
@@ -144,3 +150,34 @@ class ActivationCacheCollector:
         entries = GaugeMetricFamily("swarm_activation_cache_entries", "Forward graphs kept for their backward")
         entries.add_metric([], values[4])
         yield entries
+
+
+class ExpertMetrics:
+    """An expert server's metrics. `host`: its ExpertHost now."""
+
+    def __init__(self, registry: CollectorRegistry, host: View):
+        self.requests = Counter("swarm_expert_requests_total", "Expert requests by kind and outcome",
+                                ["kind", "status"], registry=registry)
+        self.latency = Histogram("swarm_expert_request_seconds", "Time to answer an expert request", ["kind"],
+                                 registry=registry)
+        Gauge("swarm_expert_step", "Optimizer steps of the hosted experts", registry=registry).set_function(
+            lambda: host().step if host() else 0)
+        Gauge("swarm_expert_queue_depth", "Tasks waiting for or in compute", registry=registry).set_function(
+            lambda: host().queue_depth if host() else 0)
+        registry.register(HostedTokensCollector(host))
+
+
+class HostedTokensCollector:
+    """Tokens each hosted expert ran a backward on."""
+
+    def __init__(self, host: View):
+        self.host = host
+
+    def collect(self):
+        family = CounterMetricFamily("swarm_expert_tokens", "Tokens each hosted expert ran a backward on",
+                                     labels=["layer", "expert"])
+        host = self.host()
+        if host is not None:
+            for (layer, e), count in list(host.tokens.items()):
+                family.add_metric([str(layer), str(e)], count)
+        yield family

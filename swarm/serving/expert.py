@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
-import threading
 import time
-from collections import Counter as Tally
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator  # noqa: UP035  (hivemind's ServicerBase reads typing.AsyncIterator annotations)
@@ -18,14 +15,14 @@ import torch
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry
 
 from swarm.backend import Overloaded
 from swarm.checkpoint.claims import step_bound
+from swarm.checkpoint.schedule import CheckpointSchedule
 from swarm.config import RunConfig
-from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, peer_id
-from swarm.dht.reachability import Reachability, wait_until_reachable
+from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, online, online_steps
+from swarm.dht.reachability import Reachability
 from swarm.experts import ExpertHost, expert_checkpoints, load_experts, save_experts
 from swarm.protocol import (
     BAD_REQUEST,
@@ -37,25 +34,26 @@ from swarm.protocol import (
     NOT_READY,
     WRONG_STAGE,
     ProtocolError,
+    RequestLimits,
     RequestRejected,
     StageReply,
     StageRequest,
-    StageService,
     WireLimits,
     encode_tensor,
     experts_namespace,
-    register,
-    stage_wire_limits,
 )
 from swarm.protocol.framing import gather_frames, to_frames
 from swarm.protocol.messages import error_frames, raise_if_error
 from swarm.protocol.slots import CallerSlots
 
-from .handling import CountingHandler
+from .handler import CountingHandler, serve, with_faults
+from .lifecycle import LOOP_CALL_TIMEOUT, ServerLifecycle
+from .metrics import ExpertMetrics
+from .placement import choose_experts
+from .throughput import expert_throughput
 
 log = logging.getLogger("swarm.expert")
 
-LOOP_CALL_TIMEOUT = 30.0
 STATE_TIMEOUT = 60.0  # for one expert's state to arrive from a host that has it
 DONOR_LOOKUPS = 3  # reads of the experts' hosts, an announce period apart, while one is beyond the bound
 STATE_SLOTS = 4  # expert state requests answered at once (each holds a copy of one expert's state)
@@ -75,36 +73,28 @@ class ExpertOptions:
     checkpoint_dir: Path | None = None  # where the hosted experts are saved every checkpoint.every_steps; None: not
 
 
-def choose_experts(hosts: list[ExpertHostRecord], num_experts: int, count: int) -> list[int]:
-    """The `count` experts with the fewest ONLINE or JOINING hosts, ties to the lower index."""
-    load = Tally(e for record in hosts if record.state != ServerState.OFFLINE.value
-                 for e in set(record.experts) if 0 <= e < num_experts)
-    return sorted(sorted(range(num_experts), key=lambda e: (load[e], e))[:count])
+class ExpertServer(ServerLifecycle):
+    """Lifecycle (ServerLifecycle): JOINING -> build the experts, take their state, register the RPCs -> ONLINE
+    -> OFFLINE."""
 
-
-class ExpertServer:
-    """Lifecycle: JOINING -> build the experts, register the RPCs -> ONLINE -> OFFLINE."""
+    what = "expert server"
 
     def __init__(self, config: RunConfig, dht: hivemind.DHT, records: SwarmRecords, loop: BackgroundLoop,
                  options: ExpertOptions | None = None, registry: CollectorRegistry | None = None):
         if config.model.moe is None or not config.model.moe.expert_servers:
             raise ValueError(f"run {config.run_id} has no expert servers (model.moe.expert_servers is not set): "
                              "serve a stage instead (--role server)")
-        self.config, self.dht, self.records, self.loop = config, dht, records, loop
-        self.options = options or ExpertOptions()
-        self.peer_id = peer_id(dht)
-        self.state = ServerState.JOINING
+        options = options or ExpertOptions()
+        super().__init__(config, dht, records, loop, options.reachability)
+        self.options = options
+        self.limits = RequestLimits.of(config)  # what a request may carry, both ways
         self.host: ExpertHost | None = None
         self.experts: list[int] = []
         self.throughput = 0.0
         self.registry = registry or CollectorRegistry()
-        self.metrics = ExpertMetrics(self.registry, self)
-        self._stop = threading.Event()
-        self._announcer: threading.Thread | None = None
-        self._p2p = None
-        self._service: StageService | None = None
-        self._state_service: ExpertStateService | None = None
-        self._saved_step = 0  # the step of the experts' last checkpoint (or of the state they started from)
+        self.metrics = ExpertMetrics(self.registry, host=lambda: self.host)
+        # when the experts' next checkpoint is due; restored() with the step they start from
+        self.schedule = CheckpointSchedule(config.checkpoint)
 
     @property
     def checkpoints(self) -> Path | None:
@@ -124,21 +114,17 @@ class ExpertServer:
             raise ValueError(f"--experts must name experts in 0..{moe.num_experts - 1}, got {sorted(experts)}")
         self.experts = sorted(set(experts))
         self.announce()
-        self._p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
+        self._join_p2p()
         self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue)
-        self.throughput = measure_throughput(self.host, self.config)
-        self._state_service = ExpertStateService(self)
-        self.loop.run(self._state_service.add_p2p_handlers(self._p2p, namespace=self._state_namespace()),
-                      LOOP_CALL_TIMEOUT)
+        self.throughput = expert_throughput(self.host, self.config)
+        self._serve_servicer(ExpertStateService(self), self._state_namespace())
         self._download_state(seen)
-        self._saved_step = self.host.step
-        handler = ExpertRequestHandler(self)
-        self._service = self.loop.run(handler.serve(self._p2p), LOOP_CALL_TIMEOUT)
-        wait_until_reachable(self.options.reachability)
-        self.state = ServerState.ONLINE
-        self.announce()
-        self._announcer = threading.Thread(target=self._announce_forever, name="announcer", daemon=True)
-        self._announcer.start()
+        self.schedule.restored(self.host.step)
+        self.schedule.restart_clock()
+        handler = with_faults(ExpertRequestHandler(self), self.options.inject_delay, self.options.inject_failure_rate)
+        self._serve(serve(self._p2p, handler, experts_namespace(self.config.run_id), self.limits.expert,
+                          self.options.receive_timeout, 2 * self.options.max_queue))
+        self._go_online()
         log.info("hosting experts %s of MoE blocks %s as %s (%.0f tokens/s measured)", self.experts,
                  self.config.model.moe_layers(), self.peer_id, self.throughput)
 
@@ -197,10 +183,9 @@ class ExpertServer:
         """
         found = {r.peer_id: r for r in seen}
         found.update((r.peer_id, r) for r in self.records.lookup_expert_hosts())  # a fresh record wins
-        hosts = [r for r in found.values() if r.state == ServerState.ONLINE.value and r.peer_id != self.peer_id]
+        hosts = online(found.values(), other_than=self.peer_id)
         servers = self.records.lookup_all_servers(self.config.stages.num_stages)
-        bound = step_bound([r.step for found in servers.values() for r in found if r.state == ServerState.ONLINE.value]
-                           + [r.step for r in hosts])
+        bound = step_bound(online_steps(servers) + [r.step for r in hosts])
         if bound is None:
             return hosts, []
         return [r for r in hosts if r.step <= bound], [(r, bound) for r in hosts if r.step > bound]
@@ -228,11 +213,12 @@ class ExpertServer:
         return left
 
     def after_steps(self) -> None:
-        """Save the hosted experts every checkpoint.every_steps steps (between two tasks on the host's thread)."""
-        every, step = self.config.checkpoint.every_steps, self.host.step
-        if self.checkpoints is None or step <= self._saved_step or step % every:
+        """Save the hosted experts when the checkpoint schedule says (checkpoint.every_steps steps or
+        every_seconds seconds; 0 turns either off), between two tasks on the host's thread."""
+        step = self.host.step
+        if self.checkpoints is None or not self.schedule.due(step):
             return
-        self._saved_step = step
+        self.schedule.done(step)
         self.host.submit(self._save).add_done_callback(_log_failure)
 
     def _save(self) -> Path:
@@ -251,44 +237,18 @@ class ExpertServer:
             await responses.aclose()
 
     def record(self) -> ExpertHostRecord:
-        reach = self.options.reachability.state if self.options.reachability else None
         return ExpertHostRecord(peer_id=self.peer_id, experts=self.experts, state=self.state.value,
                                 throughput=float(self.throughput), step=self.host.step if self.host else 0,
-                                metrics_addr=self.options.metrics_addr, reach=reach)
+                                metrics_addr=self.options.metrics_addr, reach=self.reach)
 
-    def announce(self) -> bool:
-        ok = self.records.announce_expert_host(self.record(), ttl=self.config.network.record_ttl)
-        if not ok:
-            log.warning("could not store this expert server's record in the DHT (will retry)")
-        return ok
+    def _store(self, record: ExpertHostRecord, ttl: float) -> bool:
+        return self.records.announce_expert_host(record, ttl=ttl)
 
-    def _announce_forever(self) -> None:
-        while not self._stop.wait(self.config.network.announce_period):
-            try:
-                self.announce()
-            except Exception as e:  # a DHT hiccup must not stop the renewals
-                log.warning("announce failed: %s", e)
-
-    def shutdown(self) -> None:
-        """Announce OFFLINE first, so stage servers stop sending tokens, then stop serving."""
-        self._stop.set()
-        if self.experts:
-            self.state = ServerState.OFFLINE
-            try:
-                self.announce()
-            except Exception as e:
-                log.warning("could not announce OFFLINE: %s", e)
-        if self._service is not None and self.loop.is_running:
-            try:
-                self.loop.run(self._service.unregister(self._p2p), LOOP_CALL_TIMEOUT)
-                self.loop.run(self._state_service.remove_p2p_handlers(self._p2p, namespace=self._state_namespace()),
-                              LOOP_CALL_TIMEOUT)
-            except Exception as e:
-                log.debug("unregister failed: %s", e)
+    def _teardown(self) -> None:
         if self.host is not None:
-            if self.checkpoints is not None and self.host.step > self._saved_step:
+            if self.checkpoints is not None and self.host.step > self.schedule.last_step:
                 try:  # the last state, so a restart here loses nothing the run could not replay
-                    self._saved_step = self.host.step
+                    self.schedule.done(self.host.step)
                     log.info("saved the experts to %s", self.host.submit(self._save).result(LOOP_CALL_TIMEOUT))
                 except Exception as e:
                     log.warning("could not save the experts at shutdown: %s", e)
@@ -356,43 +316,8 @@ class ExpertStateService(ServicerBase):
             return error_frames(INTERNAL, f"{type(e).__name__}: {e}")
 
 
-class ExpertMetrics:
-    def __init__(self, registry: CollectorRegistry, server: ExpertServer):
-        self.requests = Counter("swarm_expert_requests_total", "Expert requests by kind and outcome",
-                                ["kind", "status"], registry=registry)
-        self.latency = Histogram("swarm_expert_request_seconds", "Time to answer an expert request", ["kind"],
-                                 registry=registry)
-        Gauge("swarm_expert_step", "Optimizer steps of the hosted experts", registry=registry).set_function(
-            lambda: server.host.step if server.host else 0)
-        Gauge("swarm_expert_queue_depth", "Tasks waiting for or in compute", registry=registry).set_function(
-            lambda: server.host.queue_depth if server.host else 0)
-        registry.register(_HostedTokens(server))
-
-
-class _HostedTokens:
-    def __init__(self, server: ExpertServer):
-        self.server = server
-
-    def collect(self):
-        family = CounterMetricFamily("swarm_expert_tokens", "Tokens each hosted expert ran a backward on",
-                                     labels=["layer", "expert"])
-        host = self.server.host
-        if host is not None:
-            for (layer, e), count in list(host.tokens.items()):
-                family.add_metric([str(layer), str(e)], count)
-        yield family
-
-
 class ExpertRequestHandler(CountingHandler):
     """Checks each request against what is hosted here, then runs it on the expert host's worker."""
-
-    async def serve(self, p2p: hivemind.p2p.P2P) -> StageService:
-        config, options = self.server.config, self.server.options
-        # A request holds at most top_k slots of each token of a micro-batch, in and (backward) gradient.
-        limits = stage_wire_limits(config.model, config.optimizer.micro_batch_size * config.model.moe.top_k)
-        return await register(p2p, self, experts_namespace(config.run_id), limits=limits,
-                              receive_timeout=options.receive_timeout, admit=self.admit,
-                              max_concurrent=2 * options.max_queue)
 
     def admit(self, kind: str, meta: dict) -> None:
         self._check_serving(kind)
@@ -414,7 +339,7 @@ class ExpertRequestHandler(CountingHandler):
         if request.samples is None:
             self._count(request.kind, BAD_REQUEST)
             raise RequestRejected(BAD_REQUEST, "an expert backward must say how many samples its micro-batch has")
-        cap = self.server.config.optimizer.micro_batch_size
+        cap = self.server.limits.samples
         if request.samples > cap:
             self._count(request.kind, BAD_REQUEST)
             raise RequestRejected(BAD_REQUEST, f"a micro-batch has at most {cap} samples, got {request.samples}")
@@ -440,12 +365,6 @@ class ExpertRequestHandler(CountingHandler):
             self._count(request.kind, WRONG_STAGE)
             raise RequestRejected(WRONG_STAGE, f"block {request.stage} is not a mixture of experts (MoE blocks: "
                                                f"{layers})")
-        options = self.server.options
-        if options.inject_delay > 0:
-            await asyncio.sleep(options.inject_delay)
-        if options.inject_failure_rate > 0 and random.random() < options.inject_failure_rate:
-            self._count(request.kind, "injected")
-            raise RequestRejected(INTERNAL, "injected failure (--inject-failure-rate)")
         return self.server.host
 
     def _check_serving(self, kind: str) -> None:
@@ -457,20 +376,3 @@ class ExpertRequestHandler(CountingHandler):
     @property
     def worker(self) -> ExpertHost:
         return self.server.host
-
-
-def measure_throughput(host: ExpertHost, config: RunConfig, repeats: int = 3) -> float:
-    """Tokens per second one hosted expert runs forward and backward on (a copy, so nothing accumulates)."""
-    import copy
-
-    moe = config.model.moe
-    rows = max(1, config.optimizer.micro_batch_size * config.model.seq_len * moe.top_k // moe.num_experts)
-    module = copy.deepcopy(next(iter(host.modules.values())))
-    x = torch.randn(rows, config.model.d_model, device=host.device)
-    timings = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        leaf = x.detach().requires_grad_(True)
-        module(leaf).sum().backward()
-        timings.append(time.perf_counter() - started)
-    return rows / min(timings[1:])

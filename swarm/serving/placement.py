@@ -1,4 +1,4 @@
-"""Which stage a new server should host. Pure logic, no I/O.
+"""Which stage a new server hosts, and which experts a new expert server hosts. Pure logic, no I/O.
 
 The stages' throughputs are what their servers announce, and a stranger's server can announce any
 number: one record claiming a million samples per second would make its stage look served forever,
@@ -9,9 +9,10 @@ weighs as one fast server, not as the whole stage.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
 
-from swarm.dht import ServerRecord
+from swarm.dht import ExpertHostRecord, ServerRecord, ServerState
 from swarm.tenure import lower_median
 
 SERVING_STATES = ("JOINING", "ONLINE")
@@ -43,3 +44,10 @@ def choose_stage(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int)
         return sum(1 for r in servers.get(stage, ()) if r.state in SERVING_STATES)
 
     return min(range(num_stages), key=lambda s: (totals[s], count(s), s))
+
+
+def choose_experts(hosts: list[ExpertHostRecord], num_experts: int, count: int) -> list[int]:
+    """The `count` experts with the fewest ONLINE or JOINING hosts, ties to the lower index."""
+    load = Tally(e for record in hosts if record.state != ServerState.OFFLINE.value
+                 for e in set(record.experts) if 0 <= e < num_experts)
+    return sorted(sorted(range(num_experts), key=lambda e: (load[e], e))[:count])

@@ -20,9 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
-from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, peer_id
+from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, online, online_steps, peer_id
 from swarm.dht.schemas import RELAYED
-from swarm.protocol import stage_wire_limits
+from swarm.protocol import RequestLimits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
 from swarm.routing.inflight import AUTO_IN_FLIGHT, InFlightWindow
 from swarm.routing.spot_checks import SPOT_CHECK_RATE
@@ -206,7 +206,7 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - the data order is all this is for
             log.debug("server lookup for the run's step failed: %s", e)
             return 0
-        return max((r.step for found in servers.values() for r in found if r.state == "ONLINE"), default=0)
+        return max(online_steps(servers), default=0)
 
     def run(self, stop: threading.Event) -> None:
         """Train until `stop` is set or `max_samples` are done."""
@@ -215,7 +215,7 @@ class Trainer:
         config = self.config
         self.pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire, settings,
                                        self.balancer_factory, hidden_size=config.model.d_model,
-                                       limits=stage_wire_limits(config.model, config.optimizer.micro_batch_size),
+                                       limits=RequestLimits.of(config).stage,
                                        # with dropout two honest replicas' forwards differ: no witness can judge
                                        spot_check_rate=0.0 if config.model.dropout > 0 else SPOT_CHECK_RATE)
         self.metrics.pipeline = self.pipeline
@@ -310,7 +310,7 @@ class Trainer:
         n = self.config.stages.num_stages
         servers = await asyncio.to_thread(self.records.lookup_all_servers, n)
         self.pipeline.update_servers(
-            {stage: [r.peer_id for r in records if r.state == "ONLINE"] for stage, records in servers.items()},
+            {stage: [r.peer_id for r in online(records)] for stage, records in servers.items()},
             relayed=[r.peer_id for records in servers.values() for r in records if r.reach == RELAYED])
         self.metrics.waiting.set(len(self.pipeline.stats.waiting_stages))
 

@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 
 from swarm.dht import ExpertHostRecord, PeerMetricsRecord, ServerRecord
+from swarm.serving.placement import counted_claims
 
 STATES = ("JOINING", "ONLINE", "OFFLINE")
 
@@ -19,13 +20,16 @@ def build_status(
     """Summarize server records and peer metrics into the `/status` document of ARCHITECTURE.md.
 
     The swarm's step is that of its slowest stage (the least of each stage's most advanced ONLINE
-    server); loss and samples per second come from the trainers' own reports. The bottleneck stage is
-    the one with the least ONLINE throughput (ties go to the lower stage; None without stages), and
+    server); loss and samples per second come from the trainers' own reports. A stage's throughput is its
+    ONLINE servers' announced throughputs, each capped as placement counts claims (4 x the lower median:
+    one stranger's huge claim does not hide the bottleneck), and `share` is its part of all stages'. The
+    bottleneck stage is the one with the least (ties go to the lower stage; None without stages), and
     the volunteers are the distinct peers serving a stage or experts (not OFFLINE) or training. An MoE
     run with expert servers (`num_experts` given) adds who hosts each expert: see expert_status.
     """
     stages = []
     stage_steps = []
+    counted = counted_claims({stage: [r for r in records if r.state == "ONLINE"] for stage, records in servers.items()})
     for stage in sorted(servers):
         records = sorted(servers[stage], key=lambda r: r.peer_id)
         online = [r for r in records if r.state == "ONLINE"]
@@ -39,9 +43,12 @@ def build_status(
                     for r in records
                 ],
                 "online": len(online),
-                "throughput": sum(r.throughput for r in online),
+                "throughput": sum(counted[r.peer_id] for r in online),
             }
         )
+    total = sum(s["throughput"] for s in stages)
+    for s in stages:
+        s["share"] = s["throughput"] / total if total > 0 else 0.0
     trainers = [m for m in metrics if m.role == "trainer"]
     losses = [m.loss for m in trainers if m.loss is not None]
     bottleneck = min(stages, key=lambda s: (s["throughput"], s["stage"]), default=None)
@@ -103,7 +110,10 @@ class SwarmGauges:
         self.stage_step = Gauge("swarm_stage_step", "Most advanced optimizer step among a stage's servers",
                                 ["stage"], registry=registry)
         self.stage_throughput = Gauge("swarm_stage_throughput_samples_per_second",
-                                      "Announced throughput of a stage's ONLINE servers", ["stage"], registry=registry)
+                                      "Announced throughput of a stage's ONLINE servers (claims capped)", ["stage"],
+                                      registry=registry)
+        self.stage_share = Gauge("swarm_stage_throughput_share", "A stage's part of all stages' throughput",
+                                 ["stage"], registry=registry)
         self.step = Gauge("swarm_step", "Optimizer step of the slowest stage", registry=registry)
         self.loss = Gauge("swarm_loss", "Mean training loss reported by trainers", registry=registry)
         self.samples_per_second = Gauge("swarm_samples_per_second", "Training samples per second, all trainers",
@@ -120,6 +130,7 @@ class SwarmGauges:
                 self.servers.labels(stage=label, state=state).set(count)
             self.stage_step.labels(stage=label).set(max((s["step"] for s in stage["servers"]), default=0))
             self.stage_throughput.labels(stage=label).set(stage["throughput"])
+            self.stage_share.labels(stage=label).set(stage["share"])
         self.step.set(status["step"])
         if status["loss"] is not None:
             self.loss.set(status["loss"])

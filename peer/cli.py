@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from swarm.averaging import AveragingError
 from swarm.config import ConfigError, RunConfig
@@ -37,6 +37,8 @@ from swarm.routing.inflight import AUTO_IN_FLIGHT
 from swarm.traffic import TrafficCollector
 
 log = logging.getLogger("swarm.peer")
+
+DEFAULT_REBALANCE_PERIOD = 60.0
 
 
 def stage_arg(value: str) -> int | None:
@@ -104,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-count", type=positive_int, default=None, metavar="N",
                    help="expert, with --experts auto: how many experts to host (default: half of a block's)")
     p.add_argument("--stage", type=stage_arg, default=None, metavar="auto|K",
-                   help="stage to serve (default auto: the one with the least throughput)")
+                   help="stage to serve (default auto: the one with the least throughput, and the server moves "
+                   "to another stage when that raises the swarm's bottleneck; K pins it to stage K)")
+    p.add_argument("--no-rebalance", action="store_true",
+                   help="server with --stage auto: stay on the stage chosen at joining")
+    p.add_argument("--rebalance-period", type=positive_float, default=DEFAULT_REBALANCE_PERIOD, metavar="S",
+                   help="server with --stage auto: mean seconds between checks of whether to move (a move needs "
+                   "two checks in a row)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where a server computes")
     p.add_argument("--identity", help="identity file (created if missing) for a stable peer id")
     p.add_argument("--swarm-key", metavar="FILE", help="join a private swarm: a copy of its coordinator's swarm key")
@@ -258,18 +266,53 @@ def checkpoint_root(args: argparse.Namespace) -> Path | None:
 
 def run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr, coordinator=None,
                reachability=None) -> None:
-    from swarm.serving import ServerOptions, StageServer
+    """Serve a stage until `stop`; with --stage auto, move to another stage whenever the rebalancing rule says
+    (swarm.serving.rebalance): leave cleanly, then join the new stage as a new server would."""
+    from swarm.averaging import StateDownloadError
+    from swarm.serving import ServerOptions, StageServer, StageStateMissing
+    from swarm.serving.rebalance import Rebalancer
 
-    checkpoint_dir = checkpoint_root(args)
-    options = ServerOptions(stage=args.stage, device=device, inject_delay=args.inject_delay,
-                            inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_dir,
-                            fresh=args.fresh, metrics_addr=metrics_addr, coordinator_peer_id=coordinator,
-                            reachability=reachability)
-    if args.activation_cache_mb is not None:
-        options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
-    if args.activation_cache_ttl is not None:
-        options.activation_cache_ttl = args.activation_cache_ttl
-    serve_until(StageServer(config, dht, records, loop, options, registry), stop)
+    rebalancer = Rebalancer(args.rebalance_period) if args.stage is None and not args.no_rebalance else None
+    current = CurrentRegistry()
+    registry.register(current)
+    moves = Counter("swarm_server_moves_total", "Moves of this server to another stage, by why",
+                    ["reason"], registry=registry)
+    stage, back_to = args.stage, None
+    while not stop.is_set():
+        options = ServerOptions(stage=stage, device=device, inject_delay=args.inject_delay,
+                                inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_root(args),
+                                fresh=args.fresh and back_to is None, metrics_addr=metrics_addr,
+                                coordinator_peer_id=coordinator, reachability=reachability)
+        if args.activation_cache_mb is not None:
+            options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
+        if args.activation_cache_ttl is not None:
+            options.activation_cache_ttl = args.activation_cache_ttl
+        current.registry = CollectorRegistry()  # each stage served has metrics of its own
+        server = StageServer(config, dht, records, loop, options, current.registry)
+        try:
+            move = serve_until(server, stop, rebalancer)
+        except (StageStateMissing, StateDownloadError) as e:
+            if back_to is None:
+                raise
+            log.error("could not take the state of stage %s (%s): going back to stage %d", stage, e, back_to)
+            rebalancer.avoid(stage)
+            stage, back_to = back_to, None
+            continue
+        if move is None:
+            return
+        moves.labels(reason=move.reason).inc()
+        stage, back_to = move.stage, server.stage
+
+
+class CurrentRegistry:
+    """A collector that reads the registry of the stage server serving now (a server that moves starts anew)."""
+
+    def __init__(self):
+        self.registry: CollectorRegistry | None = None
+
+    def collect(self):
+        if self.registry is not None:
+            yield from self.registry.collect()
 
 
 def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability=None) -> None:
@@ -282,12 +325,33 @@ def run_expert(args, config, dht, records, loop, device, registry, stop, metrics
     serve_until(ExpertServer(config, dht, records, loop, options, registry), stop)
 
 
-def serve_until(server, stop: threading.Event) -> None:
-    """Start a stage or expert server, serve until `stop`, then leave (OFFLINE first) whatever happened."""
+def serve_until(server, stop: threading.Event, rebalancer=None):
+    """Start a stage or expert server and serve until `stop` (None) or, with a rebalancer, until it says to move
+    (the Move); then leave (OFFLINE first) whatever happened."""
     try:
         server.start()
-        stop.wait()
+        while not stop.wait(rebalancer.next_wait() if rebalancer is not None else None):
+            try:
+                servers = server.records.lookup_all_servers(server.config.stages.num_stages)
+            except Exception as e:  # a DHT hiccup: check again next period
+                log.warning("could not read the stages' servers to check whether to move: %s", e)
+                continue
+            num_stages = server.config.stages.num_stages
+            move = rebalancer.check(servers, num_stages, server.peer_id)
+            if move is not None and not stop.wait(rebalancer.settle_wait()):
+                try:
+                    servers = server.records.lookup_all_servers(num_stages)
+                except Exception as e:
+                    log.warning("could not read the stages' servers to check whether to move: %s", e)
+                    continue
+                if not rebalancer.settle(move, servers, num_stages, server.peer_id):
+                    log.info("not moving to stage %d after all: the swarm changed meanwhile", move.stage)
+                    continue
+                log.info("moving from stage %d to stage %d (%s): the swarm's bottleneck would go from %.1f to %.1f "
+                         "samples/s", server.stage, move.stage, move.reason, move.before, move.after)
+                return move
         log.info("stopping: announcing OFFLINE")
+        return None
     finally:
         server.shutdown()
 

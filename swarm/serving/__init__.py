@@ -13,6 +13,7 @@ Map of the package::
     backwards.py   RecentBackwards: the retried-backward cache (a retry is answered from the first run)
     throughput.py  what a server announces as its speed: stage_throughput, expert_throughput
     placement.py   which stage a joining server takes (choose_stage), which experts (choose_experts); pure
+    rebalance.py   whether a stage server moves to another stage (plan_move, pure; Rebalancer: the checks)
     metrics.py     ServerMetrics, ExpertMetrics and their collectors, reading narrow views, not the servers
 
 Concurrency map of a stage server (what runs where, what it may touch, how work is handed to it)::

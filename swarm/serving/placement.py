@@ -19,16 +19,22 @@ SERVING_STATES = ("JOINING", "ONLINE")
 CLAIM_CAP = 4.0  # a server's announced throughput counts at most this many times the run's lower median claim
 
 
+def counted_claims(servers: Mapping[int, Sequence[ServerRecord]]) -> dict[str, float]:
+    """Each serving server's throughput as counted (its claim capped, see the module docstring), by peer id."""
+    serving = [r for records in servers.values() for r in records if r.state in SERVING_STATES]
+    median = lower_median([r.throughput for r in serving])
+    cap = float("inf") if median is None else CLAIM_CAP * median
+    return {r.peer_id: min(r.throughput, cap) for r in serving}
+
+
 def stage_throughputs(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int) -> list[float]:
     """Total counted throughput of each stage (claims capped, see the module docstring), counting servers
     that serve or are about to."""
-    serving = {stage: [r for r in records if r.state in SERVING_STATES]
-               for stage, records in servers.items() if 0 <= stage < num_stages}
-    median = lower_median([r.throughput for records in serving.values() for r in records])
-    cap = float("inf") if median is None else CLAIM_CAP * median
+    in_run = {stage: records for stage, records in servers.items() if 0 <= stage < num_stages}
+    counted = counted_claims(in_run)
     totals = [0.0] * num_stages
-    for stage, records in serving.items():
-        totals[stage] = sum(min(r.throughput, cap) for r in records)
+    for stage, records in in_run.items():
+        totals[stage] = sum(counted[r.peer_id] for r in records if r.state in SERVING_STATES)
     return totals
 
 

@@ -130,8 +130,9 @@ def test_in_flight_must_be_positive(procs: ProcSet, coordinator: Coordinator):
     assert_clear_error(proc, "swarm-peer", "--in-flight", "at least 1")
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--activation-cache-mb", "nan"), ("--activation-cache-ttl", "0")])
-def test_activation_cache_flags_must_be_sane(procs: ProcSet, coordinator: Coordinator, flag: str, value: str):
+@pytest.mark.parametrize(("flag", "value"), [("--activation-cache-mb", "nan"), ("--activation-cache-ttl", "0"),
+                                             ("--rebalance-period", "0"), ("--rebalance-period", "inf")])
+def test_server_flags_must_be_sane(procs: ProcSet, coordinator: Coordinator, flag: str, value: str):
     proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "server", flag, value,
                      *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
     assert proc.returncode == 2, proc.describe()

@@ -182,6 +182,19 @@ def test_status_names_the_bottleneck_stage_and_counts_volunteers():
     json.dumps(doc)
 
 
+def test_status_counts_a_strangers_huge_claim_capped_and_gives_each_stages_share():
+    # one stranger announcing a million samples/s on stage 0 weighs as one server 4 x the lower median claim
+    # (10): 40, so stage 0 (42) stays the bottleneck against stage 1's five servers (50); counted as claimed,
+    # stage 0 would look 20,000 times faster than stage 1
+    servers = {0: [server("a", 0, throughput=2.0), server("liar", 0, throughput=1e6)],
+               1: [server(p, 1, throughput=10.0) for p in "bcdef"]}
+    doc = build_status("run", servers, [])
+    assert [s["throughput"] for s in doc["stages"]] == [42.0, 50.0]
+    assert (doc["bottleneck_stage"], doc["bottleneck_throughput"]) == (0, 42.0)
+    assert [round(s["share"], 4) for s in doc["stages"]] == [round(42 / 92, 4), round(50 / 92, 4)]
+    assert build_status("run", {0: [], 1: []}, [])["stages"][0]["share"] == 0.0
+
+
 def test_status_bottleneck_ties_go_to_the_lower_stage_and_empty_swarms_have_none():
     doc = build_status("run", {0: [], 1: [], 2: []}, [])
     assert doc["bottleneck_stage"] == 0 and doc["volunteers"] == 0

@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import random
 import signal
 import sys
 import threading
@@ -39,6 +40,7 @@ from swarm.traffic import TrafficCollector
 log = logging.getLogger("swarm.peer")
 
 DEFAULT_REBALANCE_PERIOD = 60.0
+JOIN_SPREAD = 5.0  # seconds: a server choosing its stage waits a uniform random part of this first
 
 
 def stage_arg(value: str) -> int | None:
@@ -282,7 +284,8 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
         options = ServerOptions(stage=stage, device=device, inject_delay=args.inject_delay,
                                 inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_root(args),
                                 fresh=args.fresh and back_to is None, metrics_addr=metrics_addr,
-                                coordinator_peer_id=coordinator, reachability=reachability)
+                                coordinator_peer_id=coordinator, reachability=reachability,
+                                choose_delay=random.uniform(0, JOIN_SPREAD))
         if args.activation_cache_mb is not None:
             options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
         if args.activation_cache_ttl is not None:

@@ -163,7 +163,8 @@ class Trainer:
         self.config = config
         # How each stage picks its servers (benchmarks swap it); by default with the run's ban times.
         self.balancer_factory = balancer_factory or functools.partial(
-            StageBalancer, ban_base=config.network.ban_seconds, ban_max=config.network.max_ban_seconds)
+            StageBalancer, ban_base=config.network.ban_seconds, ban_max=config.network.max_ban_seconds,
+            tie_salt=peer_id(dht))  # (trainers starting together spread their first calls)
         self.dht = dht
         self.records = records
         self.loop = loop

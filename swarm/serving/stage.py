@@ -55,6 +55,7 @@ EXPERT_LOOKUP_PERIOD = 2.0  # seconds between lookups of the expert servers, for
 @dataclass
 class ServerOptions:
     stage: int | None = None  # None: the stage with the least announced throughput
+    choose_delay: float = 0.0  # with stage None, seconds to wait before choosing (joiners of one wave spread)
     device: str = "cpu"
     max_queue: int = 64
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
@@ -108,6 +109,7 @@ class StageServer(ServerLifecycle):
         n = self.config.stages.num_stages
         stage = self.options.stage
         if stage is None:
+            self._stop.wait(self.options.choose_delay)  # records of others joining meanwhile are then seen
             stage = choose_stage(self.records.lookup_all_servers(n), n)
         if not 0 <= stage < n:
             raise ValueError(f"stage {stage} does not exist: the run has stages 0..{n - 1}")

@@ -160,6 +160,18 @@ def test_ties_between_equals_go_by_peer_id():
     assert [b.choose(SIZE, FORWARD).peer_id for _ in range(3)] == ["a", "b", "c"]
 
 
+def test_trainers_with_their_own_tie_salt_spread_their_first_calls():
+    # at start every server is untried and equal: by peer id alone every trainer would send its first call
+    # to the same server (bench/sim: 40 trainers queued behind one another there)
+    peers = [f"server{i:02d}" for i in range(20)]
+    firsts = {balancer(FakeClock(), *peers, tie_salt=f"trainer{t}").choose(SIZE, FORWARD).peer_id for t in range(20)}
+    assert len(firsts) >= 8, firsts
+    assert balancer(FakeClock(), *peers).choose(SIZE, FORWARD).peer_id == "server00"  # no salt: by peer id
+    salted = balancer(FakeClock(), *peers, tie_salt="trainer0")  # one trainer's order is its own, and stable
+    assert [salted.choose(SIZE, FORWARD).peer_id for _ in range(20)] == sorted(
+        peers, key=lambda p: salted._tie(p))
+
+
 def test_a_relayed_server_loses_to_a_direct_one_as_fast_but_wins_when_clearly_faster():
     clock = FakeClock()
     b = StageBalancer(clock=clock)

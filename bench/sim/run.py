@@ -1,0 +1,76 @@
+"""The simulator's swarm with rebalancing and without, side by side, against an oracle's placement.
+
+    .venv/bin/python bench/sim/run.py [--servers 900] [--trainers 100] [--stages 8] [--minutes 30]
+                                      [--session 3600] [--seed 0]
+
+The same peers (speeds, links, regions, NAT, sessions drawn from one seed) are simulated twice, with
+rebalancing (swarm-peer's default for a server without --stage) and with --no-rebalance, each for
+`--minutes` after a two-minute warm-up. Per window and over the run: the samples/s the trainers
+finished, the bottleneck of the ONLINE servers where they are, and the oracle's bottleneck for the
+same alive servers (placed fastest first, each on the weakest stage so far) with the bound no
+placement passes (their total over the stages). bench/sim/swarm.py says what is the project's own code
+and what is modelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.sim.swarm import Scenario, Window, simulate  # noqa: E402
+
+
+def summary(name: str, windows: list[Window], took: float, events: int) -> str:
+    mean = lambda key: sum(getattr(w, key) for w in windows) / len(windows)  # noqa: E731
+    oracle = mean("oracle")
+    return (f"{name:<16} {mean('samples_per_second'):>9.1f} {mean('bottleneck'):>10.1f} {oracle:>8.1f} "
+            f"{mean('bound'):>8.1f} {mean('samples_per_second') / oracle:>11.3f} {mean('bottleneck') / oracle:>11.3f} "
+            f"{sum(w.moves for w in windows):>6} {took:>6.0f}s {events / 1e6:>6.1f}M")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", type=int, default=900)
+    p.add_argument("--trainers", type=int, default=100)
+    p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--session", type=float, default=3600.0, help="mean server session, seconds (0: no churn)")
+    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--seconds-per-sample", type=float, default=Scenario.seconds_per_sample,
+                   help="one forward of one sample of a stage on a speed-1.0 server")
+    p.add_argument("--wire-kb", type=float, default=Scenario.wire_bytes_per_sample / 1024,
+                   help="KiB of hidden states per sample a call carries each way")
+    p.add_argument("--micro-batch", type=int, default=Scenario.micro_batch)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=float, default=60.0)
+    p.add_argument("--verbose", action="store_true", help="print every window")
+    args = p.parse_args()
+    base = Scenario(stages=args.stages, servers=args.servers, trainers=args.trainers, session=args.session,
+                    in_flight=args.in_flight, seed=args.seed, seconds_per_sample=args.seconds_per_sample,
+                    wire_bytes_per_sample=int(args.wire_kb * 1024), micro_batch=args.micro_batch)
+    print(f"{args.servers} servers, {args.trainers} trainers, {args.stages} stages, {args.minutes:.0f} min, "
+          f"sessions of {args.session:.0f} s on average, seed {args.seed}")
+    rows = []
+    for name, rebalance in (("rebalancing", True), ("no rebalancing", False)):
+        began = time.monotonic()
+
+        def show(w: Window, name=name) -> None:
+            if args.verbose:
+                print(f"  {name} t={w.start:.0f}s: {w.samples_per_second:.1f} samples/s, bottleneck "
+                      f"{w.bottleneck:.1f}, oracle {w.oracle:.1f}, moves {w.moves}", flush=True)
+
+        swarm, windows = simulate(replace(base, rebalance=rebalance), args.minutes * 60, args.window, progress=show)
+        rows.append(summary(name, windows, time.monotonic() - began, swarm.sim.events))
+    print(f"{'':<16} {'samples/s':>9} {'bottleneck':>10} {'oracle':>8} {'bound':>8} {'/ oracle':>11} "
+          f"{'bn / oracle':>11} {'moves':>6} {'took':>7} {'events':>7}")
+    for row in rows:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

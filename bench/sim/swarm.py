@@ -1,0 +1,454 @@
+"""A swarm of simulated peers driven by the project's own routing, placement and rebalancing code.
+
+What is the project's own, imported and run on the simulated clock:
+- routing: each trainer has one swarm.routing.StageBalancer per stage (expected finish, probation, bans,
+  the backward preferring its forward's server), told the stage's ONLINE servers every lookup period;
+- placement: a joining server takes swarm.serving.placement.choose_stage of the records it sees, after a
+  random pause (as swarm-peer does);
+- rebalancing: a server placed by the swarm runs a swarm.serving.rebalance.Rebalancer (its random
+  periods, two checks in a row, the last check after a pause) and moves as swarm-peer does (OFFLINE,
+  its queued work failed back to the trainers, a state download, ONLINE on the new stage).
+
+What is modelled, not run (the constants are the Scenario's):
+- compute: a server does one task at a time, first come first served; a task of n samples takes
+  n x seconds_per_sample x (1 forward, 2 for a backward from the kept graph, 3 for the last stage's
+  forward and backward in one call or a backward that recomputes its forward) / the server's speed;
+- the network: a message waits for its sender's uplink (each uplink sends one message at a time, first
+  come first served: busy whenever it has bytes, as a fair share is), moves at the lesser of that uplink
+  and the receiver's downlink (downlinks are not shared), and arrives one region-to-region latency
+  later; a relayed server (behind NAT, not hole-punched) adds a relay detour to each of its messages;
+- records: what a peer reads of the others' records is what they are at that moment (no DHT delay);
+- churn: server sessions are exponential (mean Scenario.session); for each server that leaves a newcomer
+  arrives an exponential delay later (mean Scenario.arrival_delay), so the population stays near its
+  size; a server that leaves fails its queued and running tasks at once (the trainer learns after one
+  latency) and its trainers' balancers ban it as usual;
+- a trainer gives a call up (and bans the server, as its balancer does) after the timeout RemotePipeline
+  sets, from the same balancer; the server drops a forward given up before it started, and computes
+  anything else (a backward is shared by its retries, as StageRequestHandler does).
+A trainer keeps `in_flight` micro-batches going: forward through stages 0..S-2, the last stage's
+forward and backward in one call, then backward S-2..0, every call from the trainer and back.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bench.sim.engine import Sim
+from swarm.dht import ServerRecord
+from swarm.protocol import BACKWARD, FORWARD
+from swarm.routing.balancer import StageBalancer
+from swarm.serving.placement import choose_stage
+from swarm.serving.rebalance import Move, Rebalancer
+
+REGIONS = ("na-east", "na-west", "europe", "asia")
+# one-way milliseconds between regions (assumed, of the order of public cloud figures; design/internet.md)
+ONE_WAY_MS = {
+    ("na-east", "na-east"): 5, ("na-west", "na-west"): 5, ("europe", "europe"): 5, ("asia", "asia"): 5,
+    ("na-east", "na-west"): 35, ("na-east", "europe"): 45, ("na-west", "europe"): 75,
+    ("na-east", "asia"): 90, ("na-west", "asia"): 55, ("europe", "asia"): 110,
+}
+
+
+def one_way(a: str, b: str) -> float:
+    return ONE_WAY_MS.get((a, b), ONE_WAY_MS.get((b, a), 100)) / 1000
+
+
+@dataclass
+class Scenario:
+    """What the simulated swarm is made of. Speeds are relative to `seconds_per_sample` at 1.0."""
+
+    stages: int = 8
+    servers: int = 900
+    trainers: int = 100
+    micro_batch: int = 64
+    in_flight: int = 4  # micro-batches a trainer keeps going
+    seconds_per_sample: float = 0.01  # one forward of one sample of a stage on a speed-1.0 server
+    wire_bytes_per_sample: int = 128 * 512 * 2  # hidden states of one sample (seq 128, d 512, bfloat16)
+    stage_state_bytes: int = 400 * 2**20  # what a server downloads to join a stage
+    join_overhead: float = 10.0  # seconds a join takes besides the download
+    choose_spread: float = 5.0  # a joiner's random pause before choosing (swarm-peer's JOIN_SPREAD)
+    session: float = 3600.0  # mean server session, seconds (exponential); 0: no churn
+    arrival_delay: float = 120.0  # mean seconds after a server leaves until a newcomer arrives
+    rebalance: bool = True
+    rebalance_period: float = 60.0
+    lookup_period: float = 5.0  # how often a trainer reads the stages' servers
+    # (relative speed, share of servers): from a fast datacenter GPU down to a CPU
+    speeds: Sequence[tuple[float, float]] = ((1.0, 0.15), (0.5, 0.35), (0.25, 0.35), (0.1, 0.15))
+    # (uplink, downlink) in Mbit/s, share of servers; trainers get the first
+    links: Sequence[tuple[tuple[float, float], float]] = (((1000, 1000), 0.2), ((100, 500), 0.4),
+                                                           ((50, 300), 0.3), ((20, 100), 0.1))
+    nat_share: float = 0.4  # servers behind NAT
+    punched_share: float = 0.7  # of those, reached directly after hole punching; the rest relayed
+    relay_detour: float = 0.04  # seconds a relayed message takes beyond the direct latency
+    regions: Sequence[str] = REGIONS  # where peers are, drawn uniformly
+    seed: int = 0
+
+
+@dataclass(eq=False)
+class Endpoint:
+    region: str
+    up: float  # bytes/s
+    down: float
+    relayed: bool = False
+    up_free: float = 0.0  # when the uplink has sent everything queued on it
+
+
+@dataclass(eq=False)
+class Task:
+    seconds: float
+    done: Callable[[], None]
+    fail: Callable[[], None]
+    cancelled: bool = False  # its caller gave up before it started: it is skipped
+
+
+@dataclass(eq=False)
+class Server:
+    peer_id: str
+    speed: float
+    link: Endpoint
+    pinned: bool = False
+    stage: int | None = None
+    state: str = "JOINING"
+    alive: bool = True
+    queue: deque = field(default_factory=deque)  # tasks waiting, first come first served
+    current: Task | None = None  # the task computing now
+    rebalancer: Rebalancer | None = None
+    moves: int = 0
+
+    def backlog(self) -> float:
+        """Seconds of work queued (the one computing counted whole)."""
+        return sum(t.seconds for t in self.queue if not t.cancelled) + (self.current.seconds if self.current else 0)
+
+    def throughput(self, scenario: Scenario) -> float:
+        """Samples/s of a forward and backward, as the server announces (its own measure)."""
+        return self.speed / (3 * scenario.seconds_per_sample)
+
+
+class Network:
+    def __init__(self, sim: Sim):
+        self.sim = sim
+
+    def send(self, src: Endpoint, dst: Endpoint, nbytes: float, then: Callable[[], None]) -> None:
+        start = max(self.sim.now, src.up_free)
+        took = nbytes / min(src.up, dst.down)
+        src.up_free = start + took
+        latency = one_way(src.region, dst.region) + (RELAY if src.relayed or dst.relayed else 0.0)
+        self.sim.at(start + took + latency, then)
+
+
+# a trainer's call timeout, as swarm.config.NetworkConfig's defaults: 5 x its expected finish, within [5 s, 60 s]
+TIMEOUT_MULTIPLIER, TIMEOUT_FLOOR, REQUEST_TIMEOUT = 5.0, 5.0, 60.0
+RELAY = 0.0  # set from the scenario by Swarm (a module constant so Network stays small)
+
+
+class Swarm:
+    def __init__(self, scenario: Scenario):
+        global RELAY
+        RELAY = scenario.relay_detour
+        self.s = scenario
+        self.sim = Sim()
+        self.net = Network(self.sim)
+        self.rng = random.Random(scenario.seed)
+        self._rebalance_rng = random.Random(scenario.seed + 1)  # (the peers drawn are the same either way)
+        self.servers: dict[str, Server] = {}
+        self.trainers: list[Trainer] = []
+        self.samples = 0  # samples whose micro-batch finished, all trainers
+        self.failed_calls = 0  # calls a server failed (it left, or was not serving)
+        self.timed_out_calls = 0  # calls the trainer gave up on (the server computes them anyway)
+        self._ids = 0
+        self._records: tuple[int, dict] | None = None  # (version, records) while no server changes state
+        self._version = 0  # bumped whenever a server's stage or state changes
+
+    # --- peers --------------------------------------------------------------------------------------
+    def _pick(self, table):
+        x, acc = self.rng.random(), 0.0
+        for value, share in table:
+            acc += share
+            if x < acc:
+                return value
+        return table[-1][0]
+
+    def _endpoint(self, trainer: bool = False) -> Endpoint:
+        up, down = self.s.links[0][0] if trainer else self._pick(self.s.links)
+        nat = not trainer and self.rng.random() < self.s.nat_share
+        relayed = nat and self.rng.random() >= self.s.punched_share
+        return Endpoint(self.rng.choice(self.s.regions), up * 1e6 / 8, down * 1e6 / 8, relayed)
+
+    def add_server(self, stage: int | None = None, speed: float | None = None) -> Server:
+        self._ids += 1
+        speed = self._pick(self.s.speeds) if speed is None else speed
+        server = Server(f"s{self._ids}", speed, self._endpoint(), pinned=stage is not None)
+        self.servers[server.peer_id] = server
+        if stage is None:
+            self.sim.after(self.rng.uniform(0, self.s.choose_spread), self._choose, server)
+        else:
+            self._join(server, stage)
+        if self.s.session > 0:
+            self.sim.after(self.rng.expovariate(1 / self.s.session), self.leave, server)
+        return server
+
+    def _choose(self, server: Server) -> None:
+        if server.alive:
+            self._join(server, choose_stage(self.records(), self.s.stages))
+
+    def _join(self, server: Server, stage: int) -> None:
+        self._version += 1
+        server.stage, server.state = stage, "JOINING"
+        download = self.s.stage_state_bytes / server.link.down + self.s.join_overhead
+        self.sim.after(download, self._online, server, stage)
+
+    def _online(self, server: Server, stage: int) -> None:
+        if not server.alive or server.stage != stage:
+            return
+        self._version += 1
+        server.state = "ONLINE"
+        if self.s.rebalance and not server.pinned and server.rebalancer is None:
+            server.rebalancer = Rebalancer(self.s.rebalance_period, random.Random(self._rebalance_rng.random()),
+                                           clock=self.sim.clock)
+            self.sim.after(server.rebalancer.next_wait(), self._check, server)
+
+    def leave(self, server: Server) -> None:
+        if not server.alive:
+            return
+        self._version += 1
+        server.alive, server.state = False, "OFFLINE"
+        self._fail_tasks(server)
+        if self.s.session > 0:  # a newcomer arrives in its place, an exponential delay later
+            self.sim.after(self.rng.expovariate(1 / self.s.arrival_delay), self.add_server)
+
+    def servers_alive(self) -> list[Server]:
+        return [s for s in self.servers.values() if s.alive]
+
+    def _fail_tasks(self, server: Server) -> None:
+        failed = [*([server.current] if server.current else []), *server.queue]
+        server.queue.clear()
+        server.current = None
+        for task in failed:
+            task.fail()
+
+    # --- rebalancing --------------------------------------------------------------------------------
+    def _check(self, server: Server) -> None:
+        if not server.alive:
+            return
+        if server.state != "ONLINE":  # (joining a stage it moved to: it checks again once there)
+            self.sim.after(server.rebalancer.next_wait(), self._check, server)
+            return
+        move = server.rebalancer.check(self.records(), self.s.stages, server.peer_id)
+        if move is not None:
+            self.sim.after(server.rebalancer.settle_wait(), self._settle, server, move)
+        else:
+            self.sim.after(server.rebalancer.next_wait(), self._check, server)
+
+    def _settle(self, server: Server, move: Move) -> None:
+        if not server.alive:
+            return
+        if server.state == "ONLINE" and server.rebalancer.settle(move, self.records(), self.s.stages, server.peer_id):
+            server.moves += 1
+            server.state = "OFFLINE"  # leaving: its queued work fails back to the trainers
+            self._fail_tasks(server)
+            self._join(server, move.stage)
+        self.sim.after(server.rebalancer.next_wait(), self._check, server)
+
+    # --- what peers read ----------------------------------------------------------------------------
+    def records(self) -> dict[int, list[ServerRecord]]:
+        if self._records is not None and self._records[0] == self._version:
+            return self._records[1]
+        found: dict[int, list[ServerRecord]] = {k: [] for k in range(self.s.stages)}
+        for server in self.servers.values():
+            if server.alive and server.stage is not None:
+                found[server.stage].append(ServerRecord(peer_id=server.peer_id, stage=server.stage,
+                                                        state=server.state,
+                                                        throughput=server.throughput(self.s)))
+        self._records = (self._version, found)
+        return found
+
+    def online(self, stage: int) -> list[Server]:
+        return [s for s in self.servers.values() if s.alive and s.stage == stage and s.state == "ONLINE"]
+
+    def oracle(self) -> tuple[float, float]:
+        """The bottleneck (samples/s) of the alive servers placed by one who knows every speed: greedy
+        (fastest first, each to the weakest stage so far), and the bound no placement passes (total / S)."""
+        speeds = sorted((s.throughput(self.s) for s in self.servers_alive()), reverse=True)
+        totals = [0.0] * self.s.stages
+        for speed in speeds:
+            totals[totals.index(min(totals))] += speed
+        return min(totals), sum(speeds) / self.s.stages
+
+    def bottleneck(self) -> float:
+        """The bottleneck (samples/s) of the ONLINE servers where they are."""
+        return min(sum(s.throughput(self.s) for s in self.online(k)) for k in range(self.s.stages))
+
+    # --- compute --------------------------------------------------------------------------------------
+    def submit(self, server: Server, seconds: float, done: Callable[[], None], fail: Callable[[], None]
+               ) -> Task | None:
+        if not server.alive or server.state != "ONLINE":
+            self.sim.after(0.0, fail)
+            return None
+        task = Task(seconds, done, fail)
+        server.queue.append(task)
+        if server.current is None:
+            self._next_task(server)
+        return task
+
+    def _next_task(self, server: Server) -> None:
+        while server.queue:
+            task = server.queue.popleft()
+            if not task.cancelled:
+                server.current = task
+                self.sim.after(task.seconds, self._finish, server, task)
+                return
+        server.current = None
+
+    def _finish(self, server: Server, task: Task) -> None:
+        if server.current is not task:  # it left (or moved) meanwhile: the task was failed then
+            return
+        server.current = None
+        task.done()
+        self._next_task(server)
+
+
+class Trainer:
+    """Keeps `in_flight` micro-batches going through the stages, choosing servers with StageBalancers."""
+
+    def __init__(self, swarm: Swarm, name: str):
+        self.swarm, self.name = swarm, name
+        self.link = swarm._endpoint(trainer=True)
+        # as swarm.trainer.Trainer's: ties broken by a hash of the trainer's id (its peer id there)
+        self.balancers = [StageBalancer(clock=swarm.sim.clock, tie_salt=name) for _ in range(swarm.s.stages)]
+        self.samples = 0
+
+    def start(self) -> None:
+        self.refresh()
+        for _ in range(self.swarm.s.in_flight):
+            self.swarm.sim.after(self.swarm.rng.uniform(0, 1.0), self.micro_batch)
+
+    def refresh(self) -> None:
+        for stage, balancer in enumerate(self.balancers):
+            online = self.swarm.online(stage)
+            balancer.update_servers([s.peer_id for s in online], [s.peer_id for s in online if s.link.relayed])
+        self.swarm.sim.after(self.swarm.s.lookup_period, self.refresh)
+
+    def micro_batch(self) -> None:
+        self.call(0, FORWARD, forwards=[])
+
+    def call(self, stage: int, kind: str, forwards: list[str], tries: int = 0, exclude: tuple = ()) -> None:
+        """One call of the micro-batch: a forward of `stage`, or its backward (after the forwards to the last
+        stage, whose single call is forward and backward); `forwards`: the servers that ran its forwards."""
+        s, sim = self.swarm.s, self.swarm.sim
+        n = s.micro_batch
+        last = stage == s.stages - 1
+        prefer = forwards[stage] if kind == BACKWARD and not last and stage < len(forwards) else None
+        ticket = self.balancers[stage].choose(n, kind, exclude=exclude, prefer=prefer)
+        if ticket is None:  # nobody serves the stage now: look again shortly
+            sim.after(1.0, self.call, stage, kind, forwards, tries, ())
+            return
+        server = self.swarm.servers[ticket.peer_id]
+        if kind == FORWARD:
+            work = 1.0
+        elif last or ticket.peer_id != prefer:
+            work = 3.0  # forward and backward in one call, or a backward recomputing its forward
+        else:
+            work = 2.0
+        seconds = n * s.seconds_per_sample * work / server.speed
+        payload = n * s.wire_bytes_per_sample
+        up = payload * (2 if kind == BACKWARD and not last else 1)  # a backward carries inputs and gradients
+        down = payload if stage > 0 or kind == FORWARD else 0
+
+        over = [False]  # answered, failed or timed out: whatever comes later is ignored
+
+        def fail() -> None:
+            if over[0]:
+                return
+            over[0] = True
+            self.swarm.failed_calls += 1
+            latency = one_way(server.link.region, self.link.region)
+            sim.after(latency, self._failed, ticket, stage, kind, forwards, tries, exclude)
+
+        def timed_out() -> None:  # as RemotePipeline: 5 x the expected finish, within [5 s, 60 s]
+            if not over[0]:
+                over[0] = True
+                if kind == FORWARD and task[0] is not None:  # a cancelled forward that has not started is
+                    task[0].cancelled = True  # dropped; a backward is shielded (retries share it) and runs
+                self.swarm.timed_out_calls += 1
+                self._failed(ticket, stage, kind, forwards, tries, exclude)
+
+        def answered() -> None:
+            if over[0]:
+                return
+            over[0] = True
+            self.balancers[stage].report_success(ticket)
+            self._next(stage, kind, forwards + [ticket.peer_id] if kind == FORWARD else forwards)
+
+        def computed() -> None:
+            self.swarm.net.send(server.link, self.link, down, answered)
+
+        sim.after(self.balancers[stage].timeout(ticket, TIMEOUT_MULTIPLIER, TIMEOUT_FLOOR, REQUEST_TIMEOUT),
+                  timed_out)
+        task: list[Task | None] = [None]
+
+        def arrived() -> None:
+            task[0] = self.swarm.submit(server, seconds, computed, fail)
+
+        self.swarm.net.send(self.link, server.link, up, arrived)
+
+    def _failed(self, ticket, stage, kind, forwards, tries, exclude) -> None:
+        self.balancers[stage].report_failure(ticket)
+        self.call(stage, kind, forwards, tries + 1, (*exclude, ticket.peer_id))
+
+    def _next(self, stage: int, kind: str, forwards: list[str]) -> None:
+        last = self.swarm.s.stages - 1
+        if kind == FORWARD:
+            self.call(stage + 1, BACKWARD if stage + 1 == last else FORWARD, forwards)
+        elif stage > 0:
+            self.call(stage - 1, BACKWARD, forwards)
+        else:
+            self.samples += self.swarm.s.micro_batch
+            self.swarm.samples += self.swarm.s.micro_batch
+            self.micro_batch()
+
+
+@dataclass
+class Window:
+    start: float
+    seconds: float
+    samples_per_second: float
+    bottleneck: float  # mean over the window, samples/s, of the ONLINE servers where they are
+    oracle: float  # ... of the same alive servers placed greedily knowing every speed
+    bound: float  # ... the bound no placement passes (total / stages)
+    moves: int  # moves made in the window
+
+
+def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: float = 120.0,
+             pinned: Sequence[tuple[int, float]] | None = None, progress: Callable[[Window], None] | None = None
+             ) -> tuple[Swarm, list[Window]]:
+    """Run the scenario for `duration` simulated seconds after `warmup`; one Window per `window` seconds.
+    `pinned`: (stage, speed) of each initial server (as --stage K), instead of speeds drawn and the swarm
+    placing them."""
+    swarm = Swarm(scenario)
+    for i in range(scenario.servers):
+        stage, speed = (None, None) if pinned is None else pinned[i]
+        swarm.add_server(stage, speed)
+    for i in range(scenario.trainers):
+        trainer = Trainer(swarm, f"t{i}")
+        swarm.trainers.append(trainer)
+        swarm.sim.after(scenario.join_overhead + scenario.choose_spread, trainer.start)
+    swarm.sim.run(warmup)
+    windows = []
+    for _ in range(int(duration // window)):
+        began, samples = swarm.sim.now, swarm.samples
+        moves = sum(s.moves for s in swarm.servers.values())
+        readings, step = [], window / 10
+        for _ in range(10):
+            swarm.sim.run(swarm.sim.now + step)
+            readings.append((swarm.bottleneck(), *swarm.oracle()))
+        done = Window(began, window, (swarm.samples - samples) / window,
+                      *(math.fsum(r[i] for r in readings) / len(readings) for i in range(3)),
+                      sum(s.moves for s in swarm.servers.values()) - moves)
+        windows.append(done)
+        if progress is not None:
+            progress(done)
+    return swarm, windows

@@ -30,6 +30,7 @@ from swarm.backend import Worker
 from swarm.config import RunConfig
 from swarm.model import make_expert
 from swarm.optim import StageOptimizer
+from swarm.threads import Owner
 
 
 class ExpertHost(Worker):
@@ -54,6 +55,10 @@ class ExpertHost(Worker):
         self.modules = {(layer, e): make_expert(config.model, layer, e).to(self.device)
                         for layer in self.layers for e in experts}
         self.optimizers = {key: StageOptimizer(module, config.optimizer) for key, module in self.modules.items()}
+        # the thread that may change the experts' optimizers once handed over (swarm.threads): the worker's
+        self.owner = Owner("hosted experts")
+        for optimizer in self.optimizers.values():
+            optimizer.owner = self.owner
         super().__init__("the expert server", max_queue)
         self.tokens = dict.fromkeys(self.modules, 0)  # rows each expert ran a backward on (its load)
         self.samples = 0  # samples of the backwards taken in, summed over blocks

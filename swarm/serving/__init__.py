@@ -44,7 +44,8 @@ Concurrency map of a stage server (what runs where, what it may touch, how work 
 
 An expert server has the same main thread, loop, announcer and metrics; its ExpertHost's worker thread
 does every forward, backward and step of the hosted experts, and copies their state for a joiner or a
-checkpoint (ExpertStateService and after_steps hand work to it with host.submit).
+checkpoint (ExpertStateService and after_steps hand work to it with host.submit). The host's
+optimizers are handed to that thread as soon as the host is built (ExpertHost.owner).
 
 Both sides of a wire contract take its limits from one place (swarm.protocol.RequestLimits), checkpoints
 are due by one rule (swarm.checkpoint.schedule), and ONLINE records are found by one function

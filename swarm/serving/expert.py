@@ -116,6 +116,7 @@ class ExpertServer(ServerLifecycle):
         self.announce()
         self._join_p2p()
         self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue)
+        self.host.hand_over(self.host.owner, LOOP_CALL_TIMEOUT)  # only its worker thread changes the experts
         self.throughput = expert_throughput(self.host, self.config)
         self._serve_servicer(ExpertStateService(self), self._state_namespace())
         self._download_state(seen)

@@ -11,6 +11,7 @@ from swarm.config import ModelConfig, MoEConfig, OptimizerConfig, RunConfig
 from swarm.experts import ExpertHost
 from swarm.model import make_expert
 from swarm.optim import StageOptimizer
+from swarm.threads import WrongThread
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -251,3 +252,14 @@ def test_an_expert_handed_over_steps_on_exactly_as_it_would_have(name):
     finally:
         giver.shutdown()
         taker.shutdown()
+
+
+def test_once_handed_to_its_worker_only_the_worker_changes_the_experts(host):
+    host.hand_over(host.owner, timeout=10)
+    layer = host.layers[0]
+    x, g = rand(3, CONFIG.model.d_model), rand(3, CONFIG.model.d_model, seed=1)
+    with pytest.raises(WrongThread, match="accumulate of the hosted experts"):
+        host.backward(layer, [(host.experts[0], 3)], x, g, samples=1)  # on the test's thread
+    assert untouched(host)
+    host.submit(host.backward, layer, [(host.experts[0], 3)], x, g, 1).result(10)  # on the worker: fine
+    assert not untouched(host)

@@ -12,7 +12,10 @@ The rule (pure: `plan_move`), read from the servers' records, claims capped as p
   it is (Petals moves at ~1.33x; below that, moves cost more than they win);
 - `Rebalancer` acts on a plan only when two consecutive checks, a random period apart (around the
   mean period), both name the same stage: one stale read, or one record that lies, does not move anyone,
-  and servers that could move at once check at different moments. A confirmed move is checked once more
+  and servers that could move at once check at different moments. A stage nobody serves cannot wait two
+  periods (the pipeline stops there): such a plan goes straight to the last check below, which reads the
+  records again (a lie cannot make a stage look empty; a lookup that missed its records would have to
+  miss them twice). A confirmed move is checked once more
   after a short random pause (`settle`), on records read then: two servers of one stage that confirmed
   together rarely also settle together, and the second sees the first leaving (OFFLINE) and stays. If both
   leave anyway, their stage is empty and the next checks of other servers fill it.
@@ -29,6 +32,7 @@ from swarm.dht import ServerRecord
 
 from .placement import SERVING_STATES, counted_claims
 
+EMPTY = "empty stage"  # a move's reason when it fills a stage nobody serves
 MOVE_GAIN = 1.33  # the least gain in the swarm's bottleneck throughput a move must bring
 AVOID_PERIODS = 10  # periods no move goes to a stage whose state a move there could not get
 PERIOD_SPREAD = 0.5  # a check comes after the mean period times a uniform factor in [1 - spread, 1 + spread]
@@ -70,7 +74,7 @@ def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me
     before = min(totals)
     after_min, stage = best
     if empty and not serving.get(stage):
-        return Move(stage, "empty stage", before, after_min)
+        return Move(stage, EMPTY, before, after_min)
     if before > 0 and after_min >= MOVE_GAIN * before:
         return Move(stage, "bottleneck", before, after_min)
     return None
@@ -109,6 +113,9 @@ class Rebalancer:
         plan = plan_move(servers, num_stages, me)
         if plan is not None and self._avoided.get(plan.stage, 0.0) > self._clock():
             plan = None
+        if plan is not None and plan.reason == EMPTY:  # urgent: the settle check is the second read
+            self._last = None
+            return plan
         confirmed = plan is not None and self._last is not None and plan.stage == self._last.stage
         self._last = None if confirmed else plan
         return plan if confirmed else None

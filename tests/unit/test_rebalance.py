@@ -69,22 +69,32 @@ def test_a_liars_claim_counts_capped_and_cannot_pull_a_server_off_a_stage_it_nee
     assert plan_move(servers, 2, "slow") is None
 
 
-def test_a_move_needs_two_checks_in_a_row_naming_the_same_stage():
+def test_a_move_for_the_bottleneck_needs_two_checks_in_a_row_naming_the_same_stage():
+    five = [(peer, 10.0) for peer in "abcde"]
+    weak_1 = swarm(five, [("f", 10.0)], [("g", 30.0), ("h", 30.0)])
+    weak_2 = swarm(five, [("f", 30.0), ("g", 30.0)], [("h", 10.0)])
+    rebalancer = Rebalancer(60.0, random.Random(0))
+    assert rebalancer.check(weak_1, 3, "a") is None  # the first check only plans
+    move = rebalancer.check(weak_1, 3, "a")  # the second confirms
+    assert (move.stage, move.reason) == (1, "bottleneck")
+    # a plan that flips between checks confirms nothing
+    rebalancer = Rebalancer(60.0)
+    assert rebalancer.check(weak_1, 3, "a") is None
+    assert rebalancer.check(weak_2, 3, "a") is None
+    assert rebalancer.check(weak_1, 3, "a") is None
+    # one check in between that plans nothing starts the count again
+    assert rebalancer.check(swarm(five, [("f", 50.0)], [("g", 50.0)]), 3, "a") is None
+    assert rebalancer.check(weak_2, 3, "a") is None
+    assert rebalancer.check(weak_2, 3, "a").stage == 2
+
+
+def test_a_stage_nobody_serves_is_filled_after_one_check_and_the_last_one():
     rebalancer = Rebalancer(60.0, random.Random(0))
     empty_1 = swarm([("a", 10.0), ("b", 10.0)], [])
-    assert rebalancer.check(empty_1, 2, "a") is None  # the first check only plans
-    assert rebalancer.check(empty_1, 2, "a").stage == 1  # the second confirms
-    # a plan that flips between checks confirms nothing
-    empty_2 = swarm([("a", 10.0), ("b", 10.0)], [("c", 10.0)], [])
-    empty_1_of_3 = swarm([("a", 10.0), ("b", 10.0)], [], [("c", 10.0)])
-    rebalancer = Rebalancer(60.0)
-    assert rebalancer.check(empty_2, 3, "a") is None
-    assert rebalancer.check(empty_1_of_3, 3, "a") is None
-    assert rebalancer.check(empty_2, 3, "a") is None
-    # one check in between that plans nothing starts the count again
-    assert rebalancer.check(swarm([("a", 10.0)], [("b", 10.0)]), 2, "a") is None
-    assert rebalancer.check(empty_2, 3, "a") is None
-    assert rebalancer.check(empty_2, 3, "a").stage == 2
+    move = rebalancer.check(empty_1, 2, "a")  # urgent: no second period to wait
+    assert (move.stage, move.reason) == (1, "empty stage")
+    assert rebalancer.settle(move, empty_1, 2, "a")  # the last check reads the records again
+    assert not rebalancer.settle(move, swarm([("a", 10.0), ("b", 10.0)], [("c", 10.0)]), 2, "a")
 
 
 def test_a_stage_whose_state_could_not_be_had_is_avoided_for_a_while():
@@ -95,14 +105,12 @@ def test_a_stage_whose_state_could_not_be_had_is_avoided_for_a_while():
     for _ in range(3):
         assert rebalancer.check(empty_1, 2, "a") is None
     now[0] += AVOID_PERIODS * 60.0 + 1
-    assert rebalancer.check(empty_1, 2, "a") is None
     assert rebalancer.check(empty_1, 2, "a").stage == 1
 
 
 def test_the_last_check_before_leaving_reads_the_swarm_again():
     rebalancer = Rebalancer(60.0, random.Random(1))
     empty_1 = swarm([("a", 10.0), ("b", 10.0)], [])
-    rebalancer.check(empty_1, 2, "a")
     move = rebalancer.check(empty_1, 2, "a")
     assert 0 <= rebalancer.settle_wait() <= 10.0
     assert rebalancer.settle(move, empty_1, 2, "a")

@@ -13,6 +13,8 @@ Map of the subsystem, from what a server uses down to pure logic::
                  compute too); load_state_from_peers() for a server joining its stage
     intake.py    StateIntake: downloads of the stage's state, bounded, skipping servers refused lately,
                  and the checks that the stage's progress backs what came
+    ledger.py    SampleLedger: late samples (accumulated while a round ran) and those held while a batch
+                 is due; what a round's start, a failed round and a replaced state do to them; pure
     ahead.py     the group of a stage's next round forms while its batch fills (groups formed ahead)
     catchup.py   the state downloads: a replica behind (or apart) takes the stage's state from a server of it
     tracker.py   StageProgressTracker: a thread that publishes this server's progress and reads the

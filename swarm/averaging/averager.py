@@ -48,6 +48,7 @@ from swarm.averaging.codecs import installed_compression
 from swarm.averaging.collective import Hyper, Mailbox
 from swarm.averaging.errors import AveragingError
 from swarm.averaging.intake import StateIntake
+from swarm.averaging.ledger import SampleLedger
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
 from swarm.averaging.process import AveragingProcess, total_samples
 from swarm.averaging.progress import (
@@ -111,16 +112,12 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"averaging{stage}")
         self._job: Future | None = None  # (set and cleared on the compute thread)
         self._averaging = False  # a round for the next step is under way: new samples count towards the one after
-        self._late = 0  # samples accumulated while the last round ran
-        self._late_in_round = 0  # ...and those of the batch the round now under way averages
+        self.ledger = SampleLedger()  # late samples, and those held while a batch is due (ledger.py)
         self._download_pause = DOWNLOAD_RETRY_PAUSE
         self._next_download = 0.0  # monotonic time before which no catch-up is tried
         self._channel: ProgressChannel | None = None
         self._armed: Armed | None = None  # the group of the next round, forming ahead (averaging thread)
         self._arm_queued = False
-        # gradients of samples that came after the stage's batch was full: they count towards the next step
-        self._held: list[torch.Tensor | None] | None = None
-        self.held_samples = 0
         self._fingerprint: list[float] = []
         self._fingerprint_rtol = fingerprint_rtol(self.config.compression)
         self._params_changed()
@@ -170,12 +167,12 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         that came during the round are in the step's stats as ``late``).
         """
         if not self._averaging and self._full(self.view()):  # a batch is due: these would make it larger
-            self._hold(grads, n)
+            self.ledger.hold(grads, n)
         else:
             with self.state.lock:
                 self.optimizer.accumulate(grads, n)
                 if self._averaging:
-                    self._late += n
+                    self.ledger.count_late(n)
                     self.metrics.late_samples.inc(n)
         self._tracker.nudge()
 
@@ -243,8 +240,9 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             return None
         with self.state.lock:  # the batch goes to the round; held samples start the next one
             grads, samples = self.optimizer.take_gradients()
-            self._late_in_round, self._late = self._late, 0
-            self._release_held()
+            held, held_samples = self.ledger.start_round()
+            if held is not None:  # samples held while the batch was due start the next one
+                self.optimizer.accumulate(held, held_samples)
             if view.group_size > 1 or sharded:
                 self._averaging = True
         if sharded:
@@ -392,7 +390,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         says what each member holds): each member's gather data (ours: step, samples, late samples and
         `extra`), and the round's start latency."""
         control = self._process.arm(view.step, view.group_size,
-                                    {"step": view.step, "samples": samples, "late": self._late_in_round, **extra},
+                                    {"step": view.step, "samples": samples, "late": self.ledger.late_in_round, **extra},
                                     view.members)
         return self._run_round(control, samples)
 
@@ -423,7 +421,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             self._params_changed()
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(members), "own_samples": own,
-                "own_late": min(self._late_in_round, own)}
+                "own_late": self.ledger.own_late(own)}
 
     def _count_sent(self) -> None:
         """Add what the averaging process's all-reduce sent since the last count to the metrics."""
@@ -444,7 +442,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
             self.state.leave_look_ahead()
             if samples > 0:
                 self.optimizer.accumulate(grads, samples)
-            self._late += self._late_in_round
+            self.ledger.round_failed()
             self._averaging = False
         self._next_round = time.monotonic() + self._round_pause
         self._round_pause = min(2 * self._round_pause, ROUND_RETRY_PAUSE_MAX)
@@ -491,21 +489,10 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         for part, value in zip(("sum", "sum_of_squares"), self._fingerprint):
             self.metrics.fingerprint.labels(stage=str(self.stage), part=part).set(value)
 
-    def _hold(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
-        if self._held is None:
-            self._held = list(grads)
-        else:
-            for i, grad in enumerate(grads):
-                if grad is not None:
-                    held = self._held[i]
-                    self._held[i] = grad if held is None else held.add_(grad)
-        self.held_samples += n
-
-    def _release_held(self) -> None:
-        """After a step: the held samples start the next one (call with the state lock held)."""
-        if self._held is not None:
-            self.optimizer.accumulate(self._held, self.held_samples)
-            self._held, self.held_samples = None, 0
+    @property
+    def held_samples(self) -> int:
+        """Samples held apart while the stage's batch was due (they start the next one)."""
+        return self.ledger.held_samples
 
     def _load_buffers(self, grads: list[torch.Tensor | None], samples: int) -> None:
         """Our mean gradient into the averaging buffers (zeros if we have no samples: weight 0)."""

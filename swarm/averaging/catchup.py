@@ -122,11 +122,9 @@ class StateCatchUp:
                     self.metrics.downloads[FAILED].inc()
                     return False
                 self.state.load_state_dict(info, named)  # checks names, shapes, dtypes, finiteness first
-                self._late = 0  # (the accumulated samples went with the replaced state)
-                if self._held is not None:  # computed on the state just replaced, like the samples it dropped
-                    log.info("stage %d: dropped %d held samples computed on the replaced state", self.stage,
-                             self.held_samples)
-                    self._held, self.held_samples = None, 0
+                dropped = self.ledger.state_replaced()  # (computed on the state just replaced)
+                if dropped:
+                    log.info("stage %d: dropped %d held samples computed on the replaced state", self.stage, dropped)
                 self._params_changed()
         except StateRejected as e:
             raise self._intake.refuse(loaded, e) from None

@@ -98,7 +98,7 @@ class ShardedRounds:
         self.metrics.group_size.set(len(plan.members))
         self._after_step()
         return {**stats, "averaging": outcome, "group_size": len(plan.members), "late": late,
-                "own_samples": own, "own_late": min(self._late_in_round, own)}
+                "own_samples": own, "own_late": self.ledger.own_late(own)}
 
     def _restore_chunks(self, kept: torch.Tensor, chunks: list[int]) -> None:
         """Put the parameters of `chunks` back to their values in `kept` (flat, as Layout.flatten gives)."""
@@ -146,7 +146,7 @@ class ShardedRounds:
             round_key = f"{view.step}:{group_ids.pop() if len(group_ids) == 1 else ''}"
         else:
             self._check_alone(view.step, held)
-            infos, late, round_key = {self.peer_id: info}, self._late_in_round, f"{view.step}:alone"
+            infos, late, round_key = {self.peer_id: info}, self.ledger.late_in_round, f"{view.step}:alone"
         plan = make_plan(self._layout, infos, self._zero.replicas)
         if self.peer_id not in plan.members:
             raise PlanError("this server is not among the round's members")

@@ -117,6 +117,12 @@ def test_the_daemon_s_hold_off_is_told_apart_from_a_dial_that_failed():
     assert not dial_held_off(ControlFailure("failed to dial Qm: all dials failed\n  * [/ip4/1.2.3.4/tcp/1] i/o "
                                             "timeout"))
     assert not dial_held_off(ControlFailure("stream reset"))
+    # connected, and the security handshake cut short (CI, 100 ms one way): no word on the server either
+    cut = ("Connect failed. msg=failed to dial: failed to dial QmYZKdrZ6sHx6srtgDXHjFzRvjVX9v2U4Q3WvojNUbcPa4:\n"
+           "  * [/ip4/11.77.3.2/tcp/42355] failed to negotiate security protocol: error reading handshake message: "
+           "noise: message is too short")
+    assert dial_held_off(ControlFailure(cut))
+    assert not dial_held_off(ControlFailure(cut + "\n  * [/ip4/10.0.0.1/tcp/1] i/o timeout"))  # one truly failed
     # a server that answers with the daemon's words is still failing (else it would dodge every ban)
     assert not dial_held_off(P2PHandlerError(HELD_OFF))
 

@@ -8,7 +8,9 @@ rebalancing (swarm-peer's default for a server without --stage) and with --no-re
 `--minutes` after a two-minute warm-up. Per window and over the run: the samples/s the trainers
 finished, the bottleneck of the ONLINE servers where they are, and the oracle's bottleneck for the
 same alive servers (placed fastest first, each on the weakest stage so far) with the bound no
-placement passes (their total over the stages). bench/sim/swarm.py says what is the project's own code
+placement passes (their total over the stages); and routing: the finish each call would get on the server
+the trainer chose, over the best finish among the stage's servers, knowing every queue (1.0: the oracle's
+choice every time). bench/sim/swarm.py says what is the project's own code
 and what is modelled.
 """
 
@@ -30,7 +32,7 @@ def summary(name: str, windows: list[Window], took: float, events: int) -> str:
     oracle = mean("oracle")
     return (f"{name:<16} {mean('samples_per_second'):>9.1f} {mean('bottleneck'):>10.1f} {oracle:>8.1f} "
             f"{mean('bound'):>8.1f} {mean('samples_per_second') / oracle:>11.3f} {mean('bottleneck') / oracle:>11.3f} "
-            f"{sum(w.moves for w in windows):>6} {took:>6.0f}s {events / 1e6:>6.1f}M")
+            f"{mean('routing'):>8.3f} {sum(w.moves for w in windows):>6} {took:>6.0f}s {events / 1e6:>6.1f}M")
 
 
 def main() -> None:
@@ -67,7 +69,7 @@ def main() -> None:
         swarm, windows = simulate(replace(base, rebalance=rebalance), args.minutes * 60, args.window, progress=show)
         rows.append(summary(name, windows, time.monotonic() - began, swarm.sim.events))
     print(f"{'':<16} {'samples/s':>9} {'bottleneck':>10} {'oracle':>8} {'bound':>8} {'/ oracle':>11} "
-          f"{'bn / oracle':>11} {'moves':>6} {'took':>7} {'events':>7}")
+          f"{'bn / oracle':>11} {'routing':>8} {'moves':>6} {'took':>7} {'events':>7}")
     for row in rows:
         print(row)
 

@@ -22,6 +22,9 @@ What is modelled, not run (the constants are the Scenario's):
   arrives an exponential delay later (mean Scenario.arrival_delay), so the population stays near its
   size; a server that leaves fails its queued and running tasks at once (the trainer learns after one
   latency) and its trainers' balancers ban it as usual;
+- routing against an oracle: at each call, the finish the chosen server would give it (its queue, speed
+  and links as they are then) against the best of the stage's ONLINE servers (Window.routing, a ratio of
+  sums);
 - a trainer gives a call up (and bans the server, as its balancer does) after the timeout RemotePipeline
   sets, from the same balancer; the server drops a forward given up before it started, and computes
   anything else (a backward is shared by its retries, as StageRequestHandler does).
@@ -159,6 +162,8 @@ class Swarm:
         self.samples = 0  # samples whose micro-batch finished, all trainers
         self.failed_calls = 0  # calls a server failed (it left, or was not serving)
         self.timed_out_calls = 0  # calls the trainer gave up on (the server computes them anyway)
+        self.measure_routing = False  # then each call adds (its expected finish, the oracle's best) to routing
+        self.routing: list[tuple[float, float]] = []
         self._ids = 0
         self._records: tuple[int, dict] | None = None  # (version, records) while no server changes state
         self._version = 0  # bumped whenever a server's stage or state changes
@@ -347,16 +352,29 @@ class Trainer:
             sim.after(1.0, self.call, stage, kind, forwards, tries, ())
             return
         server = self.swarm.servers[ticket.peer_id]
-        if kind == FORWARD:
-            work = 1.0
-        elif last or ticket.peer_id != prefer:
-            work = 3.0  # forward and backward in one call, or a backward recomputing its forward
-        else:
-            work = 2.0
-        seconds = n * s.seconds_per_sample * work / server.speed
         payload = n * s.wire_bytes_per_sample
         up = payload * (2 if kind == BACKWARD and not last else 1)  # a backward carries inputs and gradients
         down = payload if stage > 0 or kind == FORWARD else 0
+
+        def work(peer: str) -> float:
+            if kind == FORWARD:
+                return 1.0
+            return 3.0 if last or peer != prefer else 2.0  # (3: one call of both, or recomputing its forward)
+
+        def finish(candidate: Server) -> float:
+            """When the call would be answered on `candidate`, knowing every queue and speed now."""
+            seconds = n * s.seconds_per_sample * work(candidate.peer_id) / candidate.speed
+            there = max(self.swarm.sim.now, self.link.up_free) + up / min(self.link.up, candidate.link.down)
+            there += one_way(self.link.region, candidate.link.region)
+            done = max(there, self.swarm.sim.now + candidate.backlog()) + seconds
+            return done + down / min(candidate.link.up, self.link.down) + one_way(candidate.link.region,
+                                                                                 self.link.region)
+
+        if self.swarm.measure_routing:  # the oracle's choice among the stage's ONLINE servers, beside ours
+            chosen = finish(server)
+            self.swarm.routing.append((chosen - sim.now,
+                                       min([chosen, *(finish(c) for c in self.swarm.online(stage))]) - sim.now))
+        seconds = n * s.seconds_per_sample * work(ticket.peer_id) / server.speed
 
         over = [False]  # answered, failed or timed out: whatever comes later is ignored
 
@@ -420,6 +438,7 @@ class Window:
     oracle: float  # ... of the same alive servers placed greedily knowing every speed
     bound: float  # ... the bound no placement passes (total / stages)
     moves: int  # moves made in the window
+    routing: float  # the calls' finish as chosen / the oracle's best finish for them, summed over the window
 
 
 def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: float = 120.0,
@@ -437,17 +456,20 @@ def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: 
         swarm.trainers.append(trainer)
         swarm.sim.after(scenario.join_overhead + scenario.choose_spread, trainer.start)
     swarm.sim.run(warmup)
+    swarm.measure_routing = True
     windows = []
     for _ in range(int(duration // window)):
         began, samples = swarm.sim.now, swarm.samples
         moves = sum(s.moves for s in swarm.servers.values())
+        swarm.routing.clear()
         readings, step = [], window / 10
         for _ in range(10):
             swarm.sim.run(swarm.sim.now + step)
             readings.append((swarm.bottleneck(), *swarm.oracle()))
         done = Window(began, window, (swarm.samples - samples) / window,
                       *(math.fsum(r[i] for r in readings) / len(readings) for i in range(3)),
-                      sum(s.moves for s in swarm.servers.values()) - moves)
+                      sum(s.moves for s in swarm.servers.values()) - moves,
+                      math.fsum(c for c, _ in swarm.routing) / max(math.fsum(b for _, b in swarm.routing), 1e-9))
         windows.append(done)
         if progress is not None:
             progress(done)

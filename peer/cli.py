@@ -334,22 +334,8 @@ def serve_until(server, stop: threading.Event, rebalancer=None):
     try:
         server.start()
         while not stop.wait(rebalancer.next_wait() if rebalancer is not None else None):
-            try:
-                servers = server.records.lookup_all_servers(server.config.stages.num_stages)
-            except Exception as e:  # a DHT hiccup: check again next period
-                log.warning("could not read the stages' servers to check whether to move: %s", e)
-                continue
-            num_stages = server.config.stages.num_stages
-            move = rebalancer.check(servers, num_stages, server.peer_id)
-            if move is not None and not stop.wait(rebalancer.settle_wait()):
-                try:
-                    servers = server.records.lookup_all_servers(num_stages)
-                except Exception as e:
-                    log.warning("could not read the stages' servers to check whether to move: %s", e)
-                    continue
-                if not rebalancer.settle(move, servers, num_stages, server.peer_id):
-                    log.info("not moving to stage %d after all: the swarm changed meanwhile", move.stage)
-                    continue
+            move = planned_move(server, rebalancer, stop)
+            if move is not None:
                 log.info("moving from stage %d to stage %d (%s): the swarm's bottleneck would go from %.1f to %.1f "
                          "samples/s", server.stage, move.stage, move.reason, move.before, move.after)
                 return move
@@ -357,6 +343,31 @@ def serve_until(server, stop: threading.Event, rebalancer=None):
         return None
     finally:
         server.shutdown()
+
+
+def planned_move(server, rebalancer, stop: threading.Event):
+    """One check of the rebalancer on records read now and, for a move it confirms, its last check after a
+    pause on records read again: the Move to make, or None."""
+    num_stages = server.config.stages.num_stages
+
+    def read():
+        try:
+            return server.records.lookup_all_servers(num_stages)
+        except Exception as e:  # a DHT hiccup: no move this time
+            log.warning("could not read the stages' servers to check whether to move: %s", e)
+            return None
+
+    servers = read()
+    move = None if servers is None else rebalancer.check(servers, num_stages, server.peer_id)
+    if move is None or stop.wait(rebalancer.settle_wait()):
+        return None
+    servers = read()
+    if servers is None:
+        return None
+    if not rebalancer.settle(move, servers, num_stages, server.peer_id):
+        log.info("not moving to stage %d after all: the swarm changed meanwhile", move.stage)
+        return None
+    return move
 
 
 def in_flight_arg(value: str) -> int | str:

@@ -132,29 +132,26 @@ class Server:
 
 
 class Network:
-    def __init__(self, sim: Sim):
-        self.sim = sim
+    def __init__(self, sim: Sim, relay_detour: float):
+        self.sim, self.relay_detour = sim, relay_detour
 
     def send(self, src: Endpoint, dst: Endpoint, nbytes: float, then: Callable[[], None]) -> None:
         start = max(self.sim.now, src.up_free)
         took = nbytes / min(src.up, dst.down)
         src.up_free = start + took
-        latency = one_way(src.region, dst.region) + (RELAY if src.relayed or dst.relayed else 0.0)
+        latency = one_way(src.region, dst.region) + (self.relay_detour if src.relayed or dst.relayed else 0.0)
         self.sim.at(start + took + latency, then)
 
 
 # a trainer's call timeout, as swarm.config.NetworkConfig's defaults: 5 x its expected finish, within [5 s, 60 s]
 TIMEOUT_MULTIPLIER, TIMEOUT_FLOOR, REQUEST_TIMEOUT = 5.0, 5.0, 60.0
-RELAY = 0.0  # set from the scenario by Swarm (a module constant so Network stays small)
 
 
 class Swarm:
     def __init__(self, scenario: Scenario):
-        global RELAY
-        RELAY = scenario.relay_detour
         self.s = scenario
         self.sim = Sim()
-        self.net = Network(self.sim)
+        self.net = Network(self.sim, scenario.relay_detour)
         self.rng = random.Random(scenario.seed)
         self._rebalance_rng = random.Random(scenario.seed + 1)  # (the peers drawn are the same either way)
         self.servers: dict[str, Server] = {}

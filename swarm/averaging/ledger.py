@@ -9,7 +9,8 @@
 What happens to them: a round starts (the late samples become the round's, the held ones are released
 into the accumulation), the round fails (its batch goes back, and so do its late samples), or a state
 from elsewhere replaces the replica's (what was computed on the replaced state goes with it).
-StageAverager owns one and calls it with the state's lock held.
+StageAverager owns one and calls it from the compute thread (under the state's lock where the
+accumulation changes with it).
 """
 
 from __future__ import annotations

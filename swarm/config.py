@@ -24,6 +24,8 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 OPTIMIZERS = ("adamw", "nadamw")
 COMPRESSIONS = ("none", "float16", "bfloat16", "blockwise8bit")
 AGGREGATIONS = ("centered_clip", "mean")  # how a stage's reducers combine its members' gradients
+AVERAGING_MODES = ("every_step", "local")  # what a stage's servers average: gradients every step, or (local)
+# pseudo-gradients every averaging.local_steps steps of their own (swarm.averaging.local)
 
 
 class ConfigError(ValueError):
@@ -247,9 +249,28 @@ class AveragingConfig:
     # before that server's word on a step, a state or a checkpoint counts (swarm.tenure; README, Trust)
     min_tenure: float = 10.0
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    # Low-communication mode (README, Averaging over home uplinks): with mode "local" each server of a stage takes
+    # local_steps optimizer steps of its own, then the stage's servers average their pseudo-gradients (slow weights
+    # minus their own) and all take the same outer step: Nesterov momentum with DiLoCo's constants by default
+    mode: str = "every_step"
+    local_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    pseudo_gradient_compression: str = "float16"  # how pseudo-gradients travel ("compression" is for gradients)
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
+        _choice(self, "mode", AVERAGING_MODES, "averaging")
+        _choice(self, "pseudo_gradient_compression", COMPRESSIONS, "averaging")
+        if not (isinstance(self.local_steps, int) and not isinstance(self.local_steps, bool) and self.local_steps >= 1):
+            raise ConfigError(f"averaging.local_steps must be a whole number of at least 1, got {self.local_steps!r}")
+        if not 0.0 < self.outer_lr <= 10.0:
+            raise ConfigError(f"averaging.outer_lr must be in (0, 10], got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"averaging.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.mode == "local" and self.zero.enabled:
+            raise ConfigError("averaging.mode local does not shard its state yet (averaging.zero): turn zero off, "
+                              "or average every step")
         _choice(self, "aggregation", AGGREGATIONS, "averaging")
         if not self.clip_factor >= 1.0 or self.clip_factor == float("inf"):
             raise ConfigError(f"averaging.clip_factor must be a finite number of at least 1, got {self.clip_factor}")

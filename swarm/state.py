@@ -12,7 +12,12 @@ order, into hivemind's state download:
 - ``param/<name>``: every entry of the module's ``state_dict()``;
 - ``optim/<i>/<slot>``: the AdamW state of the i-th trainable parameter (none before the first step);
 - ``zero/<c>/<slot>``: with sharded moments (averaging.zero), those of each chunk c this replica holds
-  (``exp_avg``, ``exp_avg_sq``, ``steps``), and ``zero/chunk_elements``: the chunks' size.
+  (``exp_avg``, ``exp_avg_sq``, ``steps``), and ``zero/chunk_elements``: the chunks' size;
+- ``outer/<i>/momentum``, ``outer/step``: in the low-communication mode (averaging.mode local,
+  swarm.averaging.local), the outer Nesterov momentum of the i-th trainable parameter, and the optimizer
+  step the slow weights stand at. The state's parameters are then the stage's slow weights, and its step
+  counts outer steps: what every server of the stage shares, not the weights this replica has drifted to
+  since (a newcomer, a checkpoint and an export take the slow weights).
 
 A state of either kind loads into a replica of either kind: full moments given to a sharded replica
 become every chunk (the next round hands each to its owners and drops the rest); chunks given to an
@@ -42,6 +47,8 @@ log = logging.getLogger(__name__)
 
 PARAM = "param/"
 OPTIM = "optim/"
+OUTER = "outer/"
+OUTER_STEP = OUTER + "step"
 ZERO = "zero/"
 CHUNK_ELEMENTS = ZERO + "chunk_elements"
 CHUNK_SLOTS = ("exp_avg", "exp_avg_sq", "steps")
@@ -89,6 +96,19 @@ class StateInfo:
         return cls(stage, step, round_id, group)
 
 
+class OuterState:
+    """The low-communication mode's own state: the slow weights every server of the stage shares, their
+    outer momentum, the outer steps that made them, and the optimizer step they stand at (swarm.averaging.local).
+    On the parameters' device."""
+
+    def __init__(self, params: Sequence[torch.Tensor], inner_step: int = 0):
+        with torch.no_grad():
+            self.slow = [p.detach().clone() for p in params]
+            self.momentum = [torch.zeros_like(s) for s in self.slow]
+        self.rounds = 0  # outer steps: the stage's step in this mode
+        self.inner_step = inner_step  # the optimizer steps (inner steps) the slow weights stand at: the schedule's step
+
+
 class StageState:
     """A stage replica's parameters, optimizer state, step and round identity, behind one interface.
 
@@ -98,8 +118,11 @@ class StageState:
     (load_state_dict, set_round, enter_look_ahead, leave_look_ahead) and the optimizer's checks it.
     """
 
-    def __init__(self, module: nn.Module, optimizer: StageOptimizer, stage: int, round_id: str, group: int = 1):
+    def __init__(self, module: nn.Module, optimizer: StageOptimizer, stage: int, round_id: str, group: int = 1,
+                 outer: bool = False):
         self.module, self.optimizer, self.stage = module, optimizer, stage
+        # the low-communication mode's slow weights and outer momentum (None: the stage averages every step)
+        self.outer = OuterState(optimizer.params, optimizer.step_count) if outer else None
         self.round_id, self.group = round_id, group
         # While the module runs on look-ahead parameters (a round under way), the parameters the state
         # really is at, in optimizer.params order: what a snapshot holds (enter_look_ahead)
@@ -131,9 +154,60 @@ class StageState:
                 for param, value in zip(self.optimizer.params, base):
                     param.copy_(value)
 
+    def outer_step(self, mean_delta: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor], lr: float,
+                   momentum: float, steps: int) -> float:
+        """The low-communication mode's outer step, the same on every server of the stage: Nesterov momentum on
+        the stage's mean pseudo-gradient `mean_delta` (slow weights minus each server's weights at `snapshot`)
+        moves the slow weights, which stand `steps` optimizer steps further on; this replica's own steps since
+        the snapshot stay on top of them (they go into the next pseudo-gradient). Returns the update's norm."""
+        self.owner.check("outer_step")
+        outer = self.outer
+        if outer is None:
+            raise RuntimeError("outer_step on a stage that averages every step")
+        norm = 0.0
+        with torch.no_grad():
+            for param, slow, m, delta, snap in zip(self.optimizer.params, outer.slow, outer.momentum, mean_delta,
+                                                   snapshot):
+                delta = delta.to(device=slow.device, dtype=slow.dtype)
+                m.mul_(momentum).add_(delta)
+                update = delta.add(m, alpha=momentum)  # Nesterov: the gradient plus the momentum it leads to
+                norm += float(update.pow(2).sum())
+                slow.sub_(update, alpha=lr)
+                param.add_(slow - snap.to(device=param.device, dtype=param.dtype))  # = slow + (param - snap)
+        ahead = self.optimizer.step_count - outer.inner_step  # own steps taken since the slow weights' step
+        outer.rounds += 1
+        outer.inner_step += steps
+        self.optimizer.step_count = outer.inner_step + max(0, ahead - steps)
+        return norm ** 0.5
+
+    def pseudo_gradient(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of (slow weights minus this replica's weights, this replica's weights): a round's input."""
+        outer = self.outer
+        if outer is None:
+            raise RuntimeError("no slow weights: the stage averages every step")
+        with torch.no_grad():
+            snapshot = [p.detach().clone() for p in self.optimizer.params]
+            return [(s - p).float().cpu() for s, p in zip(outer.slow, snapshot)], snapshot
+
+    def drift(self) -> float:
+        """How far this replica's weights are from the slow weights, relative to them (0 without any)."""
+        if self.outer is None:
+            return 0.0
+        with torch.no_grad():
+            apart = sum(float((p - s).pow(2).sum()) for p, s in zip(self.optimizer.params, self.outer.slow))
+            size = sum(float(s.pow(2).sum()) for s in self.outer.slow)
+        return (apart / size) ** 0.5 if size > 0 else 0.0
+
+    @property
+    def shared_params(self) -> list[torch.Tensor]:
+        """The parameters every server of the stage holds alike: the slow weights in the low-communication mode,
+        else the parameters (what progress records fingerprint)."""
+        return self.outer.slow if self.outer is not None else self.optimizer.params
+
     @property
     def step(self) -> int:
-        return self.optimizer.step_count
+        """The state's step: the optimizer's, or in the low-communication mode the outer steps taken."""
+        return self.outer.rounds if self.outer is not None else self.optimizer.step_count
 
     @property
     def info(self) -> StateInfo:
@@ -146,10 +220,14 @@ class StageState:
         the stage does not need them: its rounds bring it the chunks it owns).
         """
         tensors = {PARAM + name: _copy(t) for name, t in self.module.state_dict().items()}
-        if self.lookahead_base is not None:
+        base = self.lookahead_base if self.outer is None else self.outer.slow
+        if base is not None:
             names = {id(p): name for name, p in self.module.named_parameters()}
-            for param, base in zip(self.optimizer.params, self.lookahead_base):
-                tensors[PARAM + names[id(param)]] = _copy(base)
+            for param, value in zip(self.optimizer.params, base):
+                tensors[PARAM + names[id(param)]] = _copy(value)
+        if self.outer is not None:
+            tensors.update({f"{OUTER}{i}/momentum": _copy(m) for i, m in enumerate(self.outer.momentum)})
+            tensors[OUTER_STEP] = torch.tensor(self.outer.inner_step, dtype=torch.int64)
         tensors.update({OPTIM + key: _copy(t) for key, t in self.optimizer.moments().items()})
         held = self.optimizer.shards
         if shards and held is not None and held.step == self.step and held.chunks:
@@ -171,7 +249,8 @@ class StageState:
             raise StateRejected(f"the state lacks {len(missing)} tensors of this stage, e.g. {missing[0]}")
         params = self.optimizer.params
         chunks = self._check_chunks(tensors)
-        moments = sorted(names - set(own) - set(chunks))
+        outer = self._check_outer(tensors)
+        moments = sorted(names - set(own) - set(chunks) - set(outer))
         expected_moments: dict[str, torch.Tensor] = {}
         slots, name = self.optimizer.slots, self.optimizer.config.name
         for key in moments:
@@ -187,6 +266,25 @@ class StageState:
                                            if slot not in ADAMW_SLOTS else ""))
         for name, reference in {**own, **expected_moments}.items():
             _check_tensor(name, tensors[name], reference)
+
+    def _check_outer(self, tensors: Mapping[str, Any]) -> list[str]:
+        """The names of outer momenta in `tensors` (the low-communication mode's), each checked against its
+        parameter. A replica of either mode takes them: one averaging every step ignores them, one in the local
+        mode starts from zero momentum for any not given (a checkpoint of a run that averaged every step)."""
+        names = [name for name in tensors if name.startswith(OUTER)]
+        params = self.optimizer.params
+        for name in names:
+            if name == OUTER_STEP:
+                _check_tensor(name, tensors[name], torch.zeros((), dtype=torch.int64))
+                if int(tensors[name]) < 0:
+                    raise StateRejected(f"{name} is negative")
+                continue
+            parts = name.split("/")
+            if len(parts) != 3 or not parts[1].isdigit() or parts[2] != "momentum" or not int(parts[1]) < len(params):
+                raise StateRejected(f"unexpected tensor {name!r} in the state")
+            param = params[int(parts[1])]
+            _check_tensor(name, tensors[name], torch.empty(param.shape, dtype=param.dtype))
+        return names
 
     def _check_chunks(self, tensors: Mapping[str, Any]) -> list[str]:
         """The names of sharded moments in `tensors`, checked against the layout they say they have."""
@@ -244,6 +342,22 @@ class StageState:
                 shards.replace(self._chunked(moments, shards.layout), info.step)
             elif chunks is not None:
                 shards.replace(_rechunk(*chunks, shards.layout), info.step)
+        outer = self.outer
+        if outer is None and OUTER_STEP in tensors:  # a low-communication state: its step counts outer steps
+            self.optimizer.step_count = int(tensors[OUTER_STEP])
+        if outer is not None:
+            with torch.no_grad():
+                for i, (param, slow, momentum) in enumerate(zip(self.optimizer.params, outer.slow, outer.momentum)):
+                    slow.copy_(param)  # (the state's parameters are the slow weights: this replica starts there)
+                    given = tensors.get(f"{OUTER}{i}/momentum")
+                    if given is None:
+                        momentum.zero_()
+                    else:
+                        momentum.copy_(given)
+            outer.rounds = info.step
+            given_step = tensors.get(OUTER_STEP)  # (none in a state of a stage that averaged every step: its own)
+            outer.inner_step = int(given_step) if given_step is not None else info.step
+            self.optimizer.step_count = outer.inner_step
         self.round_id, self.group = info.round_id, info.group
 
     def _chunked(self, moments: Mapping[str, torch.Tensor], layout: Layout) -> dict[int, ChunkMoments]:
@@ -274,7 +388,8 @@ class StageState:
     def nbytes(self) -> int:
         """Bytes of the whole state once the optimizer has stepped (parameters, buffers, two moments each)."""
         module = sum(t.numel() * t.element_size() for t in self.module.state_dict().values())
-        return module + sum(2 * p.numel() * p.element_size() + 8 for p in self.optimizer.params)
+        slots = 3 if self.outer is not None else 2  # (the outer momentum)
+        return module + sum(slots * p.numel() * p.element_size() + 8 for p in self.optimizer.params)
 
     def params_of(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """The trainable parameters in `tensors`, in this replica's order (to fingerprint a state)."""

@@ -11,6 +11,10 @@ Map of the subsystem, from what a server uses down to pure logic::
                  thread applies the same step on every replica between two requests. Steps alone
                  (and says so) when a round fails; catches up when behind (downloading beside
                  compute too); load_state_from_peers() for a server joining its stage
+    local.py     LocalAverager: the low-communication mode (averaging.mode local): each server takes
+                 averaging.local_steps steps of its own, then the stage's servers average their
+                 pseudo-gradients (slow weights minus their own) and all take the same outer Nesterov
+                 step; a StageAverager in every other respect (rounds, catch-up, state serving)
     intake.py    StateIntake: downloads of the stage's state, bounded, skipping servers refused lately,
                  and the checks that the stage's progress backs what came
     ledger.py    SampleLedger: late samples (accumulated while a round ran) and those held while a batch
@@ -53,6 +57,7 @@ Every network wait is bounded by a value of ``AveragingConfig`` (see swarm.confi
 from swarm.averaging.averager import StageAverager, averaging_prefix
 from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.errors import AveragingError, StateDownloadError
+from swarm.averaging.local import LocalAverager
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
 from swarm.averaging.progress import INITIAL_ROUND
 from swarm.averaging.stepper import StageStepper
@@ -64,6 +69,7 @@ __all__ = [
     "SUCCEEDED",
     "AveragingError",
     "AveragingMetrics",
+    "LocalAverager",
     "ProgressChannel",
     "StageAverager",
     "StageStepper",

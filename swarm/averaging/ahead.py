@@ -44,7 +44,7 @@ class GroupsAhead:
     def group_formed_ahead(self) -> bool:
         """Whether the group of the round for this server's step has formed, waiting for the batch."""
         armed = self._armed
-        return armed is not None and armed.step == self.step_count and armed.control.stage == AWAITING_TRIGGER
+        return armed is not None and armed.step == self.state.step and armed.control.stage == AWAITING_TRIGGER
 
     def _arm_ahead(self) -> None:
         """Begin forming the group of the round for this server's step now, so that it has formed by the

@@ -101,7 +101,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         # step's sample count (robust.py). A stage steps once its members hold a batch between them; an
         # honest member holds more only with samples that came in while the round before ran (seen: 1.5
         # batches on loaded cores), so 4 batches leave honest members their weight and bound a liar's.
-        self.max_member_samples = MAX_MEMBER_BATCHES * self.batch_size
+        self.max_member_samples = MAX_MEMBER_BATCHES * self.batch_size * self._steps_per_round()
         self.metrics = AveragingMetrics(registry or CollectorRegistry(), stage)
         self.solo = False  # True once the averaging process died: this server then trains alone
         self._closing = threading.Event()
@@ -119,11 +119,11 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
         self._armed: Armed | None = None  # the group of the next round, forming ahead (averaging thread)
         self._arm_queued = False
         self._fingerprint: list[float] = []
-        self._fingerprint_rtol = fingerprint_rtol(self.config.compression)
+        self._fingerprint_rtol = fingerprint_rtol(self._round_compression())
         self._params_changed()
         prefix = averaging_prefix(config.run_id, stage)
         ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
-        self._compression = installed_compression(self.config.compression)
+        self._compression = installed_compression(self._round_compression())
         self._zero = self.config.zero if self.config.zero.enabled else None
         self._mailbox: Mailbox | None = None
         self._alone_since: float | None = None  # sharded: since when this server has seen no other
@@ -152,6 +152,14 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
                                    established=self._established, elders=lambda: self._tracker.elders())
         self._tracker = StageProgressTracker(dht, prefix, owner_key, peer_id, self.config.progress_period,
                                              self.config.request_timeout, self._own_record, self._on_progress)
+
+    def _steps_per_round(self) -> int:
+        """Optimizer steps of a server's between two rounds (what a member's samples may span)."""
+        return 1
+
+    def _round_compression(self) -> str:
+        """How what rounds average travels (an averaging.compression value)."""
+        return self.config.compression
 
     # StageStepper (every method on the backend's compute thread)
     @property
@@ -485,7 +493,7 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
 
     def _params_changed(self) -> None:
         """Fingerprint the parameters just made (call with the state lock held, or before start)."""
-        self._fingerprint = param_fingerprint(self.optimizer.params)
+        self._fingerprint = param_fingerprint(self.state.shared_params)
         for part, value in zip(("sum", "sum_of_squares"), self._fingerprint):
             self.metrics.fingerprint.labels(stage=str(self.stage), part=part).set(value)
 
@@ -511,11 +519,15 @@ class StageAverager(GroupsAhead, ShardedRounds, StateCatchUp):
     def _own_record(self) -> ProgressRecord:
         with self.state.lock:  # one moment's step, samples and round, not either side of a step
             step, samples, round_, group, fingerprint, averaging = (
-                self.optimizer.step_count, self.optimizer.samples, self.state.round_id, self.state.group,
+                self.state.step, self._published_samples(), self.state.round_id, self.state.group,
                 self._fingerprint, self._averaging)
         return ProgressRecord(peer_id=self.peer_id, step=step, samples=samples, round_id=round_, group=group,
                               priority=sharing_priority(step, group, round_, self.peer_id),
                               fingerprint=fingerprint, averaging=averaging)
+
+    def _published_samples(self) -> int:
+        """The samples this server's record says it brings towards the stage's next round."""
+        return self.optimizer.samples
 
     def _refresh(self) -> None:
         if not self.solo:

@@ -14,7 +14,14 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from swarm.activations import DEFAULT_TTL, ActivationCache, default_cache_bytes
-from swarm.averaging import INITIAL_ROUND, ProgressChannel, StageAverager, StateDownloadError, averaging_prefix
+from swarm.averaging import (
+    INITIAL_ROUND,
+    LocalAverager,
+    ProgressChannel,
+    StageAverager,
+    StateDownloadError,
+    averaging_prefix,
+)
 from swarm.backend import Overloaded, StageBackend
 from swarm.checkpoint.keeper import StageKeeper
 from swarm.config import RunConfig
@@ -118,9 +125,11 @@ class StageServer(ServerLifecycle):
         self._join_p2p()
         module = build_stage(self.config, stage)
         optimizer = StageOptimizer(module, self.config.optimizer)
-        self.stage_state = StageState(module, optimizer, stage, INITIAL_ROUND)
-        self.averager = StageAverager(self.stage_state, self.dht, self.config, owner_key=self.records.local_owner_key,
-                                      peer_id=self.peer_id, registry=self.registry)
+        local = self.config.averaging.mode == "local"  # the low-communication mode (swarm.averaging.local)
+        self.stage_state = StageState(module, optimizer, stage, INITIAL_ROUND, outer=local)
+        averager = LocalAverager if local else StageAverager
+        self.averager = averager(self.stage_state, self.dht, self.config, owner_key=self.records.local_owner_key,
+                                 peer_id=self.peer_id, registry=self.registry)
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
                                     on_step=self._on_step, stepper=self.averager,
                                     stash_weights=self.config.stages.stash_weights,

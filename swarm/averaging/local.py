@@ -1,0 +1,248 @@
+"""LocalAverager: the low-communication mode (averaging.mode local), DiLoCo's outer loop for one stage.
+
+Each server of a stage steps on its own: once it holds its share of the stage's batch
+(``batch_size`` over the servers at its step, so the stage's steps per sample match the
+every-step mode's and so does the learning-rate schedule), it takes an optimizer step on those
+samples, an inner step, with the run's optimizer. Once the stage's servers have brought
+``averaging.local_steps`` (H) batches between them since the slow weights' step (their progress
+records count samples since then), they meet in a round, as in the every-step mode (StageAverager:
+the group forms ahead, a member gone fails the round, a replica behind or apart downloads the stage's
+state), but what they average is each server's pseudo-gradient: the slow weights, which every server holds
+alike, minus its own weights, weighted by the samples behind it. Every member then takes the same
+outer step on the mean (StageState.outer_step: Nesterov momentum, DiLoCo's lr 0.7 and momentum 0.9
+by default), so the slow weights stay equal, and goes on from them.
+
+Nothing waits on the network. The round runs beside compute, and inner steps go on meanwhile: what
+they do is kept on top of the new slow weights (``slow + (weights - weights at the round)``) and
+counts towards the next pseudo-gradient, so no sample's work is lost (DiLoCoX's overlap; the
+pseudo-gradient is then one round late for those steps). A round that fails is tried again after a
+pause while inner steps go on; after MAX_FAILED_TRIES the server takes the outer step on its own
+pseudo-gradient, and, its slow weights now apart from the others', downloads the stage's state as any
+replica apart does. A server that sees another begin the round joins it with what it has (weight:
+its samples since the slow weights' step, maybe none).
+
+What the stage shares, publishes, checkpoints and serves to a newcomer is the slow state: the
+slow weights (as the state's parameters), the outer momentum and the inner optimizer's moments, at
+the slow weights' step (swarm.state). A newcomer starts from the slow weights, not from a replica's
+drifted ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import hivemind
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from swarm.averaging.averager import MAX_FAILED_TRIES, PROCESS_START_TIMEOUT, StageAverager
+from swarm.averaging.errors import AveragingError
+from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
+from swarm.averaging.process import total_samples
+from swarm.averaging.progress import StageView, round_of
+from swarm.averaging.sharded import ROUND_RETRY_PAUSE
+from swarm.config import RunConfig
+from swarm.state import StageState
+
+log = logging.getLogger(__name__)
+
+INNER = "inner"  # the "averaging" of an inner step's stats
+
+
+class LocalAverager(StageAverager):
+    """A :class:`~swarm.averaging.stepper.StageStepper` for a stage in the low-communication mode (module docstring).
+
+    Built, loaded and started as a StageAverager; the state must carry the outer state
+    (``StageState(..., outer=True)``).
+    """
+
+    def __init__(self, state: StageState, dht: hivemind.DHT, config: RunConfig, *,
+                 owner_key: bytes, peer_id: str, registry: CollectorRegistry | None = None,
+                 start_timeout: float = PROCESS_START_TIMEOUT):
+        if state.outer is None:
+            raise ValueError("the low-communication mode needs a state with slow weights (StageState outer=True)")
+        self.local_steps = config.averaging.local_steps
+        self.round_samples = self.local_steps * config.optimizer.batch_size  # what the stage brings to a round
+        self.outer_lr, self.outer_momentum = config.averaging.outer_lr, config.averaging.outer_momentum
+        self._inner_since = 0  # inner steps since the slow weights' step (own steps of this replica)
+        self._samples_since = 0  # the samples of those steps
+        self._at_round: tuple[int, int] = (0, 0)  # (inner steps, samples) handed to the round under way
+        registry = registry or CollectorRegistry()
+        super().__init__(state, dht, config, owner_key=owner_key, peer_id=peer_id, registry=registry,
+                         start_timeout=start_timeout)
+        self.inner_steps = Counter("swarm_averaging_inner_steps", "Optimizer steps a server of a stage in the "
+                                   "low-communication mode took on its own samples", ["stage"],
+                                   registry=registry).labels(stage=str(self.stage))
+        self.drift = Gauge("swarm_averaging_replica_drift", "How far this server's weights are from its stage's "
+                           "slow weights, relative to them (low-communication mode)", ["stage"],
+                           registry=registry).labels(stage=str(self.stage))
+
+    def _steps_per_round(self) -> int:
+        return self.local_steps
+
+    def _round_compression(self) -> str:
+        return self.config.pseudo_gradient_compression
+
+    # StageStepper (compute thread)
+    def accumulate(self, grads, n: int) -> None:
+        with self.state.lock:
+            self.optimizer.accumulate(grads, n)
+
+    def samples_to_step(self) -> int | None:
+        return max(0, self._inner_batch() - self.optimizer.samples)
+
+    @property
+    def ready(self) -> bool:
+        job = self._job
+        if job is not None and job.done():
+            return True
+        if self.optimizer.samples >= self._inner_batch():
+            return True
+        if job is not None:
+            return False
+        view = self.view()
+        return (view.needs_state and self._may_download()) or (self._round_due(view) and self._may_average())
+
+    def _inner_batch(self) -> int:
+        """This server's share of the stage's batch: what one inner step takes."""
+        return max(1, math.ceil(self.batch_size / max(1, self.view().group_size)))
+
+    def _round_due(self, view: StageView) -> bool:
+        """Whether the stage's servers have brought local_steps batches since the slow weights' step between them
+        (alone: this server), or another server of the stage began the round."""
+        if self._averaging:
+            return False
+        if view.group_size == 1:
+            return self._samples_since >= self.round_samples
+        return view.closed or view.samples >= self.round_samples
+
+    def _published_samples(self) -> int:
+        return self._samples_since + self.optimizer.samples  # (since the slow weights' step)
+
+    def _advance(self) -> dict[str, Any] | None:
+        job = self._job
+        if job is not None:
+            if not job.done():
+                return self._inner_step()  # a round or a download runs beside compute: inner steps go on
+            self._job = None
+            try:
+                apply = job.result()
+            except Exception:  # a bug: this round is lost, training goes on
+                log.exception("stage %d: an averaging job failed", self.stage)
+                apply = self._end_round
+            stats = apply()
+            if self._request_step is not None and not self._closing.is_set() and self.ready:
+                self._requested = self._request_step()
+            return stats
+        if self._channel is None:
+            self._refresh()
+        stats = self._inner_step()
+        view = self.view()
+        if view.needs_state and self._may_download():
+            self._start_job(self._catch_up, view)
+        elif self._round_due(view) and self._may_average():
+            outer = self._start_round(view)
+            return outer if stats is None else stats
+        return stats
+
+    def _inner_step(self) -> dict[str, Any] | None:
+        """A step on this server's own samples, if it holds its share of the batch."""
+        if self.optimizer.samples < self._inner_batch():
+            return None
+        with self.state.lock:
+            grads, samples = self.optimizer.take_gradients()
+            stats = self.optimizer.step_with(self._mean(grads, samples), samples)
+        if not stats["skipped"]:
+            self._inner_since += 1
+            self._samples_since += samples
+            self.inner_steps.inc()
+        self._tracker.nudge()
+        return {**stats, "averaging": INNER, "group_size": 1, "own_samples": samples}
+
+    def _start_round(self, view: StageView) -> dict[str, Any] | None:
+        """Hand this server's pseudo-gradient to a round (or, alone, take the outer step on it now)."""
+        with self.state.lock:
+            delta, snapshot = self.state.pseudo_gradient()
+            self._at_round = (self._inner_since, self._samples_since)
+            if view.group_size > 1:
+                self._averaging = True
+        samples = self._samples_since
+        if view.group_size == 1:
+            return self._apply_outer(delta, snapshot, LOCAL, [self.peer_id], samples)
+        self._start_job(self._outer_round, view, delta, snapshot, samples)
+        self._tracker.nudge()
+        return None
+
+    # the round (averaging thread; returns what the compute thread applies)
+    def _outer_round(self, view: StageView, delta: list[torch.Tensor], snapshot: list[torch.Tensor],
+                     samples: int) -> Callable[[], Any]:
+        failure: AveragingError | None = None
+        with self._in_round():
+            try:
+                control = self._armed_for(view)
+                self._load_buffers(delta, 1 if samples > 0 else 0)  # (the mean pseudo-gradient, weighted by samples)
+                gathered, _ = self._run_round(control, samples)
+                total, _ = total_samples(gathered, view.step, self.max_member_samples)
+                mean = self._read_buffers()
+            except AveragingError as e:
+                failure = e
+        self._count_sent()
+        if failure is None:
+            self.metrics.group_size.set(len(gathered))
+            return functools.partial(self._apply_outer, mean, snapshot, SUCCEEDED,
+                                     [peer.to_base58() for peer in gathered], total)
+        self._check_process()
+        if view.group_size > 1 and self._failed_tries < MAX_FAILED_TRIES:
+            self._failed_tries += 1
+            log.warning("stage %d: the outer round after step %d failed (%s); inner steps go on, try %d of %d soon",
+                        self.stage, view.step, failure, self._failed_tries + 1, MAX_FAILED_TRIES + 1)
+            return functools.partial(self._try_again, [], 0)
+        log.warning("stage %d: the outer round after step %d failed (%s); taking the outer step on this server's "
+                    "pseudo-gradient alone", self.stage, view.step, failure)
+        if samples == 0:
+            return self._end_round
+        return functools.partial(self._apply_outer, delta, snapshot, FAILED, [self.peer_id], samples)
+
+    def _apply_outer(self, mean: list[torch.Tensor], snapshot: list[torch.Tensor], outcome: str,
+                     members: list[str], samples: int) -> dict[str, Any]:
+        """The outer step on the stage's mean pseudo-gradient (compute thread): the same on every member."""
+        finite = all(bool(torch.isfinite(d).all()) for d in mean)
+        with self.state.lock:
+            if outcome == SUCCEEDED:
+                self._failed_tries, self._round_pause = 0, ROUND_RETRY_PAUSE
+            elif outcome == FAILED:
+                self._failed_tries = MAX_FAILED_TRIES
+            self.metrics.rounds[outcome].inc()
+            norm = float("nan")
+            if finite:  # (every member got the same mean: all skip alike)
+                norm = self.state.outer_step(mean, snapshot, self.outer_lr, self.outer_momentum, self.local_steps)
+                self.state.set_round(round_of(self.state.step, members), len(members))
+                steps, taken = self._at_round
+                self._inner_since = max(0, self._inner_since - steps)
+                self._samples_since = max(0, self._samples_since - taken)
+            self._averaging = False
+            self._params_changed()
+            self.drift.set(self.state.drift())
+        if not finite:
+            log.warning("stage %d: the stage's mean pseudo-gradient is not finite; no outer step", self.stage)
+            self._next_round = time.monotonic() + self._round_pause
+        self._after_step()
+        return {"step": self.optimizer.step_count, "lr": self.outer_lr, "grad_norm": norm, "samples": samples,
+                "skipped": not finite, "averaging": outcome, "group_size": len(members), "own_samples": 0,
+                "outer_step": self.state.step}
+
+    def _adopt(self, loaded, min_step: int) -> bool:
+        adopted = super()._adopt(loaded, min_step)
+        if adopted:
+            self._inner_since = self._samples_since = 0  # (this replica now stands at the slow weights)
+            self.drift.set(0.0)
+        return adopted
+
+    def state_loaded(self) -> None:
+        super().state_loaded()
+        self._inner_since = self._samples_since = 0

@@ -114,7 +114,7 @@ class LocalSwarm:
             "val_loss": val_loss,
             "steps": status["step"],
             "model_steps": model_steps,  # each stage's step when the validation loss was measured
-            **averaging,  # per stage: late_share, round_seconds, round_start_seconds, stale_share, stale2_share
+            **averaging,  # per stage: late_share, round_seconds, round_start_seconds, stale_share, stale2_share, ...
             "samples": samples,
             "samples_per_second": speed,
             "wall_seconds": time.monotonic() - started,
@@ -286,6 +286,9 @@ class LocalSwarm:
                                          sums["swarm_averaging_round_start_seconds_count"]),
             "stale_share": ratio([n - x for n, x in zip(backwards, sums[f"{staleness}_bucket_le0.0"])], backwards),
             "stale2_share": ratio([n - x for n, x in zip(backwards, sums[f"{staleness}_bucket_le1.0"])], backwards),
+            # what the stage's servers sent in averaging rounds per sample they served
+            "averaging_bytes_per_sample": ratio(sums["swarm_averaging_bytes_sent_total"],
+                                                sums["swarm_server_samples_total"]),
         }
 
     def _join(self, maddr: str) -> None:

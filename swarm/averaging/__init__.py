@@ -57,7 +57,7 @@ Every network wait is bounded by a value of ``AveragingConfig`` (see swarm.confi
 from swarm.averaging.averager import StageAverager, averaging_prefix
 from swarm.averaging.channel import ProgressChannel
 from swarm.averaging.errors import AveragingError, StateDownloadError
-from swarm.averaging.local import LocalAverager
+from swarm.averaging.local import INNER, LocalAverager
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED, AveragingMetrics
 from swarm.averaging.progress import INITIAL_ROUND
 from swarm.averaging.stepper import StageStepper
@@ -65,6 +65,7 @@ from swarm.averaging.stepper import StageStepper
 __all__ = [
     "FAILED",
     "INITIAL_ROUND",
+    "INNER",
     "LOCAL",
     "SUCCEEDED",
     "AveragingError",

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from swarm.activations import DEFAULT_TTL, ActivationCache, default_cache_bytes
 from swarm.averaging import (
     INITIAL_ROUND,
+    INNER,
     LocalAverager,
     ProgressChannel,
     StageAverager,
@@ -248,6 +249,9 @@ class StageServer(ServerLifecycle):
                 self.backend.submit(self.backend.cache.expire)
 
     def _on_step(self, stats: dict) -> None:
+        if "outer_step" in stats or stats.get("averaging") == INNER:
+            self._on_local_step(stats)
+            return
         if not stats["skipped"]:
             self.stepped_samples += stats["samples"]
             if self.keeper is not None:
@@ -257,6 +261,23 @@ class StageServer(ServerLifecycle):
         log.log(level, "stage %d step %d (lr %.2e, grad norm %.3f, %d samples; of this server's %d, %d one step "
                 "late; %d in this server's steps since it started)", self.stage, stats["step"], stats["lr"],
                 stats["grad_norm"], stats["samples"], own, stats.get("own_late", 0), self.stepped_samples)
+
+    def _on_local_step(self, stats: dict) -> None:
+        """An inner or an outer step of the low-communication mode: what counts (samples, checkpoints) are the outer
+        steps, which make the stage's state; inner steps are logged as a lone server's steps are."""
+        if "outer_step" not in stats:
+            level = logging.INFO if stats["step"] % STEP_LOG_EVERY == 0 or stats["skipped"] else logging.DEBUG
+            log.log(level, "stage %d inner step %d (lr %.2e, grad norm %.3f, %d samples)", self.stage, stats["step"],
+                    stats["lr"], stats["grad_norm"], stats["samples"])
+            return
+        if not stats["skipped"]:
+            self.stepped_samples += stats["samples"]
+            if self.keeper is not None:
+                self.keeper.after_step(stats["outer_step"])
+        log.info("stage %d outer step %d at inner step %d (%s, %d servers; pseudo-gradient update norm %.4f, "
+                 "%d samples; %d in this server's outer steps since it started)", self.stage, stats["outer_step"],
+                 stats["step"], stats["averaging"], stats["group_size"], stats["grad_norm"], stats["samples"],
+                 self.stepped_samples)
 
     def _teardown(self) -> None:
         if self.keeper is not None:  # a last checkpoint, read between two requests

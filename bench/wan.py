@@ -24,6 +24,10 @@ handles every packet on the cores the swarm shares, and the plain 0 ms point pay
 With --transports, every peer listens on TCP (the default), QUIC or both, each a run of all the points
 (QUIC does not work with hivemind 1.1.12's p2pd yet: README, Across the internet).
 
+With --modes every_step local, every point runs once per averaging mode (averaging.mode; the local mode
+with --local-steps), and a local point is also printed against the every_step point just before it
+(README, Low-communication mode: its goal is >= 3 x at 20 Mbit/s).
+
 Defaults: configs/tiny.yaml at batch 64 (its compute takes milliseconds, as on a GPU).
 """
 
@@ -132,11 +136,12 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
             procs.stop_all()
 
 
-def base(results: list[dict], rate: float, through_delayer: bool, transport: str) -> float | None:
-    """The samples/s of the 0 ms adaptive point at `rate` over `transport`, plain or through the delayer (None:
-    not run yet)."""
+def base(results: list[dict], rate: float, through_delayer: bool, transport: str, mode: str) -> float | None:
+    """The samples/s of the 0 ms adaptive point at `rate` over `transport` in averaging `mode`, plain or through the
+    delayer (None: not run yet)."""
     return next((b["samples_per_second"] for b in results if b["rate_mbit"] == rate and b["latency_ms"] == 0
-                 and b["fixed"] is None and b["queued"] == through_delayer and b["transport"] == transport), None)
+                 and b["fixed"] is None and b["queued"] == through_delayer and b["transport"] == transport
+                 and b["mode"] == mode), None)
 
 
 def rounds_line(r: dict, config: RunConfig, n: int) -> str:
@@ -176,6 +181,9 @@ def main() -> None:
     p.add_argument("--transports", nargs="+", default=["tcp"], choices=sorted(TRANSPORTS),
                    help="what every peer listens on (each a run of all the points): tcp (TCP, yamux streams), "
                         "quic (QUIC v1 over UDP), both")
+    p.add_argument("--modes", nargs="+", default=["every_step"], choices=("every_step", "local"),
+                   help="averaging.mode of each run of a point")
+    p.add_argument("--local-steps", type=int, default=50, help="averaging.local_steps in the local mode")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     config = RunConfig.load(args.config)
@@ -187,36 +195,43 @@ def main() -> None:
     old = default_in_flight(config)
     results = []
     with tempfile.TemporaryDirectory(prefix="swarm-wan-") as tmp:
-        config_path = Path(tmp) / "config.yaml"
-        config.save(config_path)
+        config_paths = {}
+        for mode in args.modes:
+            config.averaging.mode, config.averaging.local_steps = mode, args.local_steps
+            config_paths[mode] = Path(tmp) / f"config-{mode}.yaml"
+            config.validate().save(config_paths[mode])
         points = [(latency, False) for latency in args.latencies]
         if args.delayer_control:  # right after the plain 0 ms point (or first)
             at = next((i + 1 for i, (latency, _) in enumerate(points) if latency == 0), 0)
             points.insert(at, (0.0, True))
         for transport, rate in itertools.product(args.transports, args.rates):
-            for latency, queued in points:
-                for fixed in ([None, old] if args.fixed else [None]):
-                    workdir = Path(tmp) / f"{transport}-r{rate}-l{latency}-{fixed}-{'q' if queued else 'd'}"
-                    workdir.mkdir()
-                    r = measure(config_path, config.stages.num_stages, latency, rate, fixed, args.warmup,
-                                args.window, workdir, args.servers_per_stage, args.nat_stage,
-                                args.nat_reachability, args.nat_trainer, args.hub_latency, queued, transport)
-                    results.append(r)
+            for (latency, queued), fixed, mode in itertools.product(points, [None, old] if args.fixed else [None],
+                                                                     args.modes):
+                workdir = Path(tmp) / f"{transport}-r{rate}-l{latency}-{fixed}-{'q' if queued else 'd'}-{mode}"
+                workdir.mkdir()
+                r = measure(config_paths[mode], config.stages.num_stages, latency, rate, fixed, args.warmup,
+                            args.window, workdir, args.servers_per_stage, args.nat_stage,
+                            args.nat_reachability, args.nat_trainer, args.hub_latency, queued, transport)
+                r["mode"] = mode
+                results.append(r)
 
-                    plain, control = (base(results, rate, through, transport) for through in (False, True))
-                    ratio = f"{r['samples_per_second'] / plain:.2f}" if plain else "-"
-                    ratio += " of 0 ms adaptive"
-                    if control and not (latency == 0 and queued):
-                        ratio += f", {r['samples_per_second'] / control:.2f} of 0 ms through the delayer"
-                    stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
-                    pieces = f" in {r['pieces']:.0f} pieces each" if r["pieces"] > 1 else ""
-                    print(f"{config.run_id} batch {config.optimizer.batch_size}, {transport}, {latency:g} ms one way"
-                          f"{' (through the delayer)' if queued else ''}, "
-                          f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
-                          f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
-                          f"samples/s ({ratio}), {r['in_flight']:.0f} in flight at the end{pieces}, "
-                          f"{stale} of backwards stale; all servers serving {r['joined_s']:.1f} s after the "
-                          f"coordinator" + rounds_line(r, config, args.servers_per_stage), flush=True)
+                plain, control = (base(results, rate, through, transport, mode) for through in (False, True))
+                ratio = f"{r['samples_per_second'] / plain:.2f}" if plain else "-"
+                ratio += " of 0 ms adaptive"
+                if control and not (latency == 0 and queued):
+                    ratio += f", {r['samples_per_second'] / control:.2f} of 0 ms through the delayer"
+                if mode != "every_step" and len(results) > 1 and results[-2].get("mode") == "every_step":
+                    ratio += f"; {r['samples_per_second'] / results[-2]['samples_per_second']:.2f} x every_step"
+                stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
+                pieces = f" in {r['pieces']:.0f} pieces each" if r["pieces"] > 1 else ""
+                print(f"{config.run_id} batch {config.optimizer.batch_size}, {mode}, {transport}, "
+                      f"{latency:g} ms one way"
+                      f"{' (through the delayer)' if queued else ''}, "
+                      f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
+                      f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
+                      f"samples/s ({ratio}), {r['in_flight']:.0f} in flight at the end{pieces}, "
+                      f"{stale} of backwards stale; all servers serving {r['joined_s']:.1f} s after the "
+                      f"coordinator" + rounds_line(r, config, args.servers_per_stage), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

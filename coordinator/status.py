@@ -39,7 +39,8 @@ def build_status(
                 "stage": stage,
                 "servers": [
                     {"peer_id": r.peer_id, "state": r.state, "throughput": r.throughput, "step": r.step,
-                     "reach": r.reach}
+                     "reach": r.reach, "averaging_bytes_per_sample": r.averaging_bytes_per_sample,
+                     **({} if r.outer_step is None else {"outer_step": r.outer_step, "drift": r.drift})}
                     for r in records
                 ],
                 "online": len(online),

@@ -255,7 +255,7 @@ class StageBackend(Worker):
 
     def backward(
         self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-        forward_step: int | None = None, key: Hashable | None = None,
+        forward_step: int | None = None, key: Hashable | None = None, weight: float = 1.0,
     ) -> BackwardResult:
         """Backward from the forward's kept graph, or recompute the forward from `x`; hand the parameter
         gradients to the stepper, step when it is ready.
@@ -266,7 +266,8 @@ class StageBackend(Worker):
         the gradient is: `grad_output` came from activations of then. A graph kept under `key` is
         used only if it was built on the parameters of now from the same `x`. Otherwise the forward
         is recomputed: if the stage has stepped once since, on the stashed parameters of then, so
-        the gradient is consistent (one step old); if more, on the parameters of now.
+        the gradient is consistent (one step old); if more, on the parameters of now. `weight` scales the
+        parameters' gradient before it counts (0: it does not; the gradient of the input is returned as ever).
         """
         staleness = None if forward_step is None else max(0, self.step - forward_step)
         predicted = None
@@ -311,7 +312,13 @@ class StageBackend(Worker):
                 self.cache.hits += 1
             else:
                 self.cache.misses += 1
-        self.stepper.accumulate(grads, n)
+        if weight > 0:  # (0: the gradient of the input is all the caller gets; the parameters' is dropped)
+            if weight != 1:
+                with torch.no_grad():
+                    for g in grads:
+                        if g is not None:
+                            g.mul_(weight)
+            self.stepper.accumulate(grads, n)
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if grad_input is None else self._to_host(grad_input)

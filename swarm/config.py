@@ -257,6 +257,10 @@ class AveragingConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     pseudo_gradient_compression: str = "float16"  # how pseudo-gradients travel ("compression" is for gradients)
+    # What the gradient of a backward counts for on a server that did not run its forward (the server that did
+    # was gone): replicas differ by up to local_steps steps, so it is inconsistent; 0 drops it (the input's
+    # gradient still goes back to the stages before), 1 counts it in full (README, Averaging over home uplinks)
+    recomputed_weight: float = 0.0
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
@@ -266,6 +270,8 @@ class AveragingConfig:
             raise ConfigError(f"averaging.local_steps must be a whole number of at least 1, got {self.local_steps!r}")
         if not 0.0 < self.outer_lr <= 10.0:
             raise ConfigError(f"averaging.outer_lr must be in (0, 10], got {self.outer_lr}")
+        if not 0.0 <= self.recomputed_weight <= 1.0:
+            raise ConfigError(f"averaging.recomputed_weight must be in [0, 1], got {self.recomputed_weight}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"averaging.outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.mode == "local" and self.zero.enabled:

@@ -119,10 +119,12 @@ class StageState:
     """
 
     def __init__(self, module: nn.Module, optimizer: StageOptimizer, stage: int, round_id: str, group: int = 1,
-                 outer: bool = False):
+                 local_steps: int | None = None):
         self.module, self.optimizer, self.stage = module, optimizer, stage
-        # the low-communication mode's slow weights and outer momentum (None: the stage averages every step)
-        self.outer = OuterState(optimizer.params, optimizer.step_count) if outer else None
+        # the low-communication mode's slow weights and outer momentum, given its local_steps (None: the stage
+        # averages every step)
+        self.outer = OuterState(optimizer.params, optimizer.step_count) if local_steps is not None else None
+        self.local_steps = local_steps
         self.round_id, self.group = round_id, group
         # While the module runs on look-ahead parameters (a round under way), the parameters the state
         # really is at, in optimizer.params order: what a snapshot holds (enter_look_ahead)
@@ -155,14 +157,14 @@ class StageState:
                     param.copy_(value)
 
     def outer_step(self, mean_delta: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor], lr: float,
-                   momentum: float, steps: int) -> float:
+                   momentum: float) -> float:
         """The low-communication mode's outer step, the same on every server of the stage: Nesterov momentum on
         the stage's mean pseudo-gradient `mean_delta` (slow weights minus each server's weights at `snapshot`)
-        moves the slow weights, which stand `steps` optimizer steps further on; this replica's own steps since
+        moves the slow weights, which stand local_steps optimizer steps further on; this replica's own steps since
         the snapshot stay on top of them (they go into the next pseudo-gradient). Returns the update's norm."""
         self.owner.check("outer_step")
-        outer = self.outer
-        if outer is None:
+        outer, steps = self.outer, self.local_steps
+        if outer is None or steps is None:
             raise RuntimeError("outer_step on a stage that averages every step")
         norm = 0.0
         with torch.no_grad():
@@ -249,7 +251,7 @@ class StageState:
             raise StateRejected(f"the state lacks {len(missing)} tensors of this stage, e.g. {missing[0]}")
         params = self.optimizer.params
         chunks = self._check_chunks(tensors)
-        outer = self._check_outer(tensors)
+        outer = self._check_outer(info, tensors)
         moments = sorted(names - set(own) - set(chunks) - set(outer))
         expected_moments: dict[str, torch.Tensor] = {}
         slots, name = self.optimizer.slots, self.optimizer.config.name
@@ -267,17 +269,22 @@ class StageState:
         for name, reference in {**own, **expected_moments}.items():
             _check_tensor(name, tensors[name], reference)
 
-    def _check_outer(self, tensors: Mapping[str, Any]) -> list[str]:
-        """The names of outer momenta in `tensors` (the low-communication mode's), each checked against its
-        parameter. A replica of either mode takes them: one averaging every step ignores them, one in the local
-        mode starts from zero momentum for any not given (a checkpoint of a run that averaged every step)."""
+    def _check_outer(self, info: StateInfo, tensors: Mapping[str, Any]) -> list[str]:
+        """The names of the low-communication mode's tensors in `tensors`, each checked (a momentum against its
+        parameter; the inner step at most local_steps per outer step, and one more: a sender's word on this
+        replica's learning rate goes no further). A replica of either mode takes them: one averaging every step
+        ignores them (its step is the state's), one in the local mode starts from zero momentum for any not
+        given (a checkpoint of a run that averaged every step)."""
         names = [name for name in tensors if name.startswith(OUTER)]
         params = self.optimizer.params
         for name in names:
             if name == OUTER_STEP:
                 _check_tensor(name, tensors[name], torch.zeros((), dtype=torch.int64))
-                if int(tensors[name]) < 0:
+                inner = int(tensors[name])
+                if inner < 0:
                     raise StateRejected(f"{name} is negative")
+                if self.local_steps is not None and inner > (info.step + 1) * self.local_steps:
+                    raise StateRejected(f"{name} ({inner}) is beyond {info.step} outer steps of {self.local_steps}")
                 continue
             parts = name.split("/")
             if len(parts) != 3 or not parts[1].isdigit() or parts[2] != "momentum" or not int(parts[1]) < len(params):
@@ -343,8 +350,6 @@ class StageState:
             elif chunks is not None:
                 shards.replace(_rechunk(*chunks, shards.layout), info.step)
         outer = self.outer
-        if outer is None and OUTER_STEP in tensors:  # a low-communication state: its step counts outer steps
-            self.optimizer.step_count = int(tensors[OUTER_STEP])
         if outer is not None:
             with torch.no_grad():
                 for i, (param, slow, momentum) in enumerate(zip(self.optimizer.params, outer.slow, outer.momentum)):

@@ -213,6 +213,7 @@ class Trainer:
         """Train until `stop` is set or `max_samples` are done."""
         p2p = self.loop.run(self.dht.replicate_p2p(), LOOP_CALL_TIMEOUT)
         settings = PipelineSettings.from_config(self.config.network)
+        settings.pin_backward = self.config.averaging.mode == "local"  # (replicas differ between outer steps)
         config = self.config
         self.pipeline = RemotePipeline(p2p, config.run_id, config.stages.num_stages, config.stages.wire, settings,
                                        self.balancer_factory, hidden_size=config.model.d_model,

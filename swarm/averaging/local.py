@@ -1,9 +1,11 @@
 """LocalAverager: the low-communication mode (averaging.mode local), DiLoCo's outer loop for one stage.
 
-Each server of a stage steps on its own: once it holds its share of the stage's batch
-(``batch_size`` over the servers at its step, so the stage's steps per sample match the
-every-step mode's and so does the learning-rate schedule), it takes an optimizer step on those
-samples, an inner step, with the run's optimizer. Once the stage's servers have brought
+Each server of a stage steps on its own: once it holds its part of the stage's batch (the part of
+the stage's samples it brought to the last round; before any, ``batch_size`` over the servers at its
+step), it takes an optimizer step on those samples, an inner step, with the run's optimizer. So
+each server takes about H inner steps between two outer steps however the trainers spread their
+micro-batches, and the stage as many steps per sample as in the every-step mode: the
+learning-rate schedule means the same. Once the stage's servers have brought
 ``averaging.local_steps`` (H) batches between them since the slow weights' step (their progress
 records count samples since then), they meet in a round, as in the every-step mode (StageAverager:
 the group forms ahead, a member gone fails the round, a replica behind or apart downloads the stage's
@@ -52,26 +54,29 @@ from swarm.state import StageState
 log = logging.getLogger(__name__)
 
 INNER = "inner"  # the "averaging" of an inner step's stats
+# A server's part of the stage's batch is at least this over the servers (one the trainers left idle for a round
+# would otherwise step on every micro-batch once they come back)
+MIN_SHARE = 0.25
 
 
 class LocalAverager(StageAverager):
     """A :class:`~swarm.averaging.stepper.StageStepper` for a stage in the low-communication mode (module docstring).
 
     Built, loaded and started as a StageAverager; the state must carry the outer state
-    (``StageState(..., outer=True)``).
+    (``StageState(..., local_steps=...)``).
     """
 
     def __init__(self, state: StageState, dht: hivemind.DHT, config: RunConfig, *,
                  owner_key: bytes, peer_id: str, registry: CollectorRegistry | None = None,
                  start_timeout: float = PROCESS_START_TIMEOUT):
         if state.outer is None:
-            raise ValueError("the low-communication mode needs a state with slow weights (StageState outer=True)")
+            raise ValueError("the low-communication mode needs a state with slow weights (StageState local_steps)")
         self.local_steps = config.averaging.local_steps
         self.round_samples = self.local_steps * config.optimizer.batch_size  # what the stage brings to a round
         self.outer_lr, self.outer_momentum = config.averaging.outer_lr, config.averaging.outer_momentum
-        self._inner_since = 0  # inner steps since the slow weights' step (own steps of this replica)
-        self._samples_since = 0  # the samples of those steps
-        self._at_round: tuple[int, int] = (0, 0)  # (inner steps, samples) handed to the round under way
+        self._samples_since = 0  # the samples of this server's inner steps since it handed the last to a round
+        self._handed = 0  # the samples of the pseudo-gradient handed to the round under way
+        self._share: float | None = None  # this server's part of the samples of the stage's last round
         registry = registry or CollectorRegistry()
         super().__init__(state, dht, config, owner_key=owner_key, peer_id=peer_id, registry=registry,
                          start_timeout=start_timeout)
@@ -109,8 +114,12 @@ class LocalAverager(StageAverager):
         return (view.needs_state and self._may_download()) or (self._round_due(view) and self._may_average())
 
     def _inner_batch(self) -> int:
-        """This server's share of the stage's batch: what one inner step takes."""
-        return max(1, math.ceil(self.batch_size / max(1, self.view().group_size)))
+        """What one inner step takes: this server's part of the stage's batch, as it brought that part of the
+        samples of the stage's last round (before any, an equal part). So each server takes about local_steps
+        inner steps between two outer steps, however the trainers spread their micro-batches."""
+        servers = max(1, self.view().group_size)
+        share = 1 / servers if self._share is None else max(self._share, MIN_SHARE / servers)
+        return max(1, math.ceil(self.batch_size * share))
 
     def _round_due(self, view: StageView) -> bool:
         """Whether the stage's servers have brought local_steps batches since the slow weights' step between them
@@ -122,7 +131,8 @@ class LocalAverager(StageAverager):
         return view.closed or view.samples >= self.round_samples
 
     def _published_samples(self) -> int:
-        return self._samples_since + self.optimizer.samples  # (since the slow weights' step)
+        # towards the next round: those handed to the round under way count for it, not for the next
+        return self._samples_since + self.optimizer.samples
 
     def _advance(self) -> dict[str, Any] | None:
         job = self._job
@@ -158,7 +168,6 @@ class LocalAverager(StageAverager):
             grads, samples = self.optimizer.take_gradients()
             stats = self.optimizer.step_with(self._mean(grads, samples), samples)
         if not stats["skipped"]:
-            self._inner_since += 1
             self._samples_since += samples
             self.inner_steps.inc()
         self._tracker.nudge()
@@ -166,12 +175,13 @@ class LocalAverager(StageAverager):
 
     def _start_round(self, view: StageView) -> dict[str, Any] | None:
         """Hand this server's pseudo-gradient to a round (or, alone, take the outer step on it now)."""
-        with self.state.lock:
+        with self.state.lock:  # (a record shows the samples handed over and the round's start at once)
             delta, snapshot = self.state.pseudo_gradient()
-            self._at_round = (self._inner_since, self._samples_since)
+            samples, self._handed, self._samples_since = self._samples_since, self._samples_since, 0
             if view.group_size > 1:
                 self._averaging = True
-        samples = self._samples_since
+        log.debug("stage %d: the outer round after step %d begins with %d samples of ours: %s", self.stage,
+                  view.step, samples, view)
         if view.group_size == 1:
             return self._apply_outer(delta, snapshot, LOCAL, [self.peer_id], samples)
         self._start_job(self._outer_round, view, delta, snapshot, samples)
@@ -201,12 +211,18 @@ class LocalAverager(StageAverager):
             self._failed_tries += 1
             log.warning("stage %d: the outer round after step %d failed (%s); inner steps go on, try %d of %d soon",
                         self.stage, view.step, failure, self._failed_tries + 1, MAX_FAILED_TRIES + 1)
-            return functools.partial(self._try_again, [], 0)
+            return self._round_failed
         log.warning("stage %d: the outer round after step %d failed (%s); taking the outer step on this server's "
                     "pseudo-gradient alone", self.stage, view.step, failure)
         if samples == 0:
             return self._end_round
         return functools.partial(self._apply_outer, delta, snapshot, FAILED, [self.peer_id], samples)
+
+    def _round_failed(self) -> None:
+        """The samples handed to a failed round count towards the next try (compute thread)."""
+        with self.state.lock:
+            self._samples_since, self._handed = self._samples_since + self._handed, 0
+        self._try_again([], 0)
 
     def _apply_outer(self, mean: list[torch.Tensor], snapshot: list[torch.Tensor], outcome: str,
                      members: list[str], samples: int) -> dict[str, Any]:
@@ -220,11 +236,13 @@ class LocalAverager(StageAverager):
             self.metrics.rounds[outcome].inc()
             norm = float("nan")
             if finite:  # (every member got the same mean: all skip alike)
-                norm = self.state.outer_step(mean, snapshot, self.outer_lr, self.outer_momentum, self.local_steps)
+                norm = self.state.outer_step(mean, snapshot, self.outer_lr, self.outer_momentum)
                 self.state.set_round(round_of(self.state.step, members), len(members))
-                steps, taken = self._at_round
-                self._inner_since = max(0, self._inner_since - steps)
-                self._samples_since = max(0, self._samples_since - taken)
+                if outcome == SUCCEEDED and samples > 0:
+                    self._share = self._handed / samples
+            else:  # (its samples count towards the next try)
+                self._samples_since += self._handed
+            self._handed = 0
             self._averaging = False
             self._params_changed()
             self.drift.set(self.state.drift())
@@ -239,10 +257,10 @@ class LocalAverager(StageAverager):
     def _adopt(self, loaded, min_step: int) -> bool:
         adopted = super()._adopt(loaded, min_step)
         if adopted:
-            self._inner_since = self._samples_since = 0  # (this replica now stands at the slow weights)
+            self._samples_since = 0  # (this replica now stands at the slow weights)
             self.drift.set(0.0)
         return adopted
 
     def state_loaded(self) -> None:
         super().state_loaded()
-        self._inner_since = self._samples_since = 0
+        self._samples_since = 0

@@ -111,6 +111,11 @@ class ServerRecord(WireRecord):
     version: StrictStr = __version__
     metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
     reach: StrictStr | None = None  # direct, relayed (behind NAT) or unreachable, as its own check found; None: unknown
+    averaging_bytes_per_sample: NonNegativeFloat | None = None  # what it sent in averaging rounds per sample it served
+    # the low-communication mode (averaging.mode local): its stage's outer steps, and how far its weights are from
+    # the slow weights (relative to them); shown in /status, never acted on
+    outer_step: NonNegativeInt | None = None
+    drift: NonNegativeFloat | None = None
 
     _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
     _reach = pydantic.validator("reach", allow_reuse=True)(_check_reach)

@@ -156,13 +156,13 @@ class StageBalancer:
 
     # --- choosing --------------------------------------------------------------------------------
 
-    def choose(self, task_size: int, kind: str, exclude: Iterable[str] = (), prefer: str | None = None
-               ) -> Ticket | None:
+    def choose(self, task_size: int, kind: str, exclude: Iterable[str] = (), prefer: str | None = None,
+               pin: bool = False) -> Ticket | None:
         """The available server where the task should finish first (None if there is none), charged for it.
 
         A backward `prefer`s the server that ran its forward, which kept the graph and so saves
         recomputing the forward: that server is chosen unless even with the saving it would finish
-        later than the best other one.
+        later than the best other one; with `pin`, whenever it is available.
         """
         candidates = self.available(exclude)
         if not candidates:
@@ -177,7 +177,8 @@ class StageBalancer:
                                               self._tie(p)))
         if prefer is not None and prefer != best and prefer in candidates:
             saving = self.expected_seconds(prefer, task_size, FORWARD)
-            if self.expected_finish(prefer, task_size, kind) - saving <= self.expected_finish(best, task_size, kind):
+            if pin or self.expected_finish(prefer, task_size, kind) - saving <= \
+                    self.expected_finish(best, task_size, kind):
                 best = prefer
         return self.charge(best, task_size, kind)
 

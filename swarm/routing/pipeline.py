@@ -7,7 +7,9 @@ returns the loss and the gradient of its input. Backward then goes back stage by
 Servers keep no per-request state: a backward carries the stage input again and the server
 recomputes the forward. So when the server that did a stage's forward is gone, the backward goes
 to another server of that stage, which re-runs the forward from the saved input before the
-backward; the micro-batch completes instead of being dropped.
+backward; the micro-batch completes instead of being dropped. A backward goes to the server that ran
+its forward if that one is about as fast; in the low-communication mode (averaging.mode local, whose
+replicas differ between outer steps) whenever it can take it (`PipelineSettings.pin_backward`).
 
 Each call goes to the server of its stage where it should be answered first, given this trainer's
 work already outstanding there (see StageBalancer). The balancer's ticket for the call is handed
@@ -89,6 +91,9 @@ class PipelineSettings:
     max_wait: float = 600.0  # how long a micro-batch may wait for a stage with no usable server
     retry_pause: float = 0.5  # first pause before retrying a stage whose servers all failed
     max_retry_pause: float = 15.0  # the pause doubles per round up to this
+    # A backward goes to the server that ran its forward whenever that server can take it (the stages average in
+    # the low-communication mode: their replicas differ between outer steps), not only when it is about as fast
+    pin_backward: bool = False
 
     @classmethod
     def from_config(cls, network: NetworkConfig) -> PipelineSettings:
@@ -207,7 +212,8 @@ class RemotePipeline:
         refused: dict[str, str] = {}  # peer -> its message: servers that called this request bad
         pause = self.settings.retry_pause
         while True:
-            ticket = balancer.choose(size, kind, exclude=tried | refused.keys(), prefer=prefer)
+            ticket = balancer.choose(size, kind, exclude=tried | refused.keys(), prefer=prefer,
+                                     pin=self.settings.pin_backward)
             if ticket is None and balancer.listed():
                 self._check_refusals(stage, kind, refused)
                 # Every server of the stage is banned or was tried: rather than sit out the whole ban

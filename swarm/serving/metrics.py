@@ -42,6 +42,9 @@ class ServerMetrics:
         self.stashed = Counter("swarm_server_stashed_samples", "Samples whose gradient was computed on the "
                                "parameters from before the stage's last step, which their forward used",
                                registry=registry)
+        self.recomputed_elsewhere = Counter(
+            "swarm_server_recomputed_elsewhere", "Backwards whose forward another replica ran (low-communication "
+            "mode: their gradient counts for averaging.recomputed_weight)", registry=registry)
         self.in_flight = Gauge("swarm_server_requests_in_flight", "Requests being answered now", ["kind"],
                                registry=registry)
         self.expert_latency = Histogram("swarm_moe_expert_call_seconds", "Time for an expert server to answer a "

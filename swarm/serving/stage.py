@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from .throughput import stage_throughput
 log = logging.getLogger("swarm.server")
 
 STEP_LOG_EVERY = 10  # optimizer steps between progress lines in the log
+FORWARDS_REMEMBERED = 8192  # (caller, request id) of the forwards a server in the low-communication mode ran
 EXPERT_LOOKUP_PERIOD = 2.0  # seconds between lookups of the expert servers, for a stage whose experts live there
 
 
@@ -127,7 +129,8 @@ class StageServer(ServerLifecycle):
         module = build_stage(self.config, stage)
         optimizer = StageOptimizer(module, self.config.optimizer)
         local = self.config.averaging.mode == "local"  # the low-communication mode (swarm.averaging.local)
-        self.stage_state = StageState(module, optimizer, stage, INITIAL_ROUND, outer=local)
+        self.stage_state = StageState(module, optimizer, stage, INITIAL_ROUND,
+                                      local_steps=self.config.averaging.local_steps if local else None)
         averager = LocalAverager if local else StageAverager
         self.averager = averager(self.stage_state, self.dht, self.config, owner_key=self.records.local_owner_key,
                                  peer_id=self.peer_id, registry=self.registry)
@@ -227,9 +230,18 @@ class StageServer(ServerLifecycle):
 
     def record(self) -> ServerRecord:
         step = self.backend.step if self.backend else 0
+        averaging: dict = {}
+        if self.averager is not None:
+            stage = {"stage": str(self.stage)}
+            sent = self.registry.get_sample_value("swarm_averaging_bytes_sent_total", stage) or 0.0
+            served = self.registry.get_sample_value("swarm_server_samples_total") or 0.0
+            averaging["averaging_bytes_per_sample"] = round(sent / served, 1) if served else None
+            if self.stage_state.outer is not None:
+                drift = self.registry.get_sample_value("swarm_averaging_replica_drift", stage)
+                averaging.update(outer_step=self.stage_state.step, drift=None if drift is None else round(drift, 6))
         return ServerRecord(peer_id=self.peer_id, stage=self.stage, state=self.state.value,
                             throughput=float(self.throughput), step=step, metrics_addr=self.options.metrics_addr,
-                            reach=self.reach)
+                            reach=self.reach, **averaging)
 
     def _store(self, record: ServerRecord, ttl: float) -> bool:
         return self.records.announce_server(record, ttl=ttl)
@@ -305,6 +317,10 @@ class StageRequestHandler(CountingHandler):
     def __init__(self, server: StageServer):
         super().__init__(server)
         self._recent = RecentBackwards(BACKWARD_CACHE_SIZE, server.options.backward_cache_bytes)
+        # In the low-communication mode replicas differ between outer steps: a backward whose forward another
+        # replica ran counts for averaging.recomputed_weight; the forwards this server ran, by (caller, id)
+        self._local = server.config.averaging.mode == "local"
+        self._forwarded: OrderedDict[tuple, None] = OrderedDict()
 
     def admit(self, kind: str, meta: dict) -> None:
         """Refuse from the metadata alone, before the request's tensors are read and buffered."""
@@ -321,6 +337,10 @@ class StageRequestHandler(CountingHandler):
         started = time.perf_counter()
         backend = await self._admit(request)
         keep = (request.caller, request.request_id) if request.backward_follows else None
+        if keep is not None and self._local:
+            self._forwarded[keep] = None
+            while len(self._forwarded) > FORWARDS_REMEMBERED:
+                self._forwarded.popitem(last=False)
         (out, step), lost = await self._run(request, _in_call(backend.forward_at), request.inputs, request.targets,
                                             keep)
         self._done(request, started)
@@ -344,7 +364,7 @@ class StageRequestHandler(CountingHandler):
                 return call(*args)[0]
 
             task = asyncio.ensure_future(self._run(request, fn, request.inputs, request.grad_outputs,
-                                                   request.targets, request.forward_step, key))
+                                                   request.targets, request.forward_step, key, self._weight(key)))
             self._recent.add(key, task)
         result = await asyncio.shield(task)
         if first:
@@ -357,6 +377,17 @@ class StageRequestHandler(CountingHandler):
         tensors = [] if result.grad_input is None else [result.grad_input]
         info = {} if result.loss is None else {"loss": result.loss}
         return StageReply(tensors, server_step=result.step, info=info)
+
+    def _weight(self, key: tuple) -> float:
+        """What a backward's gradient counts for here: in full, unless another replica of a stage in the
+        low-communication mode ran its forward (the last stage runs both in one call)."""
+        if not self._local or self.server.backend.module.is_last:
+            return 1.0
+        if key in self._forwarded:
+            del self._forwarded[key]
+            return 1.0
+        self.server.metrics.recomputed_elsewhere.inc()
+        return self.server.config.averaging.recomputed_weight
 
     async def _admit(self, request: StageRequest) -> StageBackend:
         server = self.server

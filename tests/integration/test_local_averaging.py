@@ -10,11 +10,13 @@ import copy
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from swarm.config import AveragingConfig
 from swarm.dht import visible_maddrs
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
+from swarm.protocol import StageClient, stage_namespace
 from swarm.serving import StageServer
 from tests.helpers import wait_until
 from tests.integration.inproc import BACKEND_CALL_TIMEOUT, TEST_MIN_TENURE, running_peers, stage_servers, tiny_config
@@ -178,3 +180,40 @@ def test_a_member_shut_down_between_outer_steps_leaves_the_other_stepping(pair):
         seed += 1
         assert seed < 100 + 40, "no outer step alone after 40 micro-batches"
     assert replica(a)["outer_step"] == step + 1
+
+
+@pytest.fixture(scope="module")
+def first_stage_pair():
+    """Two servers of stage 0 (not the last: its backwards can go to a replica that did not run the forward),
+    and a peer calling them as a trainer does."""
+    config = make_config("local-first")
+    with running_peers(config.run_id, 3) as peers, stage_servers(config, peers[:2], [0, 0]) as servers:
+        yield config, peers[2], servers
+
+
+def test_a_backward_whose_forward_another_replica_ran_gives_its_input_gradient_but_counts_no_gradient(
+        first_stage_pair):
+    config, caller, (a, b) = first_stage_pair
+    p2p = caller.p2p()
+    namespace = stage_namespace(config.run_id, 0)
+    stub_a, stub_b = (StageClient(p2p, PeerID.from_base58(s.peer_id), namespace) for s in (a, b))
+    tokens = torch.randint(0, config.model.vocab_size, (MICRO, config.model.seq_len))
+    grad = torch.randn(MICRO, config.model.seq_len, config.model.d_model)
+
+    def samples(server: StageServer) -> int:
+        return server.backend.call(lambda: server.backend.optimizer.samples, BACKEND_CALL_TIMEOUT)
+
+    def recomputed(server: StageServer) -> float:
+        return server.registry.get_sample_value("swarm_server_recomputed_elsewhere_total") or 0.0
+
+    caller.loop.run(stub_a.forward(0, "m1", tokens, backward_follows=True), BACKEND_CALL_TIMEOUT)
+    before = samples(b)
+    reply = caller.loop.run(stub_b.backward(0, "m1", tokens, grad_outputs=grad), BACKEND_CALL_TIMEOUT)
+    assert samples(b) == before and recomputed(b) == 1  # (averaging.recomputed_weight 0: dropped)
+    assert reply.tensors == []  # (stage 0's input is tokens: no gradient to send back, but the call succeeded)
+
+    before = samples(a)
+    caller.loop.run(stub_a.forward(0, "m2", tokens, backward_follows=True), BACKEND_CALL_TIMEOUT)
+    caller.loop.run(stub_a.backward(0, "m2", tokens, grad_outputs=grad), BACKEND_CALL_TIMEOUT)
+    assert samples(a) in (before + MICRO, 0) and recomputed(a) == 0  # (0: it made an inner step of them)
+    assert a.registry.get_sample_value("swarm_server_samples_total") >= MICRO

@@ -282,6 +282,9 @@ def test_a_backward_goes_back_to_the_server_holding_its_graph_unless_another_is_
     assert b.choose(10, BACKWARD, prefer="a").peer_id == "b"
     b.release(busy)
     assert b.choose(10, BACKWARD, prefer="a", exclude=["a"]).peer_id == "b"  # a retry goes elsewhere
+    # pinned (the low-communication mode: replicas differ), the backward goes back whenever the server can take it
+    assert b.choose(10, BACKWARD, prefer="a", pin=True).peer_id == "a"
+    assert b.choose(10, BACKWARD, prefer="a", pin=True, exclude=["a"]).peer_id == "b"  # gone or failed: elsewhere
 
 
 def test_one_in_flight_alternating_kinds_still_avoids_the_slow_server():

@@ -34,7 +34,8 @@ from swarm.dht.schemas import MAX_HOSTED_EXPERTS
 
 RUN_ID = "unit-run"
 GOOD_SERVER = dict(peer_id="QmPeer", stage=1, state="ONLINE", throughput=12.5, step=3, role="server", version="0.1.0",
-                   metrics_addr="127.0.0.1:9100", reach="relayed")
+                   metrics_addr="127.0.0.1:9100", reach="relayed", averaging_bytes_per_sample=12000.0, outer_step=None,
+                   drift=None)
 GOOD_EXPERT_HOST = dict(peer_id="QmPeer", experts=[0, 3, 5], state="ONLINE", throughput=8.0, step=2, role="expert",
                         version="0.1.0", metrics_addr="127.0.0.1:9200", reach="direct")
 GOOD_METRICS = dict(peer_id="QmPeer", role="trainer", step=2, samples_per_second=4.0, samples=64, time=1.7e9)
@@ -281,3 +282,15 @@ def test_a_record_claiming_an_unknown_reach_is_refused(reach):
 def test_a_record_without_reach_is_read_as_unknown():  # from a peer of an older version
     fields = {key: value for key, value in GOOD_SERVER.items() if key != "reach"}
     assert ServerRecord.from_wire(fields).reach is None
+
+
+@pytest.mark.parametrize("field, value", [("outer_step", -1), ("outer_step", 1.5), ("drift", float("inf")),
+                                          ("drift", -0.1), ("averaging_bytes_per_sample", float("nan")),
+                                          ("averaging_bytes_per_sample", "many")])
+def test_a_record_with_a_bad_averaging_figure_is_refused(field, value):
+    assert ServerRecord.from_wire({**GOOD_SERVER, field: value}) is None
+
+
+def test_a_record_of_the_low_communication_mode_reads_back():
+    record = ServerRecord.from_wire({**GOOD_SERVER, "outer_step": 3, "drift": 0.01, "averaging_bytes_per_sample": 5.5})
+    assert (record.outer_step, record.drift, record.averaging_bytes_per_sample) == (3, 0.01, 5.5)

@@ -13,7 +13,7 @@ from tests.unit.test_averaging_logic import tiny_config, trained_replica
 
 def local_state(seed: int, steps: int = 0) -> StageState:
     optimizer = trained_replica(tiny_config(), seed, steps)
-    return StageState(optimizer.module, optimizer, 1, "r", outer=True)
+    return StageState(optimizer.module, optimizer, 1, "r", local_steps=3)
 
 
 def drift(state: StageState, amount: float) -> None:
@@ -30,7 +30,7 @@ def test_two_outer_steps_follow_nesterov_and_keep_the_steps_since_the_snapshot_o
     delta, snapshot = state.pseudo_gradient()
     assert all(torch.allclose(d, torch.full_like(d, 0.5)) for d in delta)
     drift(state, -0.1)  # inner steps while the round ran
-    state.outer_step(delta, snapshot, lr=0.7, momentum=0.9, steps=3)
+    state.outer_step(delta, snapshot, lr=0.7, momentum=0.9)
     # m = delta = 0.5; update = delta + 0.9 m = 0.95; slow = slow0 - 0.665
     for slow, start, param in zip(state.outer.slow, slow0, state.optimizer.params):
         torch.testing.assert_close(slow, start - 0.665)
@@ -39,7 +39,7 @@ def test_two_outer_steps_follow_nesterov_and_keep_the_steps_since_the_snapshot_o
     assert state.drift() > 0
 
     delta, snapshot = state.pseudo_gradient()  # = 0.1 everywhere
-    state.outer_step(delta, snapshot, lr=0.7, momentum=0.9, steps=3)
+    state.outer_step(delta, snapshot, lr=0.7, momentum=0.9)
     # m = 0.9 * 0.5 + 0.1 = 0.55; update = 0.1 + 0.9 * 0.55 = 0.595
     for slow, start in zip(state.outer.slow, slow0):
         torch.testing.assert_close(slow, start - 0.665 - 0.7 * 0.595)
@@ -68,7 +68,7 @@ def test_an_outer_state_goes_through_a_checkpoint_and_back(tmp_path):
     source = local_state(1, steps=1)
     delta, snapshot = source.pseudo_gradient()
     drift(source, 0.1)
-    source.outer_step([d + 0.01 for d in delta], snapshot, lr=0.7, momentum=0.9, steps=3)
+    source.outer_step([d + 0.01 for d in delta], snapshot, lr=0.7, momentum=0.9)
     info, tensors = source.state_dict()
     store = StageCheckpoints(tmp_path, "run", 1, keep=2)
     _, _, path = store.write(tensors, step=info.step, num_stages=2, state_hash=config.state_hash(), round_id="r",
@@ -92,12 +92,12 @@ def test_modes_take_each_other_s_states():
     fresh = trained_replica(tiny_config(), 3, 0)
     back = StageState(fresh.module, fresh, 1, "r")
     source = local_state(4, steps=1)
-    source.outer_step(*source.pseudo_gradient(), lr=0.7, momentum=0.9, steps=5)
-    back.load_state_dict(*source.state_dict())  # and back: the schedule's step (1 + 5), not the outer steps (1)
-    assert back.optimizer.step_count == 6
+    source.outer_step(*source.pseudo_gradient(), lr=0.7, momentum=0.9)
+    back.load_state_dict(*source.state_dict())  # and back: the step is the state's (its outer steps; a peer's word
+    assert back.optimizer.step_count == 1  # on the inner step is not taken where nothing bounds it)
 
 
-@pytest.mark.parametrize("damage", ["nan-momentum", "shape", "index", "negative-step", "slot"])
+@pytest.mark.parametrize("damage", ["nan-momentum", "shape", "index", "negative-step", "far-step", "slot"])
 def test_a_damaged_outer_state_is_refused_and_changes_nothing(damage):
     info, tensors = local_state(1, steps=1).state_dict()
     if damage == "nan-momentum":
@@ -108,6 +108,8 @@ def test_a_damaged_outer_state_is_refused_and_changes_nothing(damage):
         tensors["outer/999/momentum"] = torch.zeros(3)
     elif damage == "negative-step":
         tensors["outer/step"] = torch.tensor(-1)
+    elif damage == "far-step":  # (outer step 0 of 3 local steps: at most 3 inner steps)
+        tensors["outer/step"] = torch.tensor(4)
     else:
         tensors["outer/0/velocity"] = tensors["outer/0/momentum"]
     target = local_state(2)

@@ -18,6 +18,7 @@ so both modes run as many steps per sample). Measured per mode, side by side in 
     .venv/bin/python bench/lowcomm.py                          # tiny.yaml, every_step vs local H = 16 and 50
     .venv/bin/python bench/lowcomm.py --local-steps 50 --steps 100
     .venv/bin/python bench/lowcomm.py --config configs/small.yaml --steps 100
+    .venv/bin/python bench/lowcomm.py --local-steps 16 --outer-momentum 0.5   # the outer constants
 """
 
 from __future__ import annotations
@@ -102,12 +103,18 @@ def main() -> None:
     p.add_argument("--config", default="configs/tiny.yaml")
     p.add_argument("--steps", type=int, help="steps of the slowest stage (default: optimizer.total_steps)")
     p.add_argument("--local-steps", type=int, nargs="+", default=[16, 50], help="H of each local run")
+    p.add_argument("--outer-lr", type=float, help="averaging.outer_lr of the local runs (default: the config's)")
+    p.add_argument("--outer-momentum", type=float, help="averaging.outer_momentum of the local runs")
     p.add_argument("--log-dir", help="keep the swarms' logs and checkpoints here (default: a temporary directory)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     base = RunConfig.load(args.config)
     base.stages.num_stages = 2
     base.checkpoint.keep = 1000
+    if args.outer_lr is not None:
+        base.averaging.outer_lr = args.outer_lr
+    if args.outer_momentum is not None:
+        base.averaging.outer_momentum = args.outer_momentum
     steps = args.steps or base.optimizer.total_steps
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="bench-lowcomm-") as tmp:

@@ -144,17 +144,24 @@ def base(results: list[dict], rate: float, through_delayer: bool, transport: str
                  and b["mode"] == mode), None)
 
 
+BYTES_PER_VALUE = {"none": 4, "float16": 2, "bfloat16": 2, "blockwise8bit": 1}  # (8-bit: its scales left out)
+
+
 def rounds_line(r: dict, config: RunConfig, n: int) -> str:
-    """The window's mean averaging round against its bytes-over-rate bound (stage 0's gradient)."""
+    """The window's mean averaging round against its bytes-over-rate bound (stage 0's gradient, or pseudo-gradient
+    in the local mode, as the mode's compression sends it)."""
     if r["round_seconds"] is None:
         return ""
     line = (f"; {r['rounds']:.0f} averaging rounds, {r['round_seconds']:.2f} s each, of which "
             f"{r['all_reduce_seconds']:.2f} s after the group formed")
     if r["rate_mbit"] and n > 1:
-        gradient = 4 * sum(p.numel() for p in build_stage(config, 0).parameters())
+        averaging = config.averaging
+        codec = averaging.pseudo_gradient_compression if r.get("mode") == "local" else averaging.compression
+        gradient = BYTES_PER_VALUE[codec] * sum(p.numel() for p in build_stage(config, 0).parameters())
         bound = 2 * (n - 1) / n * gradient / (r["rate_mbit"] * 1e6 / 8)
         line += (f" ({r['round_seconds'] / bound:.2f} and {r['all_reduce_seconds'] / bound:.2f} x the bound "
-                 f"2(n-1)/n x gradient / rate = {bound:.2f} s)")
+                 f"2(n-1)/n x {'pseudo-' if r.get('mode') == 'local' else ''}gradient ({codec}) / rate = "
+                 f"{bound:.2f} s)")
     return line
 
 
@@ -184,12 +191,15 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=["every_step"], choices=("every_step", "local"),
                    help="averaging.mode of each run of a point")
     p.add_argument("--local-steps", type=int, default=50, help="averaging.local_steps in the local mode")
+    p.add_argument("--wire-dtype", help="stages.wire_dtype (default: the config's)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     config = RunConfig.load(args.config)
     config.optimizer.batch_size = args.batch_size
     if args.stages is not None:
         config.stages.num_stages = args.stages
+    if args.wire_dtype is not None:
+        config.stages.wire_dtype = args.wire_dtype
     config.data.max_bytes = min(config.data.max_bytes or 300_000, 300_000)
     config.validate()
     old = default_in_flight(config)

@@ -76,15 +76,18 @@ class LocalAverager(StageAverager):
         self.outer_lr, self.outer_momentum = config.averaging.outer_lr, config.averaging.outer_momentum
         self._samples_since = 0  # the samples of this server's inner steps since it handed the last to a round
         self._handed = 0  # the samples of the pseudo-gradient handed to the round under way
-        self._share: float | None = None  # this server's part of the samples of the stage's last round
+        # this server's part of the samples of the stage's last round, and how many servers that round had
+        self._share: tuple[float, int] | None = None
+        self.last_drift = 0.0  # when this server last handed its weights to a round (swarm_averaging_replica_drift)
         registry = registry or CollectorRegistry()
         super().__init__(state, dht, config, owner_key=owner_key, peer_id=peer_id, registry=registry,
                          start_timeout=start_timeout)
         self.inner_steps = Counter("swarm_averaging_inner_steps", "Optimizer steps a server of a stage in the "
                                    "low-communication mode took on its own samples", ["stage"],
                                    registry=registry).labels(stage=str(self.stage))
-        self.drift = Gauge("swarm_averaging_replica_drift", "How far this server's weights are from its stage's "
-                           "slow weights, relative to them (low-communication mode)", ["stage"],
+        self.drift = Gauge("swarm_averaging_replica_drift", "How far this server's weights were from its stage's "
+                           "slow weights, relative to them, when it last handed them to an outer round "
+                           "(low-communication mode)", ["stage"],
                            registry=registry).labels(stage=str(self.stage))
 
     def _steps_per_round(self) -> int:
@@ -115,10 +118,14 @@ class LocalAverager(StageAverager):
 
     def _inner_batch(self) -> int:
         """What one inner step takes: this server's part of the stage's batch, as it brought that part of the
-        samples of the stage's last round (before any, an equal part). So each server takes about local_steps
-        inner steps between two outer steps, however the trainers spread their micro-batches."""
+        samples of the stage's last round (before any, or when servers came or went since, an equal part). So each
+        server takes about local_steps inner steps between two outer steps, however the trainers spread their
+        micro-batches."""
         servers = max(1, self.view().group_size)
-        share = 1 / servers if self._share is None else max(self._share, MIN_SHARE / servers)
+        if self._share is None or self._share[1] != servers:
+            share = 1 / servers
+        else:
+            share = max(self._share[0], MIN_SHARE / servers)
         return max(1, math.ceil(self.batch_size * share))
 
     def _round_due(self, view: StageView) -> bool:
@@ -177,9 +184,11 @@ class LocalAverager(StageAverager):
         """Hand this server's pseudo-gradient to a round (or, alone, take the outer step on it now)."""
         with self.state.lock:  # (a record shows the samples handed over and the round's start at once)
             delta, snapshot = self.state.pseudo_gradient()
+            self.last_drift = self.state.drift()
             samples, self._handed, self._samples_since = self._samples_since, self._samples_since, 0
             if view.group_size > 1:
                 self._averaging = True
+        self.drift.set(self.last_drift)
         log.debug("stage %d: the outer round after step %d begins with %d samples of ours: %s", self.stage,
                   view.step, samples, view)
         if view.group_size == 1:
@@ -239,13 +248,12 @@ class LocalAverager(StageAverager):
                 norm = self.state.outer_step(mean, snapshot, self.outer_lr, self.outer_momentum)
                 self.state.set_round(round_of(self.state.step, members), len(members))
                 if outcome == SUCCEEDED and samples > 0:
-                    self._share = self._handed / samples
+                    self._share = (self._handed / samples, len(members))
             else:  # (its samples count towards the next try)
                 self._samples_since += self._handed
             self._handed = 0
             self._averaging = False
             self._params_changed()
-            self.drift.set(self.state.drift())
         if not finite:
             log.warning("stage %d: the stage's mean pseudo-gradient is not finite; no outer step", self.stage)
             self._next_round = time.monotonic() + self._round_pause
@@ -258,6 +266,7 @@ class LocalAverager(StageAverager):
         adopted = super()._adopt(loaded, min_step)
         if adopted:
             self._samples_since = 0  # (this replica now stands at the slow weights)
+            self.last_drift = 0.0
             self.drift.set(0.0)
         return adopted
 

@@ -17,6 +17,7 @@ class AveragingMetrics:
     """One set per registry: every metric is labelled by stage."""
 
     def __init__(self, registry: CollectorRegistry, stage: int):
+        self.sent_bytes = 0  # what bytes_sent counts
         label = str(stage)
         # first in the registry, so a scrape counts what was sent since the last round before it reads the counter
         self.before_scrape: Callable[[], None] | None = None
@@ -78,6 +79,7 @@ class AveragingMetrics:
 
     def sent(self, nbytes: int) -> None:
         """Bytes this server sent in an averaging round: this stage's counter and the peer's traffic."""
+        self.sent_bytes += nbytes  # (read without a registry scan: a server's record)
         self.bytes_sent.inc(nbytes)
         TRAFFIC.add("averaging", nbytes)
 

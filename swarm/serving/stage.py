@@ -111,6 +111,7 @@ class StageServer(ServerLifecycle):
         self.service: StageService | None = None  # the stage RPCs it answers, once registered
         self.throughput = 0.0
         self.stepped_samples = 0  # the samples in the steps this server took since it started (its own and its peers')
+        self.served_samples = 0  # the samples of the backwards it answered (swarm_server_samples_total)
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, backend=lambda: self.backend, dispatcher=lambda: self.dispatcher)
 
@@ -232,13 +233,10 @@ class StageServer(ServerLifecycle):
         step = self.backend.step if self.backend else 0
         averaging: dict = {}
         if self.averager is not None:
-            stage = {"stage": str(self.stage)}
-            sent = self.registry.get_sample_value("swarm_averaging_bytes_sent_total", stage) or 0.0
-            served = self.registry.get_sample_value("swarm_server_samples_total") or 0.0
+            sent, served = self.averager.metrics.sent_bytes, self.served_samples
             averaging["averaging_bytes_per_sample"] = round(sent / served, 1) if served else None
-            if self.stage_state.outer is not None:
-                drift = self.registry.get_sample_value("swarm_averaging_replica_drift", stage)
-                averaging.update(outer_step=self.stage_state.step, drift=None if drift is None else round(drift, 6))
+            if isinstance(self.averager, LocalAverager):
+                averaging.update(outer_step=self.stage_state.step, drift=round(self.averager.last_drift, 6))
         return ServerRecord(peer_id=self.peer_id, stage=self.stage, state=self.state.value,
                             throughput=float(self.throughput), step=step, metrics_addr=self.options.metrics_addr,
                             reach=self.reach, **averaging)
@@ -369,6 +367,7 @@ class StageRequestHandler(CountingHandler):
         result = await asyncio.shield(task)
         if first:
             self.server.metrics.samples.inc(request.inputs.shape[0])
+            self.server.served_samples += request.inputs.shape[0]
             if result.staleness is not None:
                 self.server.metrics.staleness.observe(result.staleness)
             if result.stashed:

@@ -171,11 +171,12 @@ class LocalAverager(StageAverager):
         """A step on this server's own samples, if it holds its share of the batch."""
         if self.optimizer.samples < self._inner_batch():
             return None
-        with self.state.lock:
+        with self.state.lock:  # (a record reads the samples stepped on and those accumulating at one moment)
             grads, samples = self.optimizer.take_gradients()
             stats = self.optimizer.step_with(self._mean(grads, samples), samples)
+            if not stats["skipped"]:
+                self._samples_since += samples
         if not stats["skipped"]:
-            self._samples_since += samples
             self.inner_steps.inc()
         self._tracker.nudge()
         return {**stats, "averaging": INNER, "group_size": 1, "own_samples": samples}
@@ -204,7 +205,8 @@ class LocalAverager(StageAverager):
         with self._in_round():
             try:
                 control = self._armed_for(view)
-                self._load_buffers(delta, 1 if samples > 0 else 0)  # (the mean pseudo-gradient, weighted by samples)
+                # the pseudo-gradient as it is (a weight of none: zeros); the all-reduce weighs it by `samples`
+                self._load_buffers(delta, 1 if samples > 0 else 0)
                 gathered, _ = self._run_round(control, samples)
                 total, _ = total_samples(gathered, view.step, self.max_member_samples)
                 mean = self._read_buffers()

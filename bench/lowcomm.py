@@ -13,12 +13,18 @@ so both modes run as many steps per sample). Measured per mode, side by side in 
   trained on as many samples as those steps took (each stage's servers' step logs); the mode's ratio
   to every_step's is the figure (goal: <= 1.03 at the end of tiny.yaml's schedule);
 - the trainers' samples/s (on 2 shared cores compute dominates, so little changes: the speed goal is
-  for slow links, bench/wan.py's lab).
+  for slow links, bench/wan.py's lab);
+- the state downloads the servers made after they joined (a replica behind or apart takes the stage's state:
+  with 8-bit pseudo-gradients the members' slow weights differ by a rounding after each round, and a download
+  costs more than many rounds).
+
+--codecs runs each H with each pseudo-gradient codec, --error-feedback with it on and/or off.
 
     .venv/bin/python bench/lowcomm.py                          # tiny.yaml, every_step vs local H = 16 and 50
     .venv/bin/python bench/lowcomm.py --local-steps 50 --steps 100
     .venv/bin/python bench/lowcomm.py --config configs/small.yaml --steps 100
     .venv/bin/python bench/lowcomm.py --local-steps 16 --outer-momentum 0.5   # the outer constants
+    .venv/bin/python bench/lowcomm.py --local-steps 50 --codecs float16 float8 --error-feedback on off
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.convergence import reference_curve, stepped_samples  # noqa: E402
 from coordinator.local_swarm import LocalSwarm  # noqa: E402
 from swarm.checkpoint.store import StageCheckpoints  # noqa: E402
-from swarm.config import RunConfig  # noqa: E402
+from swarm.config import COMPRESSIONS, RunConfig  # noqa: E402
 from swarm.reference import ReferenceTrainer  # noqa: E402
 from swarm.state import PARAM  # noqa: E402
 
@@ -77,10 +83,13 @@ def newest_model(config: RunConfig, logs: Path, local: bool) -> tuple[ReferenceT
     return model, steps, samples
 
 
-def run_mode(base: RunConfig, name: str, local_steps: int | None, steps: int, log_root: Path) -> dict:
+def run_mode(base: RunConfig, name: str, local_steps: int | None, steps: int, log_root: Path,
+             codec: str | None = None, error_feedback: bool = True) -> dict:
     config = copy.deepcopy(base)
     if local_steps is not None:
         config.averaging.mode, config.averaging.local_steps = "local", local_steps
+        config.averaging.pseudo_gradient_compression = codec or config.averaging.pseudo_gradient_compression
+        config.averaging.pseudo_gradient_error_feedback = error_feedback
         config.checkpoint.every_steps = 1  # (outer steps)
     else:
         config.checkpoint.every_steps = 10  # (where servers log their step)
@@ -95,7 +104,13 @@ def run_mode(base: RunConfig, name: str, local_steps: int | None, steps: int, lo
     return {"mode": name, "config": config, "val_loss": model.evaluate(), "checkpoint_steps": at,
             "samples_per_stage": samples, "bytes_per_sample": swarm["averaging_bytes_per_sample"],
             "samples_per_second": swarm["samples_per_second"], "trainer_samples": swarm["samples"],
-            "wall_seconds": swarm["wall_seconds"]}
+            "wall_seconds": swarm["wall_seconds"], "state_downloads": state_downloads(logs)}
+
+
+def state_downloads(logs: Path) -> int:
+    """The catch-ups the servers logged (a state taken from the stage after joining it)."""
+    return sum(text.count("caught up with its peers")
+               for text in (f.read_text(errors="replace") for f in logs.rglob("*.log")))
 
 
 def main() -> None:
@@ -105,6 +120,10 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, nargs="+", default=[16, 50], help="H of each local run")
     p.add_argument("--outer-lr", type=float, help="averaging.outer_lr of the local runs (default: the config's)")
     p.add_argument("--outer-momentum", type=float, help="averaging.outer_momentum of the local runs")
+    p.add_argument("--codecs", nargs="+", choices=COMPRESSIONS,
+                   help="averaging.pseudo_gradient_compression of the local runs, each in turn (default: the config's)")
+    p.add_argument("--error-feedback", nargs="+", choices=["on", "off"], default=["on"],
+                   help="averaging.pseudo_gradient_error_feedback of the local runs, each in turn")
     p.add_argument("--log-dir", help="keep the swarms' logs and checkpoints here (default: a temporary directory)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
@@ -121,7 +140,10 @@ def main() -> None:
         root = Path(args.log_dir or tmp)
         root.mkdir(parents=True, exist_ok=True)
         runs = [run_mode(base, "every_step", None, steps, root)]
-        runs += [run_mode(base, f"local_H{h}", h, steps, root) for h in args.local_steps]
+        codecs = args.codecs or [base.averaging.pseudo_gradient_compression]
+        runs += [run_mode(base, f"local_H{h}_{codec}" + ("" if feedback == "on" else "_noEF"), h, steps, root, codec,
+                          feedback == "on")
+                 for h in args.local_steps for codec in codecs for feedback in args.error_feedback]
     wanted = sorted({max(1, round(sum(r["samples_per_stage"]) / 2 / base.optimizer.batch_size)) for r in runs})
     reference = reference_curve(base.validate(), wanted)
     every = runs[0]
@@ -139,7 +161,7 @@ def main() -> None:
               f"({ref_steps} steps) {reference[ref_steps]:.4f}, ratio {r['ratio']:.3f} "
               f"(/ every_step's {r['ratio'] / every['ratio']:.3f}); {r['samples_per_second']:.1f} samples/s "
               f"(/ every_step {r['samples_per_second'] / every['samples_per_second']:.2f}); "
-              f"{r['wall_seconds']:.0f}s", flush=True)
+              f"{r['state_downloads']} state downloads after joining; {r['wall_seconds']:.0f}s", flush=True)
     if args.json:
         for r in runs:
             r.pop("config")

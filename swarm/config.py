@@ -22,7 +22,7 @@ import yaml
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 OPTIMIZERS = ("adamw", "nadamw")
-COMPRESSIONS = ("none", "float16", "bfloat16", "blockwise8bit")
+COMPRESSIONS = ("none", "float16", "bfloat16", "blockwise8bit", "float8")
 AGGREGATIONS = ("centered_clip", "mean")  # how a stage's reducers combine its members' gradients
 AVERAGING_MODES = ("every_step", "local")  # what a stage's servers average: gradients every step, or (local)
 # pseudo-gradients every averaging.local_steps steps of their own (swarm.averaging.local)
@@ -257,6 +257,10 @@ class AveragingConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     pseudo_gradient_compression: str = "float16"  # how pseudo-gradients travel ("compression" is for gradients)
+    # Error feedback: what the codec rounds off a server's pseudo-gradient stays with the server and goes into its
+    # next one, so nothing is lost on the way, only late (swarm.averaging.feedback); needs a codec with a fixed grid
+    # (float8, float16, bfloat16; blockwise8bit's blocks start wherever the all-reduce cuts a part)
+    pseudo_gradient_error_feedback: bool = True
     # What the gradient of a backward counts for on a server that did not run its forward (the server that did
     # was gone): replicas differ by up to local_steps steps, so it is inconsistent; 0 drops it (the input's
     # gradient still goes back to the stages before), 1 counts it in full (README, Averaging over home uplinks)
@@ -274,6 +278,14 @@ class AveragingConfig:
             raise ConfigError(f"averaging.recomputed_weight must be in [0, 1], got {self.recomputed_weight}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"averaging.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not isinstance(self.pseudo_gradient_error_feedback, bool):
+            raise ConfigError("averaging.pseudo_gradient_error_feedback must be true or false, got "
+                              f"{self.pseudo_gradient_error_feedback!r}")
+        if self.mode == "local" and self.pseudo_gradient_error_feedback \
+                and self.pseudo_gradient_compression == "blockwise8bit":
+            raise ConfigError("averaging.pseudo_gradient_error_feedback needs a codec with a fixed grid, and "
+                              "blockwise8bit's blocks start wherever the all-reduce cuts a part: use float8 for 8 bits "
+                              "a value with error feedback, or set pseudo_gradient_error_feedback to false")
         if self.mode == "local" and self.zero.enabled:
             raise ConfigError("averaging.mode local does not shard its state yet (averaging.zero): turn zero off, "
                               "or average every step")

@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import hivemind.averaging.averager as hivemind_averager
@@ -29,8 +29,10 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import TensorPartReducer
+from hivemind.compression import serialize_torch_tensor
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from hivemind.utils.multiaddr import Multiaddr
@@ -50,7 +52,8 @@ class AveragerInternals(DecentralizedAverager):
         policy = self.reducer_policy()
         if policy is not None:
             hivemind_averager.AllReduceRunner = functools.partial(PolicyAllReduceRunner, policy=policy,
-                                                                  sent=self.all_reduce_bytes)
+                                                                  sent=self.all_reduce_bytes,
+                                                                  canonical=self.canonical_grid())
         super().run()
 
     async def _declare_for_download_periodically(self) -> None:
@@ -91,6 +94,12 @@ class AveragerInternals(DecentralizedAverager):
 
     def reducer_policy(self) -> ReducerPolicy | None:
         """In the child: how this member reduces its part of each all-reduce (None: hivemind's weighted mean)."""
+        return None
+
+    def canonical_grid(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """In the child: with a reducer policy, a function that rounds each averaged part onto the codec's grid, for
+        all-reduce rounds whose members must all end with the same values (PolicyAllReduceRunner); None: hivemind's
+        replies, each member's difference from the mean."""
         return None
 
     def runs_all_reduce(self) -> bool:
@@ -164,10 +173,12 @@ class ReducerPolicy:
 
 class _Contributions:
     """Stands in for a TensorPartReducer's accumulator (hivemind calls add_ per contribution, then div_
-    once all have come): keeps the contributions, and aggregates them by the policy instead of summing."""
+    once all have come): keeps the contributions, and aggregates them by the policy instead of summing;
+    `finish` (if any) turns the aggregate into the part's result."""
 
-    def __init__(self, policy: ReducerPolicy):
+    def __init__(self, policy: ReducerPolicy, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.policy = policy
+        self.finish = finish
         self.parts: list[torch.Tensor] = []
         self.weights: list[float] = []
 
@@ -178,14 +189,19 @@ class _Contributions:
         return self
 
     def div_(self, _denominator: float) -> torch.Tensor:  # hivemind's sum of the claimed weights: not used
-        return self.policy.aggregate(self.parts, self.weights)
+        result = self.policy.aggregate(self.parts, self.weights)
+        return result if self.finish is None else self.finish(result)
 
 
 class PolicyPartReducer(TensorPartReducer):
-    """hivemind's reducer (its ordering, waiting and failure handling), aggregating each part by a policy."""
+    """hivemind's reducer (its ordering, waiting and failure handling), aggregating each part by a policy;
+    with `canonical`, each part's result is rounded by it and kept in `results` (by part index)."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, policy: ReducerPolicy):
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, policy: ReducerPolicy,
+                 canonical: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.policy = policy
+        self.canonical = canonical
+        self.results: dict[int, torch.Tensor] = {}
         # what each sender's weight counted as, from its first part (hivemind sends one weight with each)
         self.sender_weights: list[float | None] = [None] * num_senders
         super().__init__(part_shapes, num_senders)
@@ -199,20 +215,58 @@ class PolicyPartReducer(TensorPartReducer):
     def reset_accumulators(self) -> None:
         super().reset_accumulators()
         if not self.finished.is_set():  # the last part done: hivemind finalized and dropped its accumulator
-            self.accumulator = _Contributions(self.policy)
+            self.accumulator = _Contributions(self.policy, None if self.canonical is None else self._rounded)
+
+    def _rounded(self, result: torch.Tensor) -> torch.Tensor:
+        rounded = self.canonical(result).to(result.dtype)
+        self.results[self.current_part_index] = rounded
+        return rounded
 
 
 class PolicyAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce runner whose reducer aggregates by `policy`, and which adds the bytes of the
     messages it sends (parts to their reducers, averaged parts back to their senders) to `sent`, a
-    shared counter (swarm.traffic.shared_counter) that the process which forked this one reads."""
+    shared counter (swarm.traffic.shared_counter) that the process which forked this one reads.
 
-    def __init__(self, *args: Any, policy: ReducerPolicy, sent: Any = None, **kwargs: Any):
+    With `canonical` (a function that rounds a tensor onto the round's codec grid, exactly as the codec
+    sends it), every member ends with the same values: a reducer rounds its averaged part, keeps that for
+    itself and sends it (not each sender's difference from it, hivemind's way) to every sender, whose own
+    part of the vector becomes it. hivemind's differences, each rounded by a lossy codec on its way, leave each
+    member its own rounding (with 8-bit codecs, a few percent of the difference).
+    """
+
+    def __init__(self, *args: Any, policy: ReducerPolicy, sent: Any = None,
+                 canonical: Callable[[torch.Tensor], torch.Tensor] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         plain = self.tensor_part_reducer
         plain.finished.set()  # replaced before any part arrived: it must not report what it never received
-        self.tensor_part_reducer = PolicyPartReducer(plain.part_shapes, plain.num_senders, policy)
+        self.tensor_part_reducer = PolicyPartReducer(plain.part_shapes, plain.num_senders, policy, canonical)
         self._sent = sent
+        self._canonical = canonical
+        if canonical is not None:
+            self._take_results_as_values()
+
+    def _take_results_as_values(self) -> None:
+        """Make the container read a reducer's reply as the part's value (the sender's difference to it is then
+        this member's update), except for its own part (hivemind registers that one's difference itself) and a
+        reducer that failed (hivemind registers no change)."""
+        container = self.tensor_part_container
+        own = self.ordered_peer_ids.index(self.peer_id)
+        register, fail = container.register_processed_part, container.register_failed_reducer
+        failed: set[int] = set()
+
+        def register_processed_part(peer_index: int, part_index: int, part: torch.Tensor) -> None:
+            if peer_index != own and peer_index not in failed:
+                local = container._input_parts_by_peer[peer_index][part_index][0]
+                part = part.to(local.dtype) - local
+            register(peer_index, part_index, part)
+
+        def register_failed_reducer(peer_index: int) -> None:
+            failed.add(peer_index)
+            fail(peer_index)
+
+        container.register_processed_part = register_processed_part
+        container.register_failed_reducer = register_failed_reducer
 
     def _count(self, message: Any) -> Any:
         if self._sent is not None:
@@ -224,7 +278,13 @@ class PolicyAllReduceRunner(AllReduceRunner):
             yield self._count(message)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        part_index = 0
         async for message in super().rpc_aggregate_part(stream, context):
+            if self._canonical is not None and message.code == averaging_pb2.AVERAGED_PART:
+                # the part's rounded value, the same for every sender, instead of this sender's difference to it
+                value = self.tensor_part_reducer.results[part_index]
+                message.tensor_part.CopyFrom(serialize_torch_tensor(value, message.tensor_part.compression))
+                part_index += 1
             yield self._count(message)
 
 

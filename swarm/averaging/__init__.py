@@ -17,6 +17,8 @@ Map of the subsystem, from what a server uses down to pure logic::
                  step; a StageAverager in every other respect (rounds, catch-up, state serving)
     intake.py    StateIntake: downloads of the stage's state, bounded, skipping servers refused lately,
                  and the checks that the stage's progress backs what came
+    feedback.py  ErrorFeedback: what the codec rounds off a server's pseudo-gradients, kept and sent
+                 with its next one (local mode); pure
     ledger.py    SampleLedger: late samples (accumulated while a round ran) and those held while a batch
                  is due; what a round's start, a failed round and a replaced state do to them; pure
     ahead.py     the group of a stage's next round forms while its batch fills (groups formed ahead)

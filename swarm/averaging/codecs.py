@@ -15,9 +15,10 @@ puts them there; our averaging code calls it once at start (nothing happens at i
                     different format. The two stock 8-bit slots cannot decode under numpy 2;
                     QUANTILE_8BIT is the costlier of the two and the less likely to be revived.
   BLOCKWISE_8BIT <- Blockwise8BitCodec. Stock needs bitsandbytes and another byte layout.
+  UNIFORM_8BIT   <- Float8Codec. The other stock 8-bit slot (see QUANTILE_8BIT).
 
-Cross-version consequence: a peer that has not installed these codecs cannot read QUANTILE_8BIT or
-BLOCKWISE_8BIT messages from one that has, and vice versa. Our two new formats start with an 8-byte
+Cross-version consequence: a peer that has not installed these codecs cannot read QUANTILE_8BIT,
+BLOCKWISE_8BIT or UNIFORM_8BIT messages from one that has, and vice versa. Our new formats start with an 8-byte
 magic that a stock decoder reads as an absurd element count, so it fails instead of returning
 garbage, and our decoders reject stock layouts with a ValueError. All swarm peers install ours. A
 clean slot would need a new enum value plus patched hivemind (de)serializers; we avoid that.
@@ -25,7 +26,14 @@ clean slot would need a new enum value plus patched hivemind (de)serializers; we
 Non-finite values: finite values never become non-finite (16-bit codecs saturate at the target
 format's largest finite value), and NaN/±inf stay non-finite, so a broken gradient is still visible
 after averaging. Blockwise 8-bit cannot keep the sign of inf: NaN and ±inf all decode as NaN.
-They are left out of their block's scale, so the rest of the block keeps its precision.
+They are left out of their block's scale, so the rest of the block keeps its precision. Float8 cannot
+either (float8_e4m3fn has no inf): NaN and +-inf decode as NaN, left out of the scale.
+
+Float8Codec is the one codec here that a sender can round onto in advance (:func:`float8_grid`): a tensor
+already on its grid goes through it unchanged, whole or cut into the parts hivemind's all-reduce sends.
+That is what error feedback needs (swarm.averaging.feedback): what the codec would round off stays with
+the sender instead of being lost on the way. The 16-bit codecs round each value alone, so they have this
+property too; Blockwise8BitCodec does not (its blocks start wherever a part starts).
 
 Byte order is the host's (little-endian on every platform we run), as in hivemind.
 """
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 
 import torch
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression
@@ -47,6 +56,7 @@ _FLOAT_DTYPES = {
 }
 _FP16_MAX = torch.finfo(torch.float16).max
 _BF16_MAX = torch.finfo(torch.bfloat16).max
+_FP32_MAX = torch.finfo(torch.float32).max
 _NONFINITE_CODE = -128  # symmetric 8-bit codes only use -127..127; the spare one marks NaN/inf
 
 
@@ -145,13 +155,88 @@ class Blockwise8BitCodec(_SwarmCodec):
         return (1 + 4 / BLOCK_SIZE) / info.descriptor.dtype.itemsize
 
 
+class Float8Codec(_SwarmCodec):
+    """float8 (e4m3) codes times one power-of-two scale per message: 1 byte a value.
+
+    The scale is the smallest power of two 2**e with absmax / 2**e <= 448 (float8_e4m3fn's largest value),
+    so each value keeps 4 significant bits (within 2**-4 of itself, relative) down to 2**-6 of the scale
+    and decodes within 2**-10 of the scale below that. A power of two makes the format nest: a tensor on the grid
+    of its own scale (float8_grid) is on the grid of any part of it, whose scale can only be smaller, so
+    it goes through unchanged however the all-reduce cuts it.
+    """
+
+    compression_type = runtime_pb2.CompressionType.UNIFORM_8BIT
+    MAGIC = b"swarmF8\x01"
+    HEADER = struct.Struct("<8sQi")  # magic, element count, the scale's exponent
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        dtype_name = _float_dtype_name(tensor, self)
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        exponent = _float8_exponent(flat)
+        codes = _float8_codes(flat, exponent)
+        header = self.HEADER.pack(self.MAGIC, flat.numel(), exponent)
+        return _message(self, tensor, dtype_name, header + _to_bytes(codes))
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        dtype, shape, numel = _declared(serialized_tensor, self)
+        (exponent,) = _read_header(serialized_tensor, self.HEADER, self.MAGIC, numel, self)
+        if not FLOAT8_MIN_EXPONENT <= exponent <= FLOAT8_MAX_EXPONENT:
+            raise ValueError(f"{self!r}: scale exponent {exponent} outside "
+                             f"{FLOAT8_MIN_EXPONENT}..{FLOAT8_MAX_EXPONENT}")
+        _check_length(serialized_tensor, self.HEADER.size + numel, self)
+        codes = _from_bytes(serialized_tensor.buffer, self.HEADER.size, numel, torch.float8_e4m3fn)
+        return _finish(_float8_values(codes, exponent), dtype, shape, serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 1 / info.descriptor.dtype.itemsize
+
+
+FLOAT8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# the scale's exponent stays where 2**e and every code times it are float32 values exactly (2**-9 codes
+# times 2**-126: 2**-135, a float32 subnormal)
+FLOAT8_MIN_EXPONENT, FLOAT8_MAX_EXPONENT = -126, 127
+
+
+def _float8_exponent(flat: torch.Tensor) -> int:
+    """The smallest e with max|finite values| / 2**e <= FLOAT8_MAX (within the exponent's range)."""
+    finite = flat[flat.isfinite()]
+    absmax = float(finite.abs().max()) if finite.numel() else 0.0
+    if absmax == 0.0:
+        return FLOAT8_MIN_EXPONENT
+    mantissa, exponent = math.frexp(absmax / FLOAT8_MAX)  # absmax / 448 = mantissa * 2**exponent, 0.5 <= m < 1
+    if mantissa == 0.5:
+        exponent -= 1  # an exact power of two is its own bound
+    return min(max(exponent, FLOAT8_MIN_EXPONENT), FLOAT8_MAX_EXPONENT)
+
+
+def float8_grid(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` rounded as Float8Codec sends it (float32, same shape): what the codec then sends of it unchanged,
+    whole or in any parts. Non-finite values become NaN."""
+    flat = tensor.detach().reshape(-1).to(torch.float32)
+    exponent = _float8_exponent(flat)
+    return _float8_values(_float8_codes(flat, exponent), exponent).reshape(tensor.shape)
+
+
+def _float8_codes(flat: torch.Tensor, exponent: int) -> torch.Tensor:
+    scaled = torch.ldexp(flat, torch.tensor(-exponent, dtype=torch.float32))
+    # (the cast would saturate inf to a finite code)
+    return torch.where(flat.isfinite(), scaled, math.nan).to(torch.float8_e4m3fn)
+
+
+def _float8_values(codes: torch.Tensor, exponent: int) -> torch.Tensor:
+    values = torch.ldexp(codes.to(torch.float32), torch.tensor(exponent, dtype=torch.float32))
+    # a code just under float32's largest value, times its scale, can round past it: finite stays finite
+    return torch.where(values.isinf(), values.sign() * _FP32_MAX, values)
+
+
 _CODECS_BY_NAME = {
     "none": NoCompression,
     "float16": Float16Codec,
     "bfloat16": BFloat16Codec,
     "blockwise8bit": Blockwise8BitCodec,
+    "float8": Float8Codec,
 }
-_INSTALLED = (Float16Codec, BFloat16Codec, Blockwise8BitCodec)
+_INSTALLED = (Float16Codec, BFloat16Codec, Blockwise8BitCodec, Float8Codec)
 
 
 def compression_for(name: str) -> CompressionBase:
@@ -159,6 +244,21 @@ def compression_for(name: str) -> CompressionBase:
     if name not in _CODECS_BY_NAME:
         raise ValueError(f"unknown averaging compression {name!r}; choose one of {sorted(_CODECS_BY_NAME)}")
     return _CODECS_BY_NAME[name]()
+
+
+def grid_for(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For a codec of fixed grid, the function that rounds a tensor as that codec sends it (whole or in any parts:
+    the result goes through unchanged); None for "none", which rounds nothing. ValueError for blockwise8bit,
+    whose grid depends on where the all-reduce cuts the tensor."""
+    if name == "none":
+        return None
+    if name == "float8":
+        return float8_grid
+    if name in ("float16", "bfloat16"):
+        limit, wire = (_FP16_MAX, torch.float16) if name == "float16" else (_BF16_MAX, torch.bfloat16)
+        return lambda tensor: _saturate(tensor.detach(), limit).to(wire).to(torch.float32)
+    raise ValueError(f"the {name!r} codec has no fixed grid to round onto in advance; choose one of "
+                     "float8, float16, bfloat16, none")
 
 
 def installed_compression(name: str) -> CompressionBase:
@@ -169,7 +269,8 @@ def installed_compression(name: str) -> CompressionBase:
 
 
 def install_codecs() -> None:
-    """Make hivemind (de)serialize FLOAT16, QUANTILE_8BIT and BLOCKWISE_8BIT with our codecs. Idempotent."""
+    """Make hivemind (de)serialize FLOAT16, QUANTILE_8BIT, BLOCKWISE_8BIT and UNIFORM_8BIT with our codecs.
+    Idempotent."""
     registry = _hivemind_registry()
     for codec_class in _INSTALLED:
         slot = runtime_pb2.CompressionType.Name(codec_class.compression_type)

@@ -12,7 +12,10 @@ the group forms ahead, a member gone fails the round, a replica behind or apart 
 state), but what they average is each server's pseudo-gradient: the slow weights, which every server holds
 alike, minus its own weights, weighted by the samples behind it. Every member then takes the same
 outer step on the mean (StageState.outer_step: Nesterov momentum, DiLoCo's lr 0.7 and momentum 0.9
-by default), so the slow weights stay equal, and goes on from them.
+by default), so the slow weights stay equal, and goes on from them. Pseudo-gradients travel through
+``averaging.pseudo_gradient_compression`` (float16 by default, float8 for 1 byte a value); with error
+feedback (on by default) a server rounds its own onto the codec's grid before the round and adds what
+was rounded off to its next one (swarm.averaging.feedback), so nothing the codec drops is lost, only late.
 
 Nothing waits on the network. The round runs beside compute, and inner steps go on meanwhile: what
 they do is kept on top of the new slow weights (``slow + (weights - weights at the round)``) and
@@ -43,7 +46,9 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from swarm.averaging.averager import MAX_FAILED_TRIES, PROCESS_START_TIMEOUT, StageAverager
+from swarm.averaging.codecs import grid_for
 from swarm.averaging.errors import AveragingError
+from swarm.averaging.feedback import ErrorFeedback
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
 from swarm.averaging.process import total_samples
 from swarm.averaging.progress import StageView, round_of
@@ -79,6 +84,9 @@ class LocalAverager(StageAverager):
         # this server's part of the samples of the stage's last round, and how many servers that round had
         self._share: tuple[float, int] | None = None
         self.last_drift = 0.0  # when this server last handed its weights to a round (swarm_averaging_replica_drift)
+        settings = config.averaging
+        self.feedback = ErrorFeedback(grid_for(settings.pseudo_gradient_compression)
+                                      if settings.pseudo_gradient_error_feedback else None)
         registry = registry or CollectorRegistry()
         super().__init__(state, dht, config, owner_key=owner_key, peer_id=peer_id, registry=registry,
                          start_timeout=start_timeout)
@@ -185,6 +193,7 @@ class LocalAverager(StageAverager):
         """Hand this server's pseudo-gradient to a round (or, alone, take the outer step on it now)."""
         with self.state.lock:  # (a record shows the samples handed over and the round's start at once)
             delta, snapshot = self.state.pseudo_gradient()
+            whole, sent = self.feedback.prepare(delta)  # (what earlier rounds' codec rounded off goes in too)
             self.last_drift = self.state.drift()
             samples, self._handed, self._samples_since = self._samples_since, self._samples_since, 0
             if view.group_size > 1:
@@ -193,20 +202,22 @@ class LocalAverager(StageAverager):
         log.debug("stage %d: the outer round after step %d begins with %d samples of ours: %s", self.stage,
                   view.step, samples, view)
         if view.group_size == 1:
-            return self._apply_outer(delta, snapshot, LOCAL, [self.peer_id], samples)
-        self._start_job(self._outer_round, view, delta, snapshot, samples)
+            return self._apply_outer(whole, snapshot, LOCAL, [self.peer_id], samples)
+        self._start_job(self._outer_round, view, whole, sent, snapshot, samples)
         self._tracker.nudge()
         return None
 
     # the round (averaging thread; returns what the compute thread applies)
-    def _outer_round(self, view: StageView, delta: list[torch.Tensor], snapshot: list[torch.Tensor],
-                     samples: int) -> Callable[[], Any]:
+    def _outer_round(self, view: StageView, whole: list[torch.Tensor], sent: list[torch.Tensor],
+                     snapshot: list[torch.Tensor], samples: int) -> Callable[[], Any]:
+        """`sent`: this server's pseudo-gradient rounded as the codec sends it (ErrorFeedback); `whole`: unrounded,
+        for the outer step this server takes alone if the round cannot be held."""
         failure: AveragingError | None = None
         with self._in_round():
             try:
                 control = self._armed_for(view)
-                # the pseudo-gradient as it is (a weight of none: zeros); the all-reduce weighs it by `samples`
-                self._load_buffers(delta, 1 if samples > 0 else 0)
+                # the pseudo-gradient as sent (a weight of none: zeros); the all-reduce weighs it by `samples`
+                self._load_buffers(sent, 1 if samples > 0 else 0)
                 gathered, _ = self._run_round(control, samples)
                 total, _ = total_samples(gathered, view.step, self.max_member_samples)
                 mean = self._read_buffers()
@@ -227,12 +238,13 @@ class LocalAverager(StageAverager):
                     "pseudo-gradient alone", self.stage, view.step, failure)
         if samples == 0:
             return self._end_round
-        return functools.partial(self._apply_outer, delta, snapshot, FAILED, [self.peer_id], samples)
+        return functools.partial(self._apply_outer, whole, snapshot, FAILED, [self.peer_id], samples)
 
     def _round_failed(self) -> None:
         """The samples handed to a failed round count towards the next try (compute thread)."""
         with self.state.lock:
             self._samples_since, self._handed = self._samples_since + self._handed, 0
+            self.feedback.discard()
         self._try_again([], 0)
 
     def _apply_outer(self, mean: list[torch.Tensor], snapshot: list[torch.Tensor], outcome: str,
@@ -248,11 +260,18 @@ class LocalAverager(StageAverager):
             norm = float("nan")
             if finite:  # (every member got the same mean: all skip alike)
                 norm = self.state.outer_step(mean, snapshot, self.outer_lr, self.outer_momentum)
+                if outcome != SUCCEEDED:
+                    self.feedback.reset()  # (alone, the step took the whole pseudo-gradient, residual included)
+                elif self._handed > 0:
+                    self.feedback.commit()  # (what the round took of ours was rounded: the rest goes next time)
+                else:
+                    self.feedback.discard()  # (ours weighed nothing: the residual is still owed)
                 self.state.set_round(round_of(self.state.step, members), len(members))
                 if outcome == SUCCEEDED and samples > 0:
                     self._share = (self._handed / samples, len(members))
             else:  # (its samples count towards the next try)
                 self._samples_since += self._handed
+                self.feedback.discard()
             self._handed = 0
             self._averaging = False
             self._params_changed()
@@ -268,6 +287,7 @@ class LocalAverager(StageAverager):
         adopted = super()._adopt(loaded, min_step)
         if adopted:
             self._samples_since = 0  # (this replica now stands at the slow weights)
+            self.feedback.reset()
             self.last_drift = 0.0
             self.drift.set(0.0)
         return adopted
@@ -275,3 +295,4 @@ class LocalAverager(StageAverager):
     def state_loaded(self) -> None:
         super().state_loaded()
         self._samples_since = 0
+        self.feedback.reset()

@@ -41,6 +41,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
+from swarm.averaging.codecs import Float8Codec, float8_grid
 from swarm.averaging.direct import Declarations, DirectKeyManager
 from swarm.averaging.errors import AveragingError
 from swarm.averaging.robust import RobustPolicy
@@ -99,6 +100,7 @@ class AveragingProcess(AveragerInternals):
         self.config = config
         self._policy = RobustPolicy(max_weight, config.aggregation, config.clip_factor)
         self._all_reduce = all_reduce  # False: sharded rounds, where a round only forms the group
+        self.round_compression = compression
         # declarations sent straight to this member (used in the child)
         self._declarations = Declarations(prefix, config.matchmaking_timeout + config.min_matchmaking_time)
         self.all_reduce_bytes = shared_counter()  # added to in the averaging process, read in this one
@@ -122,6 +124,11 @@ class AveragingProcess(AveragerInternals):
             client_mode=False,
             shutdown_timeout=config.shutdown_timeout,
         )
+
+    def canonical_grid(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        # float8: every member takes the reducers' rounded means as they are (PolicyAllReduceRunner), not each its
+        # own rounding of its difference from them (a few percent of it at 8 bits: the replicas would part)
+        return float8_grid if isinstance(self.round_compression, Float8Codec) else None
 
     def reducer_policy(self) -> RobustPolicy:
         return self._policy

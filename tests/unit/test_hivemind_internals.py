@@ -353,6 +353,27 @@ def test_the_all_reduce_still_sends_through_the_two_generators_we_count():
     assert ".rpc_aggregate_part(" in AVERAGER  # the averager hands each incoming stream to its round's runner
 
 
+def test_the_all_reduce_still_registers_results_as_the_canonical_runner_takes_them():
+    # PolicyAllReduceRunner(canonical=...) wraps the container's register_processed_part and register_failed_reducer
+    # (a failed reducer's parts go through the first), reads the local part at _input_parts_by_peer[peer][part][0],
+    # and answers AVERAGED_PART messages whose tensor_part it replaces; the reducer registers its own part's
+    # difference itself, and each reply is serialized with the part's own compression
+    from hivemind.averaging.partition import TensorPartContainer
+
+    container = class_source(TensorPartContainer)
+    assert list(inspect.signature(TensorPartContainer.register_processed_part).parameters) == [
+        "self", "peer_index", "part_index", "part"]
+    assert "self.register_processed_part(peer_index, part_index, part_result_or_delta)" in container
+    assert "self._input_parts_by_peer[assigned_peer_index].append((part, part_info))" in container
+    runner = class_source(AllReduceRunner)
+    assert "register_processed_part(peer_index, part_index, averaged_part - tensor_part)" in runner
+    assert "self.tensor_part_container.register_processed_part(peer_index, part_index, delta)" in runner
+    assert "register_failed_reducer(" in runner
+    assert "serialize_torch_tensor(averaged_part - tensor_part, part_compression)" in runner
+    assert "code=averaging_pb2.AVERAGED_PART, tensor_part=serialized_delta" in runner
+    assert assigns(AllReduceRunner, "ordered_peer_ids") and assigns(AllReduceRunner, "peer_id")
+
+
 def test_the_daemon_client_still_connects_and_opens_raw_streams_as_we_call_it():
     from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
 

@@ -113,6 +113,32 @@ def test_the_policy_reducer_runs_hivemind_s_part_protocol():
     torch.testing.assert_close(results[0][1], weighted_mean(parts[1][:2], weights[:2]))
 
 
+def test_a_canonical_reducer_gives_every_sender_the_same_rounded_part_and_keeps_it():
+    """With canonical (float8's grid), each part's aggregate is rounded once, and kept by part index for the replies
+    (PolicyAllReduceRunner sends it as it is)."""
+    from swarm.averaging.codecs import float8_grid
+
+    policy = RobustPolicy(max_weight=16.0, method="mean")
+    parts = [honest(2, d=300, seed=s) for s in (3, 4)]
+    made = []
+
+    async def run() -> list[list[torch.Tensor]]:
+        reducer = PolicyPartReducer([torch.Size([300]), torch.Size([300])], 2, policy, canonical=float8_grid)
+        made.append(reducer)
+
+        async def sender(index: int) -> list[torch.Tensor]:
+            return [await reducer.accumulate_part(index, part, parts[part][index], 1.0) for part in (0, 1)]
+
+        return await asyncio.gather(*(sender(i) for i in range(2)))
+
+    results = asyncio.run(asyncio.wait_for(run(), 10))
+    for part in (0, 1):
+        expected = float8_grid(weighted_mean(parts[part], [1.0, 1.0]))
+        assert torch.equal(made[0].results[part], expected)
+        assert all(torch.equal(sender[part], expected) for sender in results)
+        assert not torch.equal(expected, weighted_mean(parts[part], [1.0, 1.0]))  # (it did round)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 9])
 def test_coordinate_median_matches_sorting(n):
     xs = torch.randn(n, 1000)

@@ -266,8 +266,10 @@ class StageBackend(Worker):
         the gradient is: `grad_output` came from activations of then. A graph kept under `key` is
         used only if it was built on the parameters of now from the same `x`. Otherwise the forward
         is recomputed: if the stage has stepped once since, on the stashed parameters of then, so
-        the gradient is consistent (one step old); if more, on the parameters of now. `weight` scales the
-        parameters' gradient before it counts (0: it does not; the gradient of the input is returned as ever).
+        the gradient is consistent (one step old); if more, on the parameters of now. `weight` is the share of
+        the micro-batch the parameters' gradient counts for: round(weight x n) samples, its gradient scaled by
+        that over n, so the batch's gradient is a weighted mean (0: it does not count; the gradient of the input
+        is returned as ever).
         """
         staleness = None if forward_step is None else max(0, self.step - forward_step)
         predicted = None
@@ -313,12 +315,14 @@ class StageBackend(Worker):
             else:
                 self.cache.misses += 1
         if weight > 0:  # (0: the gradient of the input is all the caller gets; the parameters' is dropped)
-            if weight != 1:
+            counted = n
+            if weight != 1:  # it counts as round(weight x n) of the batch's samples, its gradient scaled alike
+                counted = max(1, round(weight * n))
                 with torch.no_grad():
                     for g in grads:
                         if g is not None:
-                            g.mul_(weight)
-            self.stepper.accumulate(grads, n)
+                            g.mul_(counted / n)
+            self.stepper.accumulate(grads, counted)
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if grad_input is None else self._to_host(grad_input)

@@ -263,8 +263,9 @@ class AveragingConfig:
     pseudo_gradient_error_feedback: bool = True
     # What the gradient of a backward counts for on a server that did not run its forward (the server that did
     # was gone): replicas differ by up to local_steps steps, so it is inconsistent; 0 drops it (the input's
-    # gradient still goes back to the stages before), 1 counts it in full (README, Averaging over home uplinks)
-    recomputed_weight: float = 0.0
+    # gradient still goes back to the stages before), 1 counts it in full. bench/recompute.py measured the best
+    # weight at 0.44-0.98 over a run (README, Low-communication mode): 0.5 is the least far from it at worst
+    recomputed_weight: float = 0.5
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")

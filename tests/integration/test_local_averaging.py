@@ -203,7 +203,7 @@ def first_stage_pair():
         yield config, peers[2], servers
 
 
-def test_a_backward_whose_forward_another_replica_ran_gives_its_input_gradient_but_counts_no_gradient(
+def test_a_backward_whose_forward_another_replica_ran_gives_its_input_gradient_and_counts_as_configured(
         first_stage_pair):
     config, caller, (a, b) = first_stage_pair
     p2p = caller.p2p()
@@ -218,11 +218,17 @@ def test_a_backward_whose_forward_another_replica_ran_gives_its_input_gradient_b
     def recomputed(server: StageServer) -> float:
         return server.registry.get_sample_value("swarm_server_recomputed_elsewhere_total") or 0.0
 
+    assert config.averaging.recomputed_weight == 0.5
     caller.loop.run(stub_a.forward(0, "m1", tokens, backward_follows=True), BACKEND_CALL_TIMEOUT)
     before = samples(b)
     reply = caller.loop.run(stub_b.backward(0, "m1", tokens, grad_outputs=grad), BACKEND_CALL_TIMEOUT)
-    assert samples(b) == before and recomputed(b) == 1  # (averaging.recomputed_weight 0: dropped)
+    # (averaging.recomputed_weight 0.5: half the micro-batch's samples, not enough for b's share of the batch, 4)
+    assert samples(b) == before + MICRO // 2 and recomputed(b) == 1
     assert reply.tensors == []  # (stage 0's input is tokens: no gradient to send back, but the call succeeded)
+    b.config.averaging.recomputed_weight = 0.0  # (read at each call)
+    caller.loop.run(stub_a.forward(0, "m0", tokens, backward_follows=True), BACKEND_CALL_TIMEOUT)
+    caller.loop.run(stub_b.backward(0, "m0", tokens, grad_outputs=grad), BACKEND_CALL_TIMEOUT)
+    assert samples(b) == before + MICRO // 2 and recomputed(b) == 2  # (0: dropped)
 
     before = samples(a)
     caller.loop.run(stub_a.forward(0, "m2", tokens, backward_follows=True), BACKEND_CALL_TIMEOUT)

@@ -279,3 +279,27 @@ def test_on_the_last_stage_a_backward_while_the_batch_is_due_runs_on_the_predict
     for got, expected in zip(optimizer.last, at_prediction.parameters()):
         torch.testing.assert_close(got, expected.grad)
     last.shutdown()
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, 1.0])
+def test_a_weighted_backward_counts_as_that_share_of_its_samples(weight):
+    """A backward of weight w counts as round(w x n) samples, its gradient scaled alike (a weighted mean of the
+    batch's micro-batches); 0 counts nothing. The gradient of the input is the same whatever the weight."""
+    config = tiny_config()
+    first, last = make_backends(config)
+    x, y = batch(3)  # (2 samples of the batch's 4: no step)
+    h = first.forward(x)
+    grad = last.backward(h, targets=y).grad_input
+    plain = build_stage(config, 0)
+    plain.load_state_dict(first.module.state_dict())
+    plain_opt = StageOptimizer(plain, config.optimizer)
+    torch.autograd.backward(plain(x), grad)
+    expected = [p.grad * weight for p in plain_opt.params]
+    result = first.backward(x, grad_output=grad, weight=weight)
+    assert result.grad_input is None  # (stage 0 takes tokens)
+    assert first.optimizer.samples == round(weight * 2)
+    for p, g in zip(first.optimizer.params, expected):
+        if weight == 0:
+            assert p.grad is None or not p.grad.any()
+        else:
+            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)

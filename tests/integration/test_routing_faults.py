@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from swarm.config import RunConfig
+from swarm.routing.balancer import REPROBE_SPACING
 from tests.helpers import wait_until
 from tests.procs import Coordinator, Peer, ProcSet, free_port, http_get, start_coordinator, start_peer
 
@@ -161,6 +162,7 @@ def test_with_one_micro_batch_in_flight_a_measured_slow_server_gets_no_work(
     # once the slow one has answered its first call (a newcomer is tried at once) it gets nothing;
     # least accumulated virtual time would have sent it a share and made the trainer wait on it.
     coordinator, normal, trainer = one_stage_with_a_trainer(procs, tiny_config_path, tmp_path, in_flight=1)
+    started = time.monotonic()
     slow = add_slow_server(procs, coordinator)
     # A call to the normal server that fails bans it for a while, and the slow one then rightly gets the
     # work; on loaded cores a libp2p stream between healthy peers now and then ends early (see README,
@@ -176,7 +178,11 @@ def test_with_one_micro_batch_in_flight_a_measured_slow_server_gets_no_work(
             break
     else:
         pytest.fail(f"a call failed in each of {CLEAN_WINDOW_ATTEMPTS} windows: {trainer.proc.describe()}")
-    assert to_slow == 0 and to_normal >= ONE_IN_FLIGHT_SAMPLES / 8, (to_normal, to_slow)
+    # Bar the balancer's re-test of a measured server, once idle REPROBE_SPACING times its last answer's duration
+    # (at least SLOW_DELAY here): on loaded cores the windows can outlast that (CI saw one re-test in a window)
+    elapsed = time.monotonic() - started
+    retests = int(elapsed // (REPROBE_SPACING * SLOW_DELAY))
+    assert to_slow <= retests and to_normal >= ONE_IN_FLIGHT_SAMPLES / 8, (to_normal, to_slow, elapsed)
     assert trainer.metric("swarm_trainer_failed_micro_batches_total") == 0.0, trainer.proc.describe()
 
 

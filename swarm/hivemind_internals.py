@@ -258,6 +258,9 @@ class PolicyAllReduceRunner(AllReduceRunner):
         def register_processed_part(peer_index: int, part_index: int, part: torch.Tensor) -> None:
             if peer_index != own and peer_index not in failed:
                 local = container._input_parts_by_peer[peer_index][part_index][0]
+                if part.shape != local.shape:  # (a difference would broadcast: fail this reducer's part instead)
+                    raise ValueError(f"reducer {peer_index} sent part {part_index} of shape {list(part.shape)}, "
+                                     f"expected {list(local.shape)}")
                 part = part.to(local.dtype) - local
             register(peer_index, part_index, part)
 

@@ -29,11 +29,12 @@ after averaging. Blockwise 8-bit cannot keep the sign of inf: NaN and ±inf all 
 They are left out of their block's scale, so the rest of the block keeps its precision. Float8 cannot
 either (float8_e4m3fn has no inf): NaN and +-inf decode as NaN, left out of the scale.
 
-Float8Codec is the one codec here that a sender can round onto in advance (:func:`float8_grid`): a tensor
-already on its grid goes through it unchanged, whole or cut into the parts hivemind's all-reduce sends.
-That is what error feedback needs (swarm.averaging.feedback): what the codec would round off stays with
-the sender instead of being lost on the way. The 16-bit codecs round each value alone, so they have this
-property too; Blockwise8BitCodec does not (its blocks start wherever a part starts).
+A sender can round a tensor onto a codec's grid in advance (:func:`grid_for`; :func:`float8_grid`): the
+rounded tensor then goes through the codec unchanged, whole or cut into the parts hivemind's all-reduce
+sends. That is what error feedback needs (swarm.averaging.feedback): what the codec would round off stays
+with the sender instead of being lost on the way. The 16-bit codecs round each value alone, and Float8Codec's
+power-of-two scale nests, so all three have such a grid; Blockwise8BitCodec does not (its blocks start
+wherever a part starts).
 
 Byte order is the host's (little-endian on every platform we run), as in hivemind.
 """

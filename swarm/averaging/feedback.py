@@ -9,9 +9,10 @@ full over the rounds, some of it a round late.
 
 Rounding in advance matters with hivemind's all-reduce: a member gets its own contribution back exactly and
 the others' through the codec, so without it each member would apply its own rounding error alone and the
-members' slow weights would part by it; with it, the reducers average the same values every member sent. (The
-mean still comes back to each member through the codec once, its difference from the member's contribution
-rounded: that part still differs between members by a rounding of that difference.)
+members' slow weights would part by it; with it, the reducers average the same values every member sent. The
+mean then comes back rounded once more: with float8, each reducer rounds its part of the mean once and every
+member takes that value (swarm.hivemind_internals.PolicyAllReduceRunner), so the members agree to the bit; with
+the 16-bit codecs each member gets its own difference from the mean, rounded, and they agree to that rounding.
 
 Pure tensors, no threads: the caller (LocalAverager, under the state's lock) says when a round took the
 rounded tensor (commit), when it did not (discard: the residual waits for the next try), and when the

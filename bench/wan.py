@@ -144,7 +144,7 @@ def base(results: list[dict], rate: float, through_delayer: bool, transport: str
                  and b["mode"] == mode), None)
 
 
-BYTES_PER_VALUE = {"none": 4, "float16": 2, "bfloat16": 2, "blockwise8bit": 1}  # (8-bit: its scales left out)
+BYTES_PER_VALUE = {"none": 4, "float16": 2, "bfloat16": 2, "blockwise8bit": 1, "float8": 1}  # (8-bit: scales left out)
 
 
 def rounds_line(r: dict, config: RunConfig, n: int) -> str:
@@ -192,6 +192,8 @@ def main() -> None:
                    help="averaging.mode of each run of a point")
     p.add_argument("--local-steps", type=int, default=50, help="averaging.local_steps in the local mode")
     p.add_argument("--wire-dtype", help="stages.wire_dtype (default: the config's)")
+    p.add_argument("--pseudo-gradient-compression",
+                   help="averaging.pseudo_gradient_compression in the local mode (default: the config's)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     config = RunConfig.load(args.config)
@@ -200,6 +202,8 @@ def main() -> None:
         config.stages.num_stages = args.stages
     if args.wire_dtype is not None:
         config.stages.wire_dtype = args.wire_dtype
+    if args.pseudo_gradient_compression is not None:
+        config.averaging.pseudo_gradient_compression = args.pseudo_gradient_compression
     config.data.max_bytes = min(config.data.max_bytes or 300_000, 300_000)
     config.validate()
     old = default_in_flight(config)

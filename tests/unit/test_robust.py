@@ -146,3 +146,31 @@ def test_coordinate_median_matches_sorting(n):
     ordered = xs.sort(dim=0).values
     expected = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
     torch.testing.assert_close(coordinate_median(xs), expected)
+
+
+def test_a_member_takes_a_canonical_reply_as_its_part_and_refuses_one_of_another_shape():
+    """PolicyAllReduceRunner(canonical=...) on the member's side: another reducer's reply is the part's value (the
+    update is its difference to the member's own part); a reply of another shape is refused before anything is
+    registered (a stranger reducer's reply must not broadcast); a failed reducer's parts stay the member's own."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from swarm.hivemind_internals import PolicyAllReduceRunner
+
+    local = torch.arange(12, dtype=torch.float32)
+
+    async def run() -> list[torch.Tensor]:
+        container = TensorPartContainer([local.clone()], [1, 1, 1], part_size_bytes=16)  # a part of 4 a peer
+        runner = SimpleNamespace(tensor_part_container=container, ordered_peer_ids=["me", "r1", "r2"], peer_id="me")
+        PolicyAllReduceRunner._take_results_as_values(runner)
+        container.register_processed_part(0, 0, torch.full((4,), 0.5))  # own: hivemind registers a difference
+        with pytest.raises(ValueError, match="shape"):
+            container.register_processed_part(1, 0, torch.ones(1))  # would broadcast over the part
+        container.register_processed_part(1, 0, torch.full((4,), 100.0))  # a value: the update is 100 - local
+        container.register_failed_reducer(2)  # nothing changes there
+        return [t async for t in container.iterate_output_tensors()]
+
+    (update,) = asyncio.run(asyncio.wait_for(run(), 10))
+    expected = torch.cat([torch.full((4,), 0.5), 100.0 - local[4:8], torch.zeros(4)])
+    assert torch.equal(update, expected)

@@ -4,9 +4,10 @@ With ``--checkpoint-dir``, the coordinator pulls each stage's newest checkpoint 
 announce one (every byte verified against its manifest, a holder that serves wrong bytes skipped),
 keeps them like a server does (``<dir>/<run_id>/stage<k>/``), and, whenever it holds a newer one of
 any stage, assembles a run checkpoint of every stage (``<dir>/<run_id>/run/``, what ``swarm-export``
-reads). It announces both in the DHT and serves them, so a stage whose servers all vanished resumes
-from the coordinator. The coordinator is optional: without it, servers still checkpoint on their
-own disks and serve each other.
+reads). In a run with expert servers it pulls each expert's newest checkpoint from its hosts the same
+way (``<dir>/<run_id>/expert<e>/``). It announces them all in the DHT and serves them, so a stage whose
+servers all vanished, or an expert whose hosts all did, resumes from the coordinator. The coordinator is
+optional: without it, servers still checkpoint on their own disks and serve each other.
 
 Every checkpoint the archive verified it signs (swarm.checkpoint.signing) with its own key, kept at
 ``<dir>/<run_id>/coordinator.key``: a stage checkpoint once fetched and installed, a run checkpoint
@@ -35,9 +36,9 @@ from swarm.checkpoint.signing import (
     key_digest,
     key_path,
     load_or_create_key,
+    part_kind,
     public_key_of,
     sign_checkpoint,
-    stage_kind,
     verify_signature,
 )
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
@@ -57,6 +58,7 @@ log = logging.getLogger("swarm.coordinator")
 
 LOOP_CALL_TIMEOUT = 30.0
 FETCH_TIMEOUT = 600.0  # one stage checkpoint from one holder
+Part = tuple[str, int]  # what a checkpoint is of: ("stage", k) or ("expert", e)
 # What a stage's checkpoint may weigh, per parameter of the model (4 bytes each for the parameter and
 # its two moments, plus room for buffers and the safetensors header)
 MAX_BYTES_PER_PARAM = 16
@@ -71,11 +73,17 @@ class RunArchive:
     """Pulls, verifies, keeps, serves and announces the run's checkpoints (see the module docstring)."""
 
     def __init__(self, config: RunConfig, root: Path, records: SwarmRecords, loop: BackgroundLoop, peer_id: str,
-                 max_stage_bytes: int):
+                 max_stage_bytes: int, max_expert_bytes: int | None = None):
         self.config, self.records, self.loop, self.peer_id = config, records, loop, peer_id
         self.state_hash = config.state_hash()
         keep = config.checkpoint.keep
         self.stages = {k: StageCheckpoints(root, config.run_id, k, keep) for k in range(config.stages.num_stages)}
+        moe = config.model.moe
+        self.experts = {e: StageCheckpoints(root, config.run_id, e, keep, part="expert")
+                        for e in range(moe.num_experts)} if moe is not None and moe.expert_servers else {}
+        self._stores: dict[Part, StageCheckpoints] = {
+            **{("stage", k): store for k, store in self.stages.items()},
+            **{("expert", e): store for e, store in self.experts.items()}}
         self.runs = RunCheckpoints(root, config.run_id, keep)
         # Its own key, not the libp2p identity's: that one may change every start, this must not.
         self.key_path = key_path(root, config.run_id)
@@ -84,17 +92,18 @@ class RunArchive:
         self.fingerprint = fingerprint(self._public_key)
         self._unsigned: set[str] = set()  # unsigned or foreign checkpoints already logged (bounded)
         self._intact_ids: set[tuple[str, str]] = set()  # (path, manifest id) of signed stage checkpoints that verify
-        self.max_stage_bytes = max_stage_bytes
+        self._max_bytes = {"stage": max_stage_bytes,
+                           "expert": max_stage_bytes if max_expert_bytes is None else max_expert_bytes}
         self._p2p: Any = None
         self._service: Any = None
         self._assembled: dict[int, str] = {}  # stage -> manifest id of the newest run checkpoint's part
         self._lock = threading.Lock()
-        # Who backs a stage checkpoint's step (swarm.checkpoint.claims): the stage's servers as this
-        # coordinator watched them, and the furthest step they made believable when last seen.
+        # Who backs a checkpoint's step (swarm.checkpoint.claims): the stage's servers (the expert's hosts) as
+        # this coordinator watched them, and the furthest step they made believable when last seen.
         self.min_tenure = config.averaging.min_tenure
-        self._tenure = {k: TenureBook(grace=config.network.record_ttl) for k in self.stages}
-        self._holders: dict[int, dict[str, float]] = {k: {} for k in self.stages}  # peer -> last seen established
-        self._bounds: dict[int, int] = {}
+        self._tenure = {key: TenureBook(grace=config.network.record_ttl) for key in self._stores}
+        self._holders: dict[Part, dict[str, float]] = {key: {} for key in self._stores}  # peer -> last established
+        self._bounds: dict[Part, int] = {}
         self._ignored: set[str] = set()  # claims already logged (bounded: cleared when it grows large)
 
     def start(self, p2p: Any) -> None:
@@ -125,27 +134,29 @@ class RunArchive:
                 log.warning("checkpoint archive: %s", e)
 
     def poll(self) -> bool:
-        """Pull any newer stage checkpoint, then assemble a run checkpoint if one came; whether one did."""
+        """Pull any newer stage (or expert) checkpoint, then assemble a run checkpoint if a stage's came; whether
+        one did."""
         with self._lock:
-            pulled = [stage for stage in self.stages if self._pull(stage)]
-            assembled = bool(pulled) and self._assemble()
+            pulled = [key for key in self._stores if self._pull(key)]
+            assembled = any(part == "stage" for part, _ in pulled) and self._assemble()
             if pulled:
                 self.announce()
             return assembled
 
-    def _pull(self, stage: int) -> bool:
-        store = self.stages[stage]
-        have = self._newest_step(stage)
-        records = [r for r in self.records.lookup_checkpoints(stage) if r.peer_id != self.peer_id]
-        records = self._believed(stage, records)
+    def _pull(self, key: Part) -> bool:
+        part, index = key
+        store = self._stores[key]
+        have = self._newest_step(key)
+        records = [r for r in self.records.lookup_checkpoints(index, part=part) if r.peer_id != self.peer_id]
+        records = self._believed(key, records)
         if not any(held.step > have for record in records for held in record.checkpoints):
             return False
         staging = store.new_temp_dir()
         try:
             fetched = self.loop.run(fetch_newest(self._p2p, records, self.config.run_id, staging,
-                                                 expect_stage=stage, expect_state_hash=self.state_hash,
-                                                 max_bytes=self.max_stage_bytes, min_step=have + 1,
-                                                 timeout=FETCH_TIMEOUT), 2 * FETCH_TIMEOUT)
+                                                 expect_stage=index, expect_state_hash=self.state_hash,
+                                                 max_bytes=self._max_bytes[part], min_step=have + 1,
+                                                 expect_part=part, timeout=FETCH_TIMEOUT), 2 * FETCH_TIMEOUT)
         finally:
             if not (staging / MANIFEST_NAME).exists():
                 shutil.rmtree(staging, ignore_errors=True)  # nothing came (or it was removed already)
@@ -154,17 +165,22 @@ class RunArchive:
         staged, held, holder = fetched
         path = store.install(staged)
         try:  # fetch_newest verified every byte against the manifest; install verified the files again
-            sign_checkpoint(path, self._key, kind=stage_kind(stage), run_id=self.config.run_id)
+            sign_checkpoint(path, self._key, kind=part_kind(part, index), run_id=self.config.run_id)
         except (CheckpointError, OSError) as e:  # unsigned, it stays unused: the next poll fetches it again
-            log.error("could not sign the checkpoint of stage %d at step %d (%s): %s", stage, held.step, path, e)
+            log.error("could not sign the checkpoint of %s %d at step %d (%s): %s", part, index, held.step, path, e)
             return False
-        log.info("pulled the checkpoint of stage %d at step %d from %s (%s)", stage, held.step, holder, path)
+        log.info("pulled the checkpoint of %s %d at step %d from %s (%s)", part, index, held.step, holder, path)
         return True
 
-    def _believed(self, stage: int, records: list[CheckpointRecord]) -> list[CheckpointRecord]:
-        """The checkpoints of `stage` whose step the stage's established servers back (claims.believed)."""
-        servers = online(self.records.lookup_servers(stage))
-        book, holders, now = self._tenure[stage], self._holders[stage], time.monotonic()
+    def _believed(self, key: Part, records: list[CheckpointRecord]) -> list[CheckpointRecord]:
+        """The checkpoints of `key` whose step the stage's established servers (the expert's established hosts)
+        back (claims.believed)."""
+        part, index = key
+        if part == "stage":
+            servers = online(self.records.lookup_servers(index))
+        else:
+            servers = [r for r in online(self.records.lookup_expert_hosts()) if index in r.experts]
+        book, holders, now = self._tenure[key], self._holders[key], time.monotonic()
         book.observe(r.peer_id for r in servers)
         established = [r for r in servers if book.established(r.peer_id, self.min_tenure)]
         for r in established:
@@ -174,8 +190,8 @@ class RunArchive:
             del holders[peer]
         bound = step_bound(r.step for r in established)
         if bound is not None:
-            self._bounds[stage] = bound
-        kept, ignored = believed(records, bound=self._bounds.get(stage), established=set(holders))
+            self._bounds[key] = bound
+        kept, ignored = believed(records, bound=self._bounds.get(key), established=set(holders))
         if len(self._ignored) > MAX_LOGGED_CLAIMS:
             self._ignored.clear()
         for line in ignored:
@@ -189,7 +205,7 @@ class RunArchive:
         newest: dict[int, Path] = {}
         ids: dict[int, str] = {}
         for stage in self.stages:
-            found = self._newest_intact(stage)
+            found = self._newest_intact(("stage", stage))
             if found is None:
                 return False  # not every stage has a checkpoint yet
             ids[stage], newest[stage] = found
@@ -216,11 +232,11 @@ class RunArchive:
     def announce(self) -> None:
         """Renew the records of what this coordinator holds."""
         ttl = self.config.network.record_ttl
-        for stage, store in self.stages.items():
-            held = _held(self._signed(store.entries(), stage_kind(stage))[:MAX_ANNOUNCED])
+        for (part, index), store in self._stores.items():
+            held = _held(self._signed(store.entries(), part_kind(part, index))[:MAX_ANNOUNCED])
             if held:
-                record = CheckpointRecord(peer_id=self.peer_id, stage=stage, state_hash=self.state_hash,
-                                          checkpoints=held)
+                record = CheckpointRecord(peer_id=self.peer_id, stage=index, state_hash=self.state_hash,
+                                          checkpoints=held, part=part)
                 self.records.announce_checkpoints(record, ttl=ttl)
         newest = self._signed(self.runs.entries(), RUN_KIND)
         if newest:
@@ -246,11 +262,12 @@ class RunArchive:
                 log.debug("removing the checkpoint service: %s", e)
 
     def _resolve(self, wanted: str) -> Path | None:
-        """The signed stage checkpoint with manifest id `wanted` (only what this archive vouches for is served)."""
-        for stage, store in self.stages.items():
+        """The signed stage (or expert) checkpoint with manifest id `wanted` (only what this archive vouches for is
+        served)."""
+        for (part, index), store in self._stores.items():
             path = store.path_for(wanted)
             if path is not None:
-                return path if self._signed([path], stage_kind(stage)) else None
+                return path if self._signed([path], part_kind(part, index)) else None
         return None
 
     def _signed(self, paths: list[Path], kind: str) -> list[Path]:
@@ -270,15 +287,16 @@ class RunArchive:
             kept.append(path)
         return kept
 
-    def _newest_intact(self, stage: int) -> tuple[str, Path] | None:
-        """(manifest id, path) of the newest checkpoint of `stage` here that this archive signed and whose files
+    def _newest_intact(self, part_key: Part) -> tuple[str, Path] | None:
+        """(manifest id, path) of the newest checkpoint of `part_key` here that this archive signed and whose files
         verify (its tensors are not read); remembered per manifest id, so a poll does not rehash them."""
-        store = self.stages[stage]
-        for path in self._signed(store.entries(), stage_kind(stage)):
+        part, index = part_key
+        store = self._stores[part_key]
+        for path in self._signed(store.entries(), part_kind(part, index)):
             try:
                 key = (str(path), manifest_id(read_manifest(path)))
                 if key not in self._intact_ids:
-                    check_stage(path, run_id=store.run_id, stage=stage, state_hash=self.state_hash)
+                    check_stage(path, run_id=store.run_id, stage=index, state_hash=self.state_hash, part=part)
                     if len(self._intact_ids) > MAX_INTACT_IDS:
                         self._intact_ids.clear()
                     self._intact_ids.add(key)
@@ -288,9 +306,9 @@ class RunArchive:
             return key[1], path
         return None
 
-    def _newest_step(self, stage: int) -> int:
-        """The step of the newest signed checkpoint of `stage` here that verifies (-1: none)."""
-        found = self._newest_intact(stage)
+    def _newest_step(self, key: Part) -> int:
+        """The step of the newest signed checkpoint of `key` here that verifies (-1: none)."""
+        found = self._newest_intact(key)
         return int(found[1].name.removeprefix("step")) if found is not None else -1
 
 

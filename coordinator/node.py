@@ -26,7 +26,7 @@ from swarm.dht import (
 from swarm.dht.node import NatOptions
 from swarm.dht.reachability import serve_dial_back
 from swarm.metrics import MetricsServer, Reply, Request
-from swarm.model import build_stage
+from swarm.model import build_stage, make_expert
 from swarm.traffic import TrafficCollector
 
 from .archive import MAX_BYTES_PER_PARAM, RunArchive
@@ -88,8 +88,13 @@ class Coordinator:
         with torch.device("meta"):  # sizes only, no memory
             params = max(sum(p.numel() for p in build_stage(self.config, k).parameters())
                          for k in range(self.config.stages.num_stages))
+            moe_layers = self.config.model.moe_layers() if self.config.model.moe is not None else []
+            # an expert's checkpoint holds it in every MoE block (and, as any state, its gradient being accumulated)
+            expert = sum(p.numel() for layer in moe_layers
+                         for p in make_expert(self.config.model, layer, 0).parameters())
         self.archive = RunArchive(self.config, root, self.records, self.loop, self.peer_id,
-                                  max_stage_bytes=MAX_BYTES_PER_PARAM * params + 2**20)
+                                  max_stage_bytes=MAX_BYTES_PER_PARAM * params + 2**20,
+                                  max_expert_bytes=MAX_BYTES_PER_PARAM * expert + 2**20)
         self.archive.start(p2p)
         threading.Thread(target=self.archive.run, args=(self._stop_archive,), name="archive", daemon=True).start()
         log.info("keeping the run's checkpoints in %s", root)

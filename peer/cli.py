@@ -247,7 +247,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
                 run_server(args, config, dht, records, loop, device, registry, stop, metrics_addr,
                            coordinator=info.coordinator_peer_id, reachability=reachability)
             elif role == "expert":
-                run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability)
+                run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability,
+                           coordinator=info.coordinator_peer_id)
             else:
                 run_trainer(args, config, dht, records, loop, registry, stop, metrics_addr)
         finally:
@@ -318,13 +319,15 @@ class CurrentRegistry:
             yield from self.registry.collect()
 
 
-def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability=None) -> None:
+def run_expert(args, config, dht, records, loop, device, registry, stop, metrics_addr, reachability=None,
+               coordinator: str | None = None) -> None:
     from swarm.serving import ExpertOptions, ExpertServer
 
     checkpoint_dir = checkpoint_root(args)
     options = ExpertOptions(experts=args.experts, count=args.expert_count, device=device,
                             inject_delay=args.inject_delay, inject_failure_rate=args.inject_failure_rate,
-                            metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir, reachability=reachability)
+                            metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir, reachability=reachability,
+                            coordinator_peer_id=coordinator)
     serve_until(ExpertServer(config, dht, records, loop, options, registry), stop)
 
 

@@ -32,6 +32,9 @@ class ConfigError(ValueError):
     """A run config is malformed; the message names the field."""
 
 
+MAX_EXPERTS = 256  # experts per block a run with expert servers may have (swarm.dht enumerates their keys)
+
+
 @dataclass
 class MoEConfig:
     """Mixture-of-experts: the MLP of every `every`-th block (blocks i with (i + 1) % every == 0) becomes
@@ -54,8 +57,12 @@ class MoEConfig:
 
     def validate(self) -> None:
         _positive(self, "every", "model.moe")
+
         if self.num_experts < 2:
             raise ConfigError(f"model.moe.num_experts must be at least 2, got {self.num_experts}")
+        if self.expert_servers is True and self.num_experts > MAX_EXPERTS:
+            raise ConfigError(f"model.moe.num_experts is at most {MAX_EXPERTS} with expert servers (the DHT has a "
+                              f"checkpoint key per expert), got {self.num_experts}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"model.moe.top_k must be in 1..model.moe.num_experts ({self.num_experts}), "
                               f"got {self.top_k}")
@@ -266,9 +273,16 @@ class AveragingConfig:
     # gradient still goes back to the stages before), 1 counts it in full. bench/recompute.py measured the best
     # weight at 0.44-0.98 over a run (README, Low-communication mode): 0.5 is the least far from it at worst
     recomputed_weight: float = 0.5
+    # Expert servers: every this many seconds the hosts of an expert average its parameters, so replicas that took
+    # different backwards end equal (swarm.serving.replicas); 0: never
+    expert_replica_period: float = 30.0
 
     def validate(self) -> None:
         _choice(self, "compression", COMPRESSIONS, "averaging")
+        period = self.expert_replica_period
+        if isinstance(period, bool) or not isinstance(period, (int, float)) or not 0.0 <= period < float("inf"):
+            raise ConfigError(f"averaging.expert_replica_period must be a finite number of seconds, not negative "
+                              f"(0: never), got {period!r}")
         _choice(self, "mode", AVERAGING_MODES, "averaging")
         _choice(self, "pseudo_gradient_compression", COMPRESSIONS, "averaging")
         if not (isinstance(self.local_steps, int) and not isinstance(self.local_steps, bool) and self.local_steps >= 1):

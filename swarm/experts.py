@@ -17,11 +17,7 @@ Inputs are checked before any compute: the block and experts must be hosted here
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +26,7 @@ from swarm.backend import Worker
 from swarm.config import RunConfig
 from swarm.model import make_expert
 from swarm.optim import StageOptimizer
+from swarm.state import StateInfo, StateRejected
 from swarm.threads import Owner
 
 
@@ -162,19 +159,23 @@ class ExpertHost(Worker):
     def import_expert(self, layer: int, expert: int, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         """Take over an expert's state as :meth:`export_expert` gives it; ValueError (and nothing changed)
         if it does not fit this expert exactly."""
+        self.check_expert(layer, expert, meta, tensors)
+        self._apply_expert(layer, expert, meta, tensors)
+
+    def check_expert(self, layer: int, expert: int, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        """ValueError unless (meta, tensors) is a state :meth:`import_expert` can take for this expert."""
         key = (layer, expert)
         if key not in self.modules:
             raise ValueError(f"expert {expert} of block {layer} is not hosted here")
-        optimizer = self.optimizers[key]
-        params = optimizer.params
-        total = sum(p.numel() for p in params)
+        total = sum(p.numel() for p in self.optimizers[key].params)
         if len(tensors) != 4:
             raise ValueError(f"an expert's state is 4 tensors, got {len(tensors)}")
-        for name, t, sizes in zip(("parameters", "exp_avg", "exp_avg_sq", "gradient"), tensors,
-                                  ((total,), (0, total), (0, total), (0, total))):
-            if t.dtype != torch.float32 or t.dim() != 1 or t.numel() not in sizes:
+        for name, t, sizes in zip(SLOTS, tensors, ((total,), (0, total), (0, total), (0, total))):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 \
+                    or t.numel() not in sizes:
+                found = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"the expert's {name} must be flat float32 of {' or '.join(map(str, sizes))} "
-                                 f"elements, got {t.dtype} {list(t.shape)}")
+                                 f"elements, got {found}")
             if not torch.isfinite(t).all():
                 raise ValueError(f"the expert's {name} have non-finite values")
         if (tensors[1].numel() == 0) != (tensors[2].numel() == 0):
@@ -185,6 +186,10 @@ class ExpertHost(Worker):
         adam_step = meta.get("adam_step")
         if isinstance(adam_step, bool) or not isinstance(adam_step, (int, float)) or not 0 <= adam_step < 2**53:
             raise ValueError(f"adam_step must be a non-negative number, got {adam_step!r}")
+
+    def _apply_expert(self, layer: int, expert: int, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        optimizer = self.optimizers[layer, expert]
+        params = optimizer.params
         sizes = [p.numel() for p in params]
         with torch.no_grad():
             for p, part in zip(params, tensors[0].split(sizes)):
@@ -193,74 +198,85 @@ class ExpertHost(Worker):
                 moments = {}
                 for i, (p, avg, sq) in enumerate(zip(params, tensors[1].split(sizes), tensors[2].split(sizes))):
                     moments.update({f"{i}/exp_avg": avg.view_as(p).clone(), f"{i}/exp_avg_sq": sq.view_as(p).clone(),
-                                    f"{i}/step": torch.tensor(float(adam_step))})
-                optimizer.load_moments(moments, numbers["step_count"])
-            optimizer.step_count = numbers["step_count"]
+                                    f"{i}/step": torch.tensor(float(meta["adam_step"]))})
+                optimizer.load_moments(moments, meta["step_count"])
+            optimizer.step_count = meta["step_count"]
             for p, part in zip(params, tensors[3].split(sizes) if tensors[3].numel() else [None] * len(params)):
                 p.grad = None if part is None else part.view_as(p).clone()
-            optimizer.samples = numbers["samples"]
+            optimizer.samples = meta["samples"]
 
 
 SLOTS = ("parameters", "exp_avg", "exp_avg_sq", "gradient")  # the tensors of export_expert, in order
-_CHECKPOINT = re.compile(r"experts-step(\d{10})-([\d.]+)\.safetensors")
+REPLICA_ROUND = "expert"  # the round id an expert's state says made it (its hosts' averaging has no round ids)
 
 
-def save_experts(states: dict[tuple[int, int], tuple[dict[str, Any], list[torch.Tensor]]], directory: Path,
-                 step: int, state_hash: str, keep: int) -> Path:
-    """Write hosted experts' states (export_expert's, by (block, expert)) as one safetensors file
-    ``experts-step{step}-{e.e...}.safetensors`` in `directory`, named by the experts it holds (servers
-    of other experts may share the directory), atomically (a temporary file of this process, fsynced,
-    renamed); keep the `keep` newest files of these experts."""
-    from safetensors.torch import save_file
+class ExpertState:
+    """One expert of an ExpertHost, in every MoE block: what its checkpoints hold (a StageKeeper keeps them,
+    with part "expert") and what a host joining it downloads. The same interface as swarm.state.StageState:
+    `stage` (here the expert's index), `step`, `state_dict`, `load_state_dict`, `nbytes`.
 
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {f"{layer}.{expert}.{slot}": t.contiguous()
-               for (layer, expert), (_, flat) in states.items() for slot, t in zip(SLOTS, flat)}
-    numbers = {f"{layer}.{expert}": json.dumps({k: meta[k] for k in ("step_count", "samples", "adam_step")})
-               for (layer, expert), (meta, _) in states.items()}
-    hosted = ".".join(map(str, sorted({expert for _, expert in states})))
-    path = directory / f"experts-step{step:010d}-{hosted}.safetensors"
-    temp = directory / f".tmp-{os.getpid()}-{path.name}"
-    save_file(tensors, str(temp), metadata={"state_hash": state_hash, **numbers})
-    with open(temp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    ours = [p for p in expert_checkpoints(directory) if _CHECKPOINT.fullmatch(p.name).group(2) == hosted]
-    for old in ours[:-keep or None]:
-        old.unlink(missing_ok=True)
-    return path
+    Tensors, for each MoE block L: ``L.parameters``, ``L.exp_avg``, ``L.exp_avg_sq``, ``L.gradient`` (flat
+    float32, as export_expert gives them), ``L.counts`` (int64: step count, samples) and ``L.adam_step``
+    (float64). Read and replaced on the host's worker thread (its optimizers check it, swarm.threads).
+    """
 
+    def __init__(self, host: ExpertHost, expert: int):
+        if expert not in host.experts:
+            raise ValueError(f"expert {expert} is not hosted here (this host has {host.experts})")
+        self.host = host
+        self.stage = expert
 
-def expert_checkpoints(directory: Path) -> list[Path]:
-    """The expert checkpoint files in `directory`, oldest step first."""
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if _CHECKPOINT.fullmatch(p.name)),
-                  key=lambda p: (_CHECKPOINT.fullmatch(p.name).group(1), p.name))
+    @property
+    def step(self) -> int:
+        """Optimizer steps this expert took in every MoE block."""
+        return min(self.host.optimizers[layer, self.stage].step_count for layer in self.host.layers)
 
+    def state_dict(self) -> tuple[StateInfo, dict[str, torch.Tensor]]:
+        """A copy of the expert's whole state (read between two tasks on the host's worker thread)."""
+        tensors = {}
+        for layer in self.host.layers:
+            meta, flat = self.host.export_expert(layer, self.stage)
+            tensors.update({f"{layer}.{slot}": t for slot, t in zip(SLOTS, flat)})  # flat copies already
+            tensors[f"{layer}.counts"] = torch.tensor([meta["step_count"], meta["samples"]], dtype=torch.int64)
+            tensors[f"{layer}.adam_step"] = torch.tensor(float(meta["adam_step"]), dtype=torch.float64)
+        return StateInfo(self.stage, self.step, REPLICA_ROUND, 1), tensors
 
-def load_experts(path: Path, state_hash: str) -> dict[tuple[int, int], tuple[dict[str, Any], list[torch.Tensor]]]:
-    """The expert states in a file save_experts wrote; ValueError if it is of another run config or malformed
-    (the values themselves are checked by ExpertHost.import_expert)."""
-    from safetensors import safe_open
+    def load_state_dict(self, info: StateInfo, tensors: Mapping[str, Any]) -> None:
+        """Replace the expert's state with `tensors` (as :meth:`state_dict` names them); StateRejected, and
+        nothing changed, unless every block's part fits this expert exactly."""
+        if info.stage != self.stage:
+            raise StateRejected(f"the state is of expert {info.stage}, not {self.stage}")
+        expected = {f"{layer}.{name}" for layer in self.host.layers for name in (*SLOTS, "counts", "adam_step")}
+        if set(tensors) != expected:
+            raise StateRejected(f"the expert's state must hold exactly {sorted(expected)}; missing "
+                                f"{sorted(expected - set(tensors))[:4]}, unknown {sorted(set(tensors) - expected)[:4]}")
+        states = {}
+        for layer in self.host.layers:
+            counts, adam_step = tensors[f"{layer}.counts"], tensors[f"{layer}.adam_step"]
+            if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or tuple(counts.shape) != (2,):
+                raise StateRejected(f"{layer}.counts must be 2 int64 numbers (step count, samples)")
+            if not isinstance(adam_step, torch.Tensor) or adam_step.dtype != torch.float64 or adam_step.numel() != 1:
+                raise StateRejected(f"{layer}.adam_step must be one float64 number")
+            meta = {"step_count": int(counts[0]), "samples": int(counts[1]), "adam_step": float(adam_step)}
+            flat = [tensors[f"{layer}.{slot}"] for slot in SLOTS]
+            try:
+                self.host.check_expert(layer, self.stage, meta, flat)
+            except ValueError as e:
+                raise StateRejected(f"block {layer}: {e}") from None
+            states[layer] = (meta, flat)
+        if min(meta["step_count"] for meta, _ in states.values()) != info.step:  # a block may be one step ahead
+            raise StateRejected(f"the state says step {info.step}, but its blocks' least step count differs")
+        for layer, (meta, flat) in states.items():
+            self.host._apply_expert(layer, self.stage, meta, flat)
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("state_hash") != state_hash:
-                raise ValueError(f"{path} holds experts of another run config")
-            states = {}
-            for key, text in metadata.items():
-                if key == "state_hash":
-                    continue
-                layer, expert = (int(part) for part in key.split("."))
-                meta = json.loads(text)
-                states[layer, expert] = (meta, [f.get_tensor(f"{key}.{slot}") for slot in SLOTS])
-            return states
-    except ValueError:
-        raise
-    except Exception as e:  # a truncated file, a bad header: safetensors raises several types
-        raise ValueError(f"{path} is not a readable expert checkpoint ({type(e).__name__}: {e})") from None
+    def nbytes(self) -> int:
+        """Bytes of a whole state: 4 flat float32 tensors of the expert's parameters per block, and the numbers."""
+        params = sum(p.numel() for p in self.host.optimizers[self.host.layers[0], self.stage].params)
+        return len(self.host.layers) * (4 * 4 * params + 2 * 8 + 8)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The expert's parameters, block by block in the host's order (the tensors themselves)."""
+        return [p for layer in self.host.layers for p in self.host.optimizers[layer, self.stage].params]
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -51,19 +51,20 @@ def believed(
             continue
         if established is not None and record.peer_id not in established:
             if record.checkpoints:
-                ignored.append(f"{record.peer_id} announces checkpoints of stage {record.stage} up to step "
-                               f"{max(h.step for h in record.checkpoints)} but is not an established server of it")
+                who = "server" if record.part == "stage" else "host"
+                ignored.append(f"{record.peer_id} announces checkpoints of {record.part} {record.stage} up to step "
+                               f"{max(h.step for h in record.checkpoints)} but is not an established {who} of it")
             continue
         if bound is None:
             if record.checkpoints:
-                ignored.append(f"{record.peer_id} announces checkpoints of stage {record.stage}, and no server's "
-                               "record says how far the run has trained")
+                ignored.append(f"{record.peer_id} announces checkpoints of {record.part} {record.stage}, and no "
+                               "server's record says how far the run has trained")
             continue
         good = [held for held in record.checkpoints if held.step <= bound]
         far = [held.step for held in record.checkpoints if held.step > bound]
         if far:
-            ignored.append(f"{record.peer_id} announces a checkpoint of stage {record.stage} at step {max(far)}, "
-                           f"beyond step {bound}, the furthest the servers' records make believable")
+            ignored.append(f"{record.peer_id} announces a checkpoint of {record.part} {record.stage} at step "
+                           f"{max(far)}, beyond step {bound}, the furthest the servers' records make believable")
         if good:
             kept.append(record.copy(update={"checkpoints": good}))
     return kept, ignored

@@ -46,27 +46,40 @@ MAX_ANNOUNCED = 8  # checkpoints listed in this server's record (newest first)
 
 
 class KeeperMetrics:
-    def __init__(self, registry: CollectorRegistry, stage: int):
-        label = str(stage)
+    """The checkpoint metrics of one server, labelled by what each keeper keeps ("0": stage 0, "expert3")."""
+
+    def __init__(self, registry: CollectorRegistry):
         self.writes = Counter("swarm_checkpoint_writes", "Checkpoints of the stage this server wrote to its disk",
                               ["stage", "outcome"], registry=registry)
         self.write_seconds = Histogram("swarm_checkpoint_write_seconds", "Time to write one checkpoint (beside "
-                                       "compute)", ["stage"], registry=registry).labels(stage=label)
+                                       "compute)", ["stage"], registry=registry)
         self.step = Gauge("swarm_checkpoint_step", "Step of the newest checkpoint this server wrote or resumed "
-                          "from", ["stage"], registry=registry).labels(stage=label)
+                          "from", ["stage"], registry=registry)
 
 
 class StageKeeper:
-    """Checkpoints of one stage replica; create it once the replica's state exists, `start` it once serving."""
+    """Checkpoints of one stage replica (or, with `part` "expert", of one expert an expert host hosts: `state` is
+    then its swarm.experts.ExpertState); create it once the state exists, `start` it once serving.
+
+    Several keepers of one server share one KeeperMetrics (`metrics`), and one checkpoint service (the first
+    serves, the others `start(p2p, serve=False)`; serve_checkpoints resolves through every keeper's store)."""
 
     def __init__(self, state: StageState, config: RunConfig, root: Path, records: SwarmRecords,
                  loop: BackgroundLoop, peer_id: str, registry: CollectorRegistry | None = None,
-                 trusted_holders: Collection[str] = ()):
+                 trusted_holders: Collection[str] = (), part: str = "stage", metrics: KeeperMetrics | None = None):
         self.state, self.config, self.records, self.loop, self.peer_id = state, config, records, loop, peer_id
         self.trusted_holders = frozenset(trusted_holders)  # the coordinator: it keeps only checkpoints it vetted
-        self.metrics = KeeperMetrics(registry or CollectorRegistry(), state.stage)
+        self.part = part
+        self.label = f"{part} {state.stage}"  # for logs
+        metric_label = str(state.stage) if part == "stage" else f"{part}{state.stage}"
+        metrics = metrics or KeeperMetrics(registry or CollectorRegistry())
+        self._writes = lambda outcome: metrics.writes.labels(stage=metric_label, outcome=outcome)
+        self._write_seconds = metrics.write_seconds.labels(stage=metric_label)
+        self._step_gauge = metrics.step.labels(stage=metric_label)
+        # how many of what is kept the run has: its stages, or its experts per block
+        self.count = config.model.moe.num_experts if part == "expert" else config.stages.num_stages
         self.settings = config.checkpoint
-        self.store = StageCheckpoints(root, config.run_id, state.stage, self.settings.keep)
+        self.store = StageCheckpoints(root, config.run_id, state.stage, self.settings.keep, part)
         self.state_hash = config.state_hash()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint{state.stage}")
         self._writing: Future | None = None
@@ -74,6 +87,7 @@ class StageKeeper:
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
         self._service: Any = None
+        self._serving = False  # start() ran: this keeper's checkpoints are announced (and served)
         self._p2p: Any = None
         self.written = 0  # checkpoints written by this server (for metrics and tests)
 
@@ -87,9 +101,9 @@ class StageKeeper:
         local = self._newest_local()
         local_step = -1 if local is None else local[0].step
         try:
-            remote = self._believed(self.records.lookup_checkpoints(self.state.stage))
+            remote = self._believed(self.records.lookup_checkpoints(self.state.stage, part=self.part))
         except Exception as e:  # noqa: BLE001 - the DHT is down: what is on disk is all there is
-            log.warning("stage %d: could not look up checkpoints in the DHT: %s", self.state.stage, e)
+            log.warning("%s: could not look up checkpoints in the DHT: %s", self.label, e)
             remote = []
         if any(held.step > local_step for record in remote for held in record.checkpoints):
             fetched = self._fetch(p2p, remote, local_step + 1)
@@ -102,10 +116,10 @@ class StageKeeper:
         try:
             self.state.load_state_dict(info, tensors)
         except StateRejected as e:
-            raise CheckpointError(f"checkpoint {path} does not fit this stage: {e}") from None
+            raise CheckpointError(f"checkpoint {path} does not fit this {self.part}: {e}") from None
         self.schedule.restored(manifest.step)
-        self.metrics.step.set(manifest.step)
-        log.info("stage %d: resumed from the checkpoint of step %d (%s)", self.state.stage, manifest.step, path)
+        self._step_gauge.set(manifest.step)
+        log.info("%s: resumed from the checkpoint of step %d (%s)", self.label, manifest.step, path)
         return manifest.step
 
     def _believed(self, remote: list[CheckpointRecord]) -> list[CheckpointRecord]:
@@ -118,7 +132,7 @@ class StageKeeper:
             steps = []
         kept, ignored = believed(remote, bound=step_bound(steps), trusted=self.trusted_holders)
         for line in ignored:
-            log.warning("stage %d: ignoring a checkpoint claim: %s", self.state.stage, line)
+            log.warning("%s: ignoring a checkpoint claim: %s", self.label, line)
         return kept
 
     def _newest_local(self) -> tuple[Any, dict[str, torch.Tensor], Path] | None:
@@ -133,22 +147,26 @@ class StageKeeper:
         max_bytes = 2 * self.state.nbytes() + 2**20
         fetched = self.loop.run(fetch_newest(p2p, remote, self.config.run_id, staging, expect_stage=self.state.stage,
                                              expect_state_hash=self.state_hash, max_bytes=max_bytes,
-                                             min_step=min_step, timeout=FETCH_TIMEOUT),
+                                             min_step=min_step, expect_part=self.part, timeout=FETCH_TIMEOUT),
                                 FETCH_TIMEOUT * 2)
         if fetched is None:
-            log.warning("stage %d: no holder served a newer checkpoint than this disk's", self.state.stage)
+            log.warning("%s: no holder served a newer checkpoint than this disk's", self.label)
             return None
         staged, held, holder = fetched
         path = self.store.install(staged)
-        log.info("stage %d: fetched the checkpoint of step %d from %s", self.state.stage, held.step, holder)
+        log.info("%s: fetched the checkpoint of step %d from %s", self.label, held.step, holder)
         manifest, _, tensors = self.store.load(path, state_hash=self.state_hash)
         return manifest, tensors, path
 
     # serving
-    def start(self, p2p: Any) -> None:
-        """Serve this stage's checkpoints to peers and announce them in the DHT."""
-        self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, self.store.path_for),
-                                      LOOP_CALL_TIMEOUT)
+    def start(self, p2p: Any, serve: bool | Callable[[str], Path | None] = True) -> None:
+        """Announce this stage's checkpoints in the DHT, and serve them to peers: `serve` True serves this
+        keeper's, a function (manifest id -> directory) serves what it resolves (the keepers of one server
+        share one service), False serves nothing (another keeper's service does)."""
+        if serve:
+            resolve = self.store.path_for if serve is True else serve
+            self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, resolve), LOOP_CALL_TIMEOUT)
+        self._serving = True
         self._p2p = p2p
         self.schedule.restart_clock()
         self._announcer = threading.Thread(target=self._announce_forever, name="checkpoints", daemon=True)
@@ -167,11 +185,11 @@ class StageKeeper:
         self._stop.set()
         if self._writing is not None:
             self._writing.result(FINAL_WRITE_TIMEOUT)
-        if snapshot is not None and self._service is not None and self.state.step > self.schedule.last_step:
+        if snapshot is not None and self._serving and self.state.step > self.schedule.last_step:
             try:
                 self._write(*snapshot())
             except Exception as e:  # noqa: BLE001 - stopping anyway; the previous checkpoint stays
-                log.warning("stage %d: the last checkpoint could not be written: %s", self.state.stage, e)
+                log.warning("%s: the last checkpoint could not be written: %s", self.label, e)
         self._writer.shutdown(wait=True)
         if self._service is not None and self.loop.is_running:
             try:
@@ -183,18 +201,18 @@ class StageKeeper:
     def _write(self, info: StateInfo, tensors: dict[str, torch.Tensor]) -> None:
         started = time.monotonic()
         try:
-            _, _, path = self.store.write(tensors, step=info.step, num_stages=self.config.stages.num_stages,
+            _, _, path = self.store.write(tensors, step=info.step, num_stages=self.count,
                                           state_hash=self.state_hash, round_id=info.round_id, group=info.group)
         except (CheckpointError, OSError) as e:
-            self.metrics.writes.labels(stage=str(self.state.stage), outcome="failed").inc()
-            log.error("stage %d: writing the checkpoint of step %d failed: %s", self.state.stage, info.step, e)
+            self._writes("failed").inc()
+            log.error("%s: writing the checkpoint of step %d failed: %s", self.label, info.step, e)
             return
         self.schedule.done(info.step)
         self.written += 1
-        self.metrics.writes.labels(stage=str(self.state.stage), outcome="succeeded").inc()
-        self.metrics.write_seconds.observe(time.monotonic() - started)
-        self.metrics.step.set(info.step)
-        log.info("stage %d: checkpoint of step %d written in %.2fs (%s)", self.state.stage, info.step,
+        self._writes("succeeded").inc()
+        self._write_seconds.observe(time.monotonic() - started)
+        self._step_gauge.set(info.step)
+        log.info("%s: checkpoint of step %d written in %.2fs (%s)", self.label, info.step,
                  time.monotonic() - started, path)
         self.announce()
 
@@ -204,7 +222,7 @@ class StageKeeper:
         if not held:
             return True
         record = CheckpointRecord(peer_id=self.peer_id, stage=self.state.stage, state_hash=self.state_hash,
-                                  checkpoints=held)
+                                  checkpoints=held, part=self.part)
         return self.records.announce_checkpoints(record, ttl=self.config.network.record_ttl)
 
     def _announce_forever(self) -> None:

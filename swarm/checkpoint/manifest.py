@@ -28,6 +28,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # no '/', no leading '.'
 _STAGE_DIR = re.compile(r"stage[0-9]+")
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]+")  # as RunConfig.validate() requires; it names a directory
+# What a checkpoint of one hosted thing holds: a stage replica, or one expert (in every MoE block) of an expert host.
+PARTS = ("stage", "expert")
 
 
 def manifest_id(data: bytes) -> str:
@@ -49,7 +51,9 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class StageManifest:
-    """``manifest.json`` of one stage checkpoint."""
+    """``manifest.json`` of one checkpoint of a hosted part: a stage (``part`` "stage"), or an expert
+    (``part`` "expert": then ``stage`` is the expert's index and ``num_stages`` the run's experts per block).
+    A manifest without ``part`` is a stage's (as every manifest was before experts had checkpoints)."""
 
     KIND: ClassVar[str] = "stage"
 
@@ -62,13 +66,16 @@ class StageManifest:
     group: int
     created: float
     files: dict[str, FileEntry]
+    part: str = "stage"
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
+        if type(self.part) is not str or self.part not in PARTS:
+            raise CheckpointError(f"field 'part' must be one of {PARTS}, got {self.part!r:.80}")
         _check_count(self.num_stages, "num_stages", minimum=1)
         _check_count(self.stage, "stage")
         if self.stage >= self.num_stages:
-            raise CheckpointError(f"stage {self.stage} is out of range for {self.num_stages} stages")
+            raise CheckpointError(f"{self.part} {self.stage} is out of range for {self.num_stages} {self.part}s")
         _check_count(self.step, "step")
         _check_sha256(self.state_hash, "state_hash")
         _check_type(self.round_id, str, "round_id", "a string")
@@ -84,6 +91,7 @@ class StageManifest:
         """Parse and validate; CheckpointError (prefixed with `where`) on any problem."""
         try:
             fields = _load(data, cls.KIND)
+            fields.setdefault("part", "stage")
             files = _field(fields, "files", dict, "an object")
             fields["files"] = {name: _file_entry(entry, name) for name, entry in files.items()}
             return cls(**_known(cls, fields))

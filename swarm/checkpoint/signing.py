@@ -60,7 +60,12 @@ class UnsignedCheckpoint(CheckpointError):
 
 def stage_kind(stage: int) -> str:
     """What a stage checkpoint's signature says it is."""
-    return f"stage{stage}"
+    return part_kind("stage", stage)
+
+
+def part_kind(part: str, index: int) -> str:
+    """What the signature of a checkpoint of `part` ("stage" or "expert") `index` says it is."""
+    return f"{part}{index}"
 
 
 def key_path(root: Path, run_id: str) -> Path:

@@ -3,6 +3,8 @@
 Layout (docs/checkpoints.md)::
 
     <root>/<run_id>/stage<k>/step<NNNNNNNNNN>/   StageCheckpoints: a server's states of stage k
+    <root>/<run_id>/expert<e>/step<NNNNNNNNNN>/  StageCheckpoints(part="expert"): an expert host's states of
+                                                 expert e (in every MoE block)
     <root>/<run_id>/run/step<NNNNNNNNNN>/        RunCheckpoints: the coordinator's whole-model copies
 
 A checkpoint is built in a ``.tmp-*`` sibling, every file fsynced, then renamed into place and the
@@ -30,7 +32,15 @@ from pathlib import Path
 import torch
 
 from swarm.checkpoint.errors import CheckpointError, CheckpointExists
-from swarm.checkpoint.manifest import MANIFEST_NAME, FileEntry, RunManifest, RunStageEntry, StageManifest, manifest_id
+from swarm.checkpoint.manifest import (
+    MANIFEST_NAME,
+    PARTS,
+    FileEntry,
+    RunManifest,
+    RunStageEntry,
+    StageManifest,
+    manifest_id,
+)
 from swarm.checkpoint.safefile import save_hashed
 from swarm.checkpoint.verify import (
     STATE_NAME,
@@ -166,16 +176,21 @@ class _StepDirs:
 
 
 class StageCheckpoints(_StepDirs):
-    """The checkpoints of one stage on this disk: ``<root>/<run_id>/stage<k>/``."""
+    """The checkpoints of one stage on this disk: ``<root>/<run_id>/stage<k>/``; with `part` "expert", of
+    expert k: ``<root>/<run_id>/expert<k>/``."""
 
-    def __init__(self, root: Path, run_id: str, stage: int, keep: int):
+    def __init__(self, root: Path, run_id: str, stage: int, keep: int, part: str = "stage"):
+        if part not in PARTS:
+            raise ValueError(f"part must be one of {PARTS}, got {part!r}")
         self.run_id = run_id
         self.stage = stage
-        super().__init__(Path(root) / run_id / f"stage{stage}", keep)
+        self.part = part
+        super().__init__(Path(root) / run_id / f"{part}{stage}", keep)
 
     def write(self, tensors: dict[str, torch.Tensor], *, step: int, num_stages: int, state_hash: str,
               round_id: str, group: int) -> tuple[StageManifest, str, Path]:
-        """Save a stage state as checkpoint ``step<step>``; (manifest, manifest id, its directory).
+        """Save a state as checkpoint ``step<step>``; (manifest, manifest id, its directory). For an expert,
+        `num_stages` is the run's number of experts per block.
 
         The tensors must not change while this runs: hand over a snapshot if training goes on.
         """
@@ -187,7 +202,7 @@ class StageCheckpoints(_StepDirs):
             entry = FileEntry(sha256=sha256, size=size)
             manifest = StageManifest(run_id=self.run_id, stage=self.stage, num_stages=num_stages, step=step,
                                      state_hash=state_hash, round_id=round_id, group=group, created=time.time(),
-                                     files={STATE_NAME: entry})
+                                     files={STATE_NAME: entry}, part=self.part)
             data = manifest.to_bytes()
             _write_synced(temp / MANIFEST_NAME, data)
             path = self._place(temp, step, data)
@@ -204,7 +219,7 @@ class StageCheckpoints(_StepDirs):
         `run_id` and `stage` default to this store's; `path` may be anywhere (e.g. a fetched copy).
         """
         return load_stage(Path(path), run_id=self.run_id if run_id is None else run_id,
-                          stage=self.stage if stage is None else stage, state_hash=state_hash)
+                          stage=self.stage if stage is None else stage, state_hash=state_hash, part=self.part)
 
     def newest_verified(self, *, state_hash: str) -> tuple[StageManifest, str, dict[str, torch.Tensor], Path] | None:
         """The newest checkpoint that verifies, as (manifest, manifest id, tensors, path); None if none does."""
@@ -238,7 +253,7 @@ class StageCheckpoints(_StepDirs):
         else:
             temp = self.new_temp_dir()
             try:
-                check_owner(staged, manifest, run_id=self.run_id, stage=self.stage, state_hash=None)
+                check_owner(staged, manifest, run_id=self.run_id, stage=self.stage, state_hash=None, part=self.part)
                 _copy_verified(staged, temp, manifest.files, data)
             except BaseException:
                 shutil.rmtree(temp, ignore_errors=True)
@@ -258,7 +273,7 @@ class StageCheckpoints(_StepDirs):
         return None
 
     def _check(self, path: Path) -> str:
-        return check_stage(path, run_id=self.run_id, stage=self.stage, state_hash=None)[1]
+        return check_stage(path, run_id=self.run_id, stage=self.stage, state_hash=None, part=self.part)[1]
 
 
 class RunCheckpoints(_StepDirs):

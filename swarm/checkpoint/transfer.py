@@ -70,6 +70,7 @@ async def fetch_checkpoint(
     max_bytes: int,
     expect_run_id: str | None = None,
     expect_step: int | None = None,
+    expect_part: str = "stage",
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
 ) -> Path:
@@ -77,13 +78,13 @@ async def fetch_checkpoint(
 
     `staging_dir` must be empty or absent (e.g. ``StageCheckpoints.new_temp_dir()``); on success it is a
     complete checkpoint directory for ``StageCheckpoints.install``, on failure it is removed.
-    The manifest must be for `expect_run_id` (default: `run_id`), `expect_stage` and `expect_state_hash`
+    The manifest must be for `expect_run_id` (default: `run_id`), `expect_part` `expect_stage` and `expect_state_hash`
     (and `expect_step` if given), its files at most `max_bytes` in all. Raises CheckpointTransferError
     (its `kind` says what went wrong) after at most `timeout` seconds, or as soon as the holder sends
     nothing for `idle_timeout` seconds; CheckpointError or OSError for trouble with our own disk.
     """
     staging_dir = Path(staging_dir)
-    expected = _Expected(expect_run_id or run_id, expect_stage, expect_state_hash, expect_step, max_bytes)
+    expected = _Expected(expect_run_id or run_id, expect_stage, expect_state_hash, expect_step, max_bytes, expect_part)
     fetch = _Fetch(p2p, holder, checkpoint_namespace(run_id), manifest_id_, staging_dir, expected, idle_timeout)
     await asyncio.to_thread(_make_empty_dir, staging_dir)
     try:
@@ -107,6 +108,7 @@ async def fetch_newest(
     max_bytes: int,
     expect_run_id: str | None = None,
     min_step: int = 0,
+    expect_part: str = "stage",
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     total_timeout: float | None = None,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
@@ -122,7 +124,8 @@ async def fetch_newest(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (timeout if total_timeout is None else total_timeout)
     candidates = checkpoint_candidates(records, stage=expect_stage, state_hash=expect_state_hash,
-                                       min_step=min_step, max_bytes=max_bytes, exclude={str(p2p.peer_id)})
+                                       min_step=min_step, max_bytes=max_bytes, exclude={str(p2p.peer_id)},
+                                       part=expect_part)
     banned: set[str] = set()  # sent wrong bytes, or could not be reached
     unusable: set[str] = set()  # manifest ids of checkpoints that are not for us
     for held, holder in candidates:
@@ -130,8 +133,8 @@ async def fetch_newest(
             continue
         left = min(timeout, deadline - loop.time())
         if left <= 0:
-            log.info("gave up fetching a checkpoint of stage %d: no time left of the %gs allowed", expect_stage,
-                     timeout if total_timeout is None else total_timeout)
+            log.info("gave up fetching a checkpoint of %s %d: no time left of the %gs allowed", expect_part,
+                     expect_stage, timeout if total_timeout is None else total_timeout)
             break
         try:
             holder_id = PeerID.from_base58(holder)
@@ -143,13 +146,13 @@ async def fetch_newest(
             path = await fetch_checkpoint(
                 p2p, holder_id, run_id, held.manifest_id, staging_dir, expect_stage=expect_stage,
                 expect_state_hash=expect_state_hash, max_bytes=max_bytes, expect_run_id=expect_run_id,
-                expect_step=held.step, timeout=left, idle_timeout=idle_timeout,
+                expect_step=held.step, expect_part=expect_part, timeout=left, idle_timeout=idle_timeout,
             )
         except CheckpointTransferError as e:
             if e.kind == INVALID:
                 log.warning("banning checkpoint holder %s for the rest of this fetch: %s", holder, e.message)
             else:
-                log.info("could not use step %d of stage %d: %s", held.step, expect_stage, e)
+                log.info("could not use step %d of %s %d: %s", held.step, expect_part, expect_stage, e)
             if e.kind in (INVALID, UNAVAILABLE):
                 banned.add(holder)
             elif e.kind == UNSUITABLE:
@@ -167,12 +170,13 @@ def checkpoint_candidates(
     max_bytes: int,
     min_step: int = 0,
     exclude: set[str] | frozenset[str] = frozenset(),
+    part: str = "stage",
 ) -> list[tuple[HeldCheckpoint, str]]:
     """(checkpoint, holder peer id) pairs worth trying, newest step first; holders in `exclude` left out."""
     seen: set[tuple[str, str]] = set()
     candidates = []
     for record in records:
-        if record.stage != stage or record.state_hash != state_hash or record.peer_id in exclude:
+        if (record.part, record.stage) != (part, stage) or record.state_hash != state_hash or record.peer_id in exclude:
             continue
         for held in record.checkpoints:
             key = (record.peer_id, held.manifest_id)
@@ -190,6 +194,7 @@ class _Expected:
     state_hash: str
     step: int | None
     max_bytes: int
+    part: str = "stage"
 
 
 class _Mismatch(Exception):
@@ -232,11 +237,11 @@ class _Fetch:
             manifest = StageManifest.from_bytes(data)
         except CheckpointError as e:  # it hashes right, so the announcer, not the sender, is to blame
             raise self.error(UNSUITABLE, f"not a stage manifest this version reads: {e}") from None
-        found = (manifest.run_id, manifest.stage, manifest.state_hash)
-        if found != (expected.run_id, expected.stage, expected.state_hash):
-            raise self.error(UNSUITABLE, f"it is of run {manifest.run_id!r}, stage {manifest.stage}, state hash "
-                                         f"{manifest.state_hash[:12]}; wanted run {expected.run_id!r}, stage "
-                                         f"{expected.stage}, state hash {expected.state_hash[:12]}")
+        found = (manifest.run_id, manifest.part, manifest.stage, manifest.state_hash)
+        if found != (expected.run_id, expected.part, expected.stage, expected.state_hash):
+            raise self.error(UNSUITABLE, f"it is of run {manifest.run_id!r}, {manifest.part} {manifest.stage}, state "
+                                         f"hash {manifest.state_hash[:12]}; wanted run {expected.run_id!r}, "
+                                         f"{expected.part} {expected.stage}, state hash {expected.state_hash[:12]}")
         total = sum(entry.size for entry in manifest.files.values())
         if total > expected.max_bytes:
             raise self.error(UNSUITABLE, f"its files hold {total} bytes, more than the {expected.max_bytes} allowed")

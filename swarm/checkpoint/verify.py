@@ -37,8 +37,9 @@ _CHUNK = 1 << 20
 
 
 def check_stage(path: Path, *, run_id: str, stage: int, state_hash: str | None,
-                expect_id: str | None = None) -> tuple[StageManifest, str]:
-    """Verify a stage checkpoint's manifest and files (not its tensors); (manifest, manifest id).
+                expect_id: str | None = None, part: str = "stage") -> tuple[StageManifest, str]:
+    """Verify a stage checkpoint's (or, with `part` "expert", expert `stage`'s) manifest and files (not its
+    tensors); (manifest, manifest id).
 
     `state_hash` None skips that check; `expect_id`, if given, is the manifest id it must have.
     """
@@ -47,7 +48,7 @@ def check_stage(path: Path, *, run_id: str, stage: int, state_hash: str | None,
     if expect_id is not None and mid != expect_id:
         raise CheckpointError(f"{path / MANIFEST_NAME}: sha256 {mid} is not the expected {expect_id}")
     manifest = StageManifest.from_bytes(data, where=str(path / MANIFEST_NAME))
-    check_owner(path, manifest, run_id=run_id, stage=stage, state_hash=state_hash)
+    check_owner(path, manifest, run_id=run_id, stage=stage, state_hash=state_hash, part=part)
     if STATE_NAME not in manifest.files:
         raise CheckpointError(f"{path / MANIFEST_NAME}: lists no {STATE_NAME}")
     check_listing(path, set(manifest.files))
@@ -57,13 +58,14 @@ def check_stage(path: Path, *, run_id: str, stage: int, state_hash: str | None,
 
 
 def load_stage(path: Path, *, run_id: str, stage: int, state_hash: str,
-               expect_id: str | None = None) -> tuple[StageManifest, str, dict[str, torch.Tensor]]:
+               expect_id: str | None = None, part: str = "stage") -> tuple[StageManifest, str, dict[str, torch.Tensor]]:
     """Verify a stage checkpoint and read its tensors: (manifest, manifest id, tensors).
 
     The tensors are read after the files verify. That is sound because a checkpoint's files are
     never rewritten in place: directories are only ever renamed in whole or removed.
     """
-    manifest, mid = check_stage(path, run_id=run_id, stage=stage, state_hash=state_hash, expect_id=expect_id)
+    manifest, mid = check_stage(path, run_id=run_id, stage=stage, state_hash=state_hash, expect_id=expect_id,
+                                part=part)
     return manifest, mid, _read_tensors(path / STATE_NAME)
 
 
@@ -93,12 +95,15 @@ def verify_run(path: Path, *, run_id: str, state_hash: str | None, read_state: b
     return run, manifest_id(data), stages
 
 
-def check_owner(path: Path, manifest: StageManifest, *, run_id: str, stage: int, state_hash: str | None) -> None:
-    """The stage checkpoint at `path` is of `run_id` and `stage`, and of `state_hash` unless that is None."""
+def check_owner(path: Path, manifest: StageManifest, *, run_id: str, stage: int, state_hash: str | None,
+                part: str = "stage") -> None:
+    """The checkpoint at `path` is of `run_id` and `part` `stage`, and of `state_hash` unless that is None."""
     if manifest.run_id != run_id:
         raise CheckpointError(f"checkpoint {path} is for run {manifest.run_id!r}, not {run_id!r}")
+    if manifest.part != part:
+        raise CheckpointError(f"checkpoint {path} is of {manifest.part} {manifest.stage}, not of a {part}")
     if manifest.stage != stage:
-        raise CheckpointError(f"checkpoint {path} is for stage {manifest.stage}, not {stage}")
+        raise CheckpointError(f"checkpoint {path} is for {part} {manifest.stage}, not {stage}")
     if state_hash is not None and manifest.state_hash != state_hash:
         raise CheckpointError(f"checkpoint {path} has state hash {manifest.state_hash[:12]}, not {state_hash[:12]} "
                               "(another model shape or number of stages)")

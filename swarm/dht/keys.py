@@ -1,8 +1,9 @@
 """Where records live in the DHT, and the validators that guard them.
 
 Every key is ``{run_id}_{field}``; fields are ``config``, ``metrics``, ``run_checkpoint``, ``experts``
-(expert host records), ``stage0`` .. ``stage255`` (server records) and ``checkpoints0`` .. ``checkpoints255``
-(who holds which stage checkpoints). Each key holds a dictionary whose subkeys are owner markers
+(expert host records), ``stage0`` .. ``stage255`` (server records), ``checkpoints0`` .. ``checkpoints255``
+(who holds which stage checkpoints) and ``expert_checkpoints0`` .. ``expert_checkpoints255`` (who holds which
+expert checkpoints). Each key holds a dictionary whose subkeys are owner markers
 (``[owner:ssh-rsa ...]``): hivemind's RSASignatureValidator then accepts a subkey's value only if it is
 signed by that owner, so a peer can write its own server record, metrics or checkpoint list, never
 another peer's (readers that trust only the coordinator for the config or the run checkpoint pick its
@@ -38,7 +39,10 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from swarm.config import MAX_RECORD_TTL
+from swarm.config import (
+    MAX_EXPERTS,  # expert checkpoint keys enumerated in the schema
+    MAX_RECORD_TTL,
+)
 from swarm.dht.schemas import (
     MAX_STAGES,  # stage keys enumerated in the schema; a run may use any number of stages up to this
     CheckpointRecord,
@@ -71,9 +75,26 @@ def checkpoints_field(stage: int) -> str:
     return f"checkpoints{stage}"
 
 
+def expert_checkpoints_field(expert: int) -> str:
+    """Schema field (and key suffix) holding the checkpoint lists of one expert's holders."""
+    if not 0 <= expert < MAX_EXPERTS:
+        raise ValueError(f"expert must be in [0, {MAX_EXPERTS}), got {expert}")
+    return f"expert_checkpoints{expert}"
+
+
+def part_checkpoints_field(part: str, index: int) -> str:
+    """The checkpoint lists' field of a stage (`part` "stage") or an expert (`part` "expert")."""
+    return checkpoints_field(index) if part == "stage" else expert_checkpoints_field(index)
+
+
 def averaging_prefix(run_id: str, stage: int) -> str:
     """The DHT key prefix (and P2P namespace) of one stage's averaging."""
     return f"{run_id}_stage{stage}_averaging"
+
+
+def expert_averaging_prefix(run_id: str, expert: int) -> str:
+    """The DHT key prefix (and P2P namespace) of the averaging among the hosts of one expert."""
+    return f"{run_id}_expert{expert}_averaging"
 
 
 PROGRESS_SUFFIX = ".progress"
@@ -159,6 +180,7 @@ RunRecordsSchema = pydantic.create_model(
     **{RUN_CHECKPOINT_FIELD: _owned(RunCheckpointRecordAsSent), EXPERTS_FIELD: _owned(ExpertHostRecordAsSent)},
     **{stage_field(stage): _owned(ServerRecordAsSent) for stage in range(MAX_STAGES)},
     **{checkpoints_field(stage): _owned(CheckpointRecordAsSent) for stage in range(MAX_STAGES)},
+    **{expert_checkpoints_field(e): _owned(CheckpointRecordAsSent) for e in range(MAX_EXPERTS)},
 )
 
 

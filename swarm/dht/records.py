@@ -18,8 +18,8 @@ from swarm.dht.keys import (
     EXPERTS_FIELD,
     METRICS_FIELD,
     RUN_CHECKPOINT_FIELD,
-    checkpoints_field,
     dht_key,
+    part_checkpoints_field,
     peer_id_of_owner,
     stage_field,
 )
@@ -173,18 +173,22 @@ class SwarmRecords:
 
     # checkpoints: one list per holder per stage, and the coordinator's run checkpoint
     def announce_checkpoints(self, record: CheckpointRecord, ttl: float, timeout: float | None = None) -> bool:
-        """Store (or renew) the list of `record.stage` checkpoints this peer holds, valid for `ttl` seconds."""
-        return self._store(checkpoints_field(record.stage), record, ttl, timeout)
+        """Store (or renew) the list of `record.stage` checkpoints (of expert `record.stage` if `record.part` is
+        "expert") this peer holds, valid for `ttl` seconds."""
+        return self._store(part_checkpoints_field(record.part, record.stage), record, ttl, timeout)
 
-    def lookup_checkpoints(self, stage: int, timeout: float | None = None) -> list[CheckpointRecord]:
-        """Every peer's valid, unexpired list of the `stage` checkpoints it holds.
+    def lookup_checkpoints(self, stage: int, timeout: float | None = None, part: str = "stage"
+                           ) -> list[CheckpointRecord]:
+        """Every peer's valid, unexpired list of the `stage` checkpoints (expert `stage`'s, with `part` "expert")
+        it holds.
 
-        A record claiming another stage than its key's is dropped. Its `peer_id` is the signer's own (every
+        A record claiming another stage (or part) than its key's is dropped. Its `peer_id` is the signer's own (every
         node checks it, keys.RunRecordGuard), so a peer can only announce what it holds itself; what it holds
         is still verified byte by byte against the announced manifest id (sha256) when fetched.
         """
-        parsed = _parse_all(CheckpointRecord, self._get_owned([checkpoints_field(stage)], timeout)[0].values())
-        return [record for record in parsed if record.stage == stage]
+        field = part_checkpoints_field(part, stage)
+        parsed = _parse_all(CheckpointRecord, self._get_owned([field], timeout)[0].values())
+        return [record for record in parsed if (record.part, record.stage) == (part, stage)]
 
     def announce_run_checkpoint(self, record: RunCheckpointRecord, ttl: float, timeout: float | None = None) -> bool:
         """Store (or renew) this (coordinator) peer's newest run checkpoint, valid for `ttl` seconds."""

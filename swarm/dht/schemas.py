@@ -189,10 +189,12 @@ class HeldCheckpoint(WireRecord):
 
 
 class CheckpointRecord(WireRecord):
-    """The checkpoints of one stage that one peer holds, renewed periodically (DHT key ``checkpoints{k}``)."""
+    """The checkpoints of one stage that one peer holds, renewed periodically (DHT key ``checkpoints{k}``);
+    with `part` "expert", of expert `stage` (DHT key ``expert_checkpoints{e}``)."""
 
     peer_id: StrictStr
     stage: NonNegativeInt
+    part: constr(strict=True, regex="^(stage|expert)$") = "stage"  # absent (an older peer's): a stage
     state_hash: StateHash  # RunConfig.state_hash() of the run the checkpoints belong to
     checkpoints: conlist(HeldCheckpoint, max_items=MAX_HELD_CHECKPOINTS)
     version: StrictStr = __version__

@@ -5,8 +5,10 @@ Map of the package::
     lifecycle.py   ServerLifecycle: JOINING -> ONLINE -> OFFLINE, the announce loop, the ordered shutdown
                    (OFFLINE announced, services unregistered, then the server's own teardown)
     stage.py       StageServer (ServerOptions): hosts one pipeline stage; StageRequestHandler
-    expert.py      ExpertServer (ExpertOptions): hosts experts of a run's MoE blocks; ExpertRequestHandler,
-                   ExpertStateService (one hosted expert's state, for a host joining it)
+    expert.py      ExpertServer (ExpertOptions): hosts experts of a run's MoE blocks; ExpertRequestHandler;
+                   each hosted expert's checkpoints kept by a swarm.checkpoint StageKeeper (part "expert")
+    replicas.py    ExpertReplicas: the hosts of one expert average its parameters every period, and a host
+                   joining it downloads its state from one of them
     handler.py     CountingHandler (what both handlers share: run on the worker, count every outcome);
                    wrappers around any handler: FaultInjection (--inject-delay, --inject-failure-rate),
                    InFlight; serve(...) registers a handler
@@ -43,9 +45,13 @@ Concurrency map of a stage server (what runs where, what it may touch, how work 
     processes          the DHT and averaging processes (forked by hivemind) and p2pd
 
 An expert server has the same main thread, loop, announcer and metrics; its ExpertHost's worker thread
-does every forward, backward and step of the hosted experts, and copies their state for a joiner or a
-checkpoint (ExpertStateService and after_steps hand work to it with host.submit). The host's
-optimizers are handed to that thread as soon as the host is built (ExpertHost.owner).
+does every forward, backward and step of the hosted experts, copies an expert's state for a joiner or a
+checkpoint, and applies what an averaging round moved (after_steps, ExpertReplicas and hivemind's state
+download thread hand work to it with host.submit). The main thread loads the experts' states (a live
+host's, or a checkpoint) before it hands the host's optimizers to that thread (ExpertHost.owner).
+Beside it: replicas{e} (ExpertReplicas' rounds, one thread and one averaging process per hosted
+expert: snapshots and updates go through host.submit) and each expert's StageKeeper threads (writer,
+announcer), as a stage's.
 
 Both sides of a wire contract take its limits from one place (swarm.protocol.RequestLimits), checkpoints
 are due by one rule (swarm.checkpoint.schedule), and ONLINE records are found by one function

@@ -3,60 +3,44 @@ announces them in the DHT (`swarm-peer --role expert --experts auto|LIST`)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator  # noqa: UP035  (hivemind's ServicerBase reads typing.AsyncIterator annotations)
 
 import hivemind
-import torch
-from hivemind.p2p import P2PContext, PeerID, ServicerBase
-from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import iter_as_aiter
 from prometheus_client import CollectorRegistry
 
-from swarm.backend import Overloaded
 from swarm.checkpoint.claims import step_bound
-from swarm.checkpoint.schedule import CheckpointSchedule
+from swarm.checkpoint.errors import CheckpointError
+from swarm.checkpoint.keeper import KeeperMetrics, StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, online, online_steps
 from swarm.dht.reachability import Reachability
-from swarm.experts import ExpertHost, expert_checkpoints, load_experts, save_experts
+from swarm.experts import ExpertHost, ExpertState
 from swarm.protocol import (
     BAD_REQUEST,
-    BUSY,
-    DEFAULT_FIRST_BYTE_TIMEOUT,
-    DEFAULT_LIMITS,
     DEFAULT_RECEIVE_TIMEOUT,
-    INTERNAL,
     NOT_READY,
     WRONG_STAGE,
-    ProtocolError,
     RequestLimits,
     RequestRejected,
     StageReply,
     StageRequest,
-    WireLimits,
-    encode_tensor,
     experts_namespace,
 )
-from swarm.protocol.framing import gather_frames, to_frames
-from swarm.protocol.messages import error_frames, raise_if_error
-from swarm.protocol.slots import CallerSlots
 
 from .handler import CountingHandler, serve, with_faults
 from .lifecycle import LOOP_CALL_TIMEOUT, ServerLifecycle
 from .metrics import ExpertMetrics
 from .placement import choose_experts
+from .replicas import ExpertReplicas
 from .throughput import expert_throughput
 
 log = logging.getLogger("swarm.expert")
 
 STATE_TIMEOUT = 60.0  # for one expert's state to arrive from a host that has it
 DONOR_LOOKUPS = 3  # reads of the experts' hosts, an announce period apart, while one is beyond the bound
-STATE_SLOTS = 4  # expert state requests answered at once (each holds a copy of one expert's state)
 
 
 @dataclass
@@ -70,7 +54,8 @@ class ExpertOptions:
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT
     metrics_addr: str | None = None
     reachability: Reachability | None = None  # whether others can dial this host, once its check has ended
-    checkpoint_dir: Path | None = None  # where the hosted experts are saved every checkpoint.every_steps; None: not
+    checkpoint_dir: Path | None = None  # checkpoint root (swarm.checkpoint: <root>/<run_id>/expert<e>/); None: none
+    coordinator_peer_id: str | None = None  # the run's coordinator: its checkpoints are trusted as it vetted them
 
 
 class ExpertServer(ServerLifecycle):
@@ -93,14 +78,9 @@ class ExpertServer(ServerLifecycle):
         self.throughput = 0.0
         self.registry = registry or CollectorRegistry()
         self.metrics = ExpertMetrics(self.registry, host=lambda: self.host)
-        # when the experts' next checkpoint is due; restored() with the step they start from
-        self.schedule = CheckpointSchedule(config.checkpoint)
-
-    @property
-    def checkpoints(self) -> Path | None:
-        """Where this server keeps its experts' checkpoints (None: it keeps none)."""
-        root = self.options.checkpoint_dir
-        return None if root is None else Path(root) / self.config.run_id / "experts"
+        self.states: dict[int, ExpertState] = {}  # each hosted expert, in every MoE block
+        self.replicas: dict[int, ExpertReplicas] = {}  # each one's averaging with its other hosts
+        self.keepers: dict[int, StageKeeper] = {}  # each one's checkpoints (none with no checkpoint_dir)
 
     def start(self) -> None:
         moe = self.config.model.moe
@@ -116,25 +96,42 @@ class ExpertServer(ServerLifecycle):
         self.announce()
         self._join_p2p()
         self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue)
+        self.states = {e: ExpertState(self.host, e) for e in self.experts}
+        for e, state in self.states.items():
+            self.replicas[e] = ExpertReplicas(state, self.dht, self.records, self.config, self.peer_id,
+                                              self.config.averaging.state_download_timeout)
+        if self.options.checkpoint_dir is not None:
+            metrics = KeeperMetrics(self.registry)
+            trusted = [self.options.coordinator_peer_id] if self.options.coordinator_peer_id else []
+            self.keepers = {e: StageKeeper(state, self.config, self.options.checkpoint_dir, self.records, self.loop,
+                                           self.peer_id, trusted_holders=trusted, part="expert", metrics=metrics)
+                            for e, state in self.states.items()}
+        self._take_states(seen)
         self.host.hand_over(self.host.owner, LOOP_CALL_TIMEOUT)  # only its worker thread changes the experts
         self.throughput = expert_throughput(self.host, self.config)
-        self._serve_servicer(ExpertStateService(self), self._state_namespace())
-        self._download_state(seen)
-        self.schedule.restored(self.host.step)
-        self.schedule.restart_clock()
         handler = with_faults(ExpertRequestHandler(self), self.options.inject_delay, self.options.inject_failure_rate)
         self._serve(serve(self._p2p, handler, experts_namespace(self.config.run_id), self.limits.expert,
                           self.options.receive_timeout, 2 * self.options.max_queue))
         self._go_online()
+        for replicas in self.replicas.values():
+            replicas.start()
+        for i, keeper in enumerate(self.keepers.values()):  # one checkpoint service answers for all of them
+            keeper.start(self._p2p, serve=self._checkpoint_path if i == 0 else False)
         log.info("hosting experts %s of MoE blocks %s as %s (%.0f tokens/s measured)", self.experts,
                  self.config.model.moe_layers(), self.peer_id, self.throughput)
 
-    def _state_namespace(self) -> str:
-        return experts_namespace(self.config.run_id) + "/state"
+    def _checkpoint_path(self, manifest_id: str) -> Path | None:
+        """The checkpoint directory of any hosted expert whose manifest has this id (what the service serves)."""
+        for keeper in self.keepers.values():
+            path = keeper.store.path_for(manifest_id)
+            if path is not None:
+                return path
+        return None
 
-    def _download_state(self, seen: list[ExpertHostRecord] = ()) -> None:
-        """Take each hosted expert's state from an ONLINE host of it, so replicas start equal; an expert
-        that no live host has starts from its initial weights (said loudly once the run has trained).
+    def _take_states(self, seen: list[ExpertHostRecord] = ()) -> None:
+        """Each hosted expert's state: from a live host of it (so replicas start equal), else from the newest
+        checkpoint of it on this disk or announced in the DHT (swarm.checkpoint, as a stage's); an expert with
+        neither starts from its initial weights (said loudly once the run has trained).
 
         `seen`: the hosts looked up when choosing the experts. A later lookup can miss one (a DHT get that
         reached no holder of the key; seen once in CI, where the joiner then started an expert afresh beside
@@ -142,25 +139,22 @@ class ExpertServer(ServerLifecycle):
         """
         hosts = self._donors_within_bound(seen)
         fresh = []
-        for e in self.experts:
-            donors = sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)
-            for donor in donors:
-                try:
-                    for layer in self.host.layers:
-                        meta, tensors = self.loop.run(self._fetch(donor.peer_id, layer, e), STATE_TIMEOUT + 5)
-                        self.host.submit(self.host.import_expert, layer, e, meta, tensors).result(LOOP_CALL_TIMEOUT)
-                    log.info("expert %d: state of step %d taken from %s", e, meta["step_count"], donor.peer_id)
-                    break
-                except Exception as err:  # a donor that left, or sent something unusable: try the next
-                    log.warning("expert %d: could not take its state from %s (%s)", e, donor.peer_id, err)
-            else:
-                fresh.append(e)
-        fresh = self._restore(fresh)
+        for e in self.states:
+            donors = [r.peer_id for r in sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)]
+            if donors and self.replicas[e].download(donors, STATE_TIMEOUT) is not None:
+                continue
+            keeper = self.keepers.get(e)
+            try:
+                if keeper is not None and keeper.restore(self._p2p) is not None:
+                    continue
+            except CheckpointError as err:
+                log.warning("expert %d: %s", e, err)
+            fresh.append(e)
         steps = [r.step for r in self.records.lookup_all_servers(self.config.stages.num_stages).get(0, [])]
         steps += [r.step for r in hosts]
         if fresh and steps and max(steps) > 0:
-            log.warning("experts %s have no live host to take their state from: they start from their initial "
-                        "weights although the run is at step %d", fresh, max(steps))
+            log.warning("experts %s have no live host nor checkpoint to take their state from: they start from "
+                        "their initial weights although the run is at step %d", fresh, max(steps))
 
     def _donors_within_bound(self, seen: list[ExpertHostRecord] = ()) -> list:
         """The hosts that may give their state (_donors), read again an announce period later while one is
@@ -191,51 +185,15 @@ class ExpertServer(ServerLifecycle):
             return hosts, []
         return [r for r in hosts if r.step <= bound], [(r, bound) for r in hosts if r.step > bound]
 
-    def _restore(self, experts: list[int]) -> list[int]:
-        """Load `experts` from the newest of this server's checkpoints that holds them; those it cannot."""
-        left = list(experts)
-        for path in reversed(expert_checkpoints(self.checkpoints) if self.checkpoints and left else []):
-            try:
-                states = load_experts(path, self.config.state_hash())
-            except ValueError as err:
-                log.warning("skipping checkpoint %s: %s", path, err)
-                continue
-            for e in list(left):
-                if all((layer, e) in states for layer in self.host.layers):
-                    try:
-                        for layer in self.host.layers:
-                            meta, tensors = states[layer, e]
-                            self.host.submit(self.host.import_expert, layer, e, meta, tensors).result(LOOP_CALL_TIMEOUT)
-                    except ValueError as err:
-                        log.warning("expert %d: checkpoint %s does not fit (%s)", e, path, err)
-                        continue
-                    log.info("expert %d: restored from %s (step %d)", e, path.name, meta["step_count"])
-                    left.remove(e)
-        return left
-
     def after_steps(self) -> None:
-        """Save the hosted experts when the checkpoint schedule says (checkpoint.every_steps steps or
-        every_seconds seconds; 0 turns either off), between two tasks on the host's thread."""
-        step = self.host.step
-        if self.checkpoints is None or not self.schedule.due(step):
-            return
-        self.schedule.done(step)
-        self.host.submit(self._save).add_done_callback(_log_failure)
+        """Hand each expert's keeper its step, between two tasks on the host's thread: it copies the state and
+        writes it beside compute when its schedule (checkpoint.every_steps / every_seconds) says."""
+        if self.keepers:
+            self.host.submit(self._after_steps).add_done_callback(_log_failure)
 
-    def _save(self) -> Path:
-        host = self.host
-        states = {key: host.export_expert(*key) for key in host.modules}
-        return save_experts(states, self.checkpoints, host.step, self.config.state_hash(), self.config.checkpoint.keep)
-
-    async def _fetch(self, peer: str, layer: int, expert: int) -> tuple[dict, list[torch.Tensor]]:
-        stub = ExpertStateService.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self._state_namespace())
-        frames = to_frames({"layer": layer, "expert": expert}, [], runtime_pb2.ExpertRequest)
-        responses = await stub.rpc_state(iter_as_aiter(frames))
-        try:
-            return await asyncio.wait_for(gather_frames(responses, state_limits(self.host), raise_if_error),
-                                          STATE_TIMEOUT)
-        finally:
-            await responses.aclose()
+    def _after_steps(self) -> None:
+        for e, keeper in self.keepers.items():
+            keeper.after_step(self.states[e].step)
 
     def record(self) -> ExpertHostRecord:
         return ExpertHostRecord(peer_id=self.peer_id, experts=self.experts, state=self.state.value,
@@ -246,75 +204,22 @@ class ExpertServer(ServerLifecycle):
         return self.records.announce_expert_host(record, ttl=ttl)
 
     def _teardown(self) -> None:
+        for replicas in self.replicas.values():  # first: a round hands its update to the host's worker
+            replicas.stop()
+        for e, keeper in self.keepers.items():  # a last checkpoint, so a restart here loses nothing
+            keeper.close(lambda state=self.states[e]: self.host.submit(state.state_dict).result(LOOP_CALL_TIMEOUT))
+        for e, replicas in self.replicas.items():
+            try:
+                replicas.close()
+            except Exception as err:  # noqa: BLE001 - stopping anyway; the others still close
+                log.warning("expert %d: closing its averaging failed: %s", e, err)
         if self.host is not None:
-            if self.checkpoints is not None and self.host.step > self.schedule.last_step:
-                try:  # the last state, so a restart here loses nothing the run could not replay
-                    self.schedule.done(self.host.step)
-                    log.info("saved the experts to %s", self.host.submit(self._save).result(LOOP_CALL_TIMEOUT))
-                except Exception as e:
-                    log.warning("could not save the experts at shutdown: %s", e)
             self.host.shutdown()
 
 
 def _log_failure(future) -> None:
     if not future.cancelled() and future.exception() is not None:
-        log.warning("saving the experts failed: %s", future.exception())
-
-
-def state_limits(host: ExpertHost) -> WireLimits:
-    """The largest honest state message of one expert: 4 flat float32 tensors of its parameter count."""
-    params = sum(p.numel() for p in next(iter(host.optimizers.values())).params)
-    return WireLimits(max_message_bytes=4 * 4 * params + DEFAULT_LIMITS.max_metadata_bytes, max_tensor_elements=params,
-                      max_tensors=4)
-
-
-class ExpertStateService(ServicerBase):
-    """`rpc_state`: one hosted expert's state (ExpertHost.export_expert), for a host joining it.
-
-    The request is metadata only, {"layer": L, "expert": e}; the reply is the state's numbers and
-    its 4 tensors, or an error reply. Read between two tasks on the host's worker thread."""
-
-    def __init__(self, server: ExpertServer):
-        self.server = server
-        # each reply holds a copy of one expert's state until it is sent: a few at once, one per caller
-        self.slots = CallerSlots(STATE_SLOTS, per_caller=1, what="state requests", total_name="state slots")
-
-    async def rpc_state(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-                        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        caller = str(context.remote_id)
-        refused = self.slots.try_take(caller)
-        if refused is not None:
-            for frame in error_frames(BUSY, refused):
-                yield frame
-            return
-        try:
-            for frame in await self._answer(requests):
-                yield frame
-        finally:
-            self.slots.give_back(caller)
-
-    async def _answer(self, requests: AsyncIterator) -> list:
-        limits = WireLimits(max_message_bytes=DEFAULT_LIMITS.max_metadata_bytes, max_tensors=0)
-        try:
-            # a joiner asks at once: a silent stream gets its slot back within the first-byte deadline
-            meta, _ = await asyncio.wait_for(gather_frames(requests, limits), DEFAULT_FIRST_BYTE_TIMEOUT)
-            host = self.server.host
-            if self.server.state != ServerState.ONLINE or host is None:
-                return error_frames(NOT_READY, "not ONLINE")
-            layer, expert = meta.get("layer"), meta.get("expert")
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (layer, expert)) \
-                    or (layer, expert) not in host.modules:
-                return error_frames(BAD_REQUEST, f"expert {expert!r} of block {layer!r} is not hosted here")
-            state, tensors = await asyncio.wrap_future(host.submit(host.export_expert, layer, expert))
-            encoded = [encode_tensor(t, "float32") for t in tensors]
-            return list(to_frames({**state, "ok": True}, encoded, runtime_pb2.ExpertResponse, state_limits(host)))
-        except (ProtocolError, asyncio.TimeoutError) as e:
-            return error_frames(BAD_REQUEST, f"could not read the request: {e}")
-        except Overloaded as e:
-            return error_frames(NOT_READY, str(e))
-        except Exception as e:  # whatever goes wrong, the caller gets an answer
-            log.warning("state request failed", exc_info=True)
-            return error_frames(INTERNAL, f"{type(e).__name__}: {e}")
+        log.warning("checkpointing the experts failed: %s", future.exception())
 
 
 class ExpertRequestHandler(CountingHandler):

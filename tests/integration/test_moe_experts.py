@@ -154,8 +154,9 @@ def test_an_expert_server_restores_its_experts_from_its_checkpoint_when_no_host_
         saved = {(layer, e): expert_state(host, layer, e) for layer in (0, 1) for e in range(4)}
         moments = {key: host.host.optimizers[key].moments() for key in saved}
         host.shutdown()  # announces OFFLINE; the stage servers stay up
-        files = list((tmp_path / config.run_id / "experts").glob("experts-step*.safetensors"))
-        assert [f.name for f in files] == ["experts-step0000000001-0.1.2.3.safetensors"]
+        for e in range(4):  # one checkpoint per expert (every MoE block in it), as a stage's
+            steps = [p.name for p in (tmp_path / config.run_id / f"expert{e}").glob("step*")]
+            assert steps == ["step0000000001"], (e, steps)
         # The only host is gone (its OFFLINE record says so): a new one on another peer restores from the file.
         with expert_servers(config, peers[3:4], [[1, 3]], tmp_path) as (again,):
             assert again.host.step == 1

@@ -25,7 +25,7 @@ RUN_ID = "unit-run"
 OWNER = b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC7 test]"
 ID_A, ID_B = "ab" * 32, "0123456789abcdef" * 4
 HELD = dict(step=120, manifest_id=ID_A, size=4096)
-GOOD = dict(peer_id="QmHolder", stage=1, state_hash="5e" * 32, version="0.1.0",
+GOOD = dict(peer_id="QmHolder", stage=1, part="stage", state_hash="5e" * 32, version="0.1.0",
             checkpoints=[HELD, dict(step=100, manifest_id=ID_B, size=0)])
 GOOD_RUN = dict(peer_id="QmCoordinator", state_hash="5e" * 32, step=100, manifest_id=ID_B, version="0.1.0",
                 stages=[dict(stage=0, step=100, manifest_id=ID_A), dict(stage=1, step=120, manifest_id=ID_B)])
@@ -38,6 +38,9 @@ def test_good_records_round_trip():
     run = RunCheckpointRecord(**GOOD_RUN)
     assert run.to_wire() == GOOD_RUN and RunCheckpointRecord.from_wire(GOOD_RUN) == run
     assert CheckpointRecord(**{**GOOD, "checkpoints": []}).checkpoints == []  # a holder that just lost all
+    older = {key: value for key, value in GOOD.items() if key != "part"}  # a peer from before expert checkpoints
+    assert CheckpointRecord.from_wire(older).part == "stage"
+    assert CheckpointRecord.from_wire({**GOOD, "part": "expert"}).part == "expert"
 
 
 def _held(**changes) -> dict:
@@ -49,6 +52,9 @@ def _held(**changes) -> dict:
     [
         {**GOOD, "stage": "1"},
         {**GOOD, "stage": -1},
+        {**GOOD, "part": "experts"},
+        {**GOOD, "part": 1},
+        {**GOOD, "part": None},
         {**GOOD, "peer_id": 5},
         {**GOOD, "state_hash": None},
         {**GOOD, "state_hash": "x" * 129},

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
+from swarm.checkpoint.keeper import StageKeeper
 from swarm.checkpoint.schedule import CheckpointSchedule
-from swarm.config import CheckpointConfig
-from swarm.serving import ExpertServer
+from swarm.config import CheckpointConfig, ModelConfig, MoEConfig, OptimizerConfig, RunConfig
+from swarm.experts import ExpertHost, ExpertState
 
 
 class Clock:
@@ -48,40 +50,52 @@ def test_every_seconds_zero_counts_steps_only():
     assert not schedule.due(2) and schedule.due(3)
 
 
-def expert_server(every_steps: int, every_seconds: float, tmp_path: Path):
-    """An ExpertServer as far as after_steps reads it: its config, checkpoint dir, host and schedule."""
-    server = object.__new__(ExpertServer)
-    checkpoint = CheckpointConfig(every_steps=every_steps, every_seconds=every_seconds)
-    server.config = SimpleNamespace(checkpoint=checkpoint, run_id="run")
-    server.options = SimpleNamespace(checkpoint_dir=tmp_path)
-    saved = []
+@contextlib.contextmanager
+def expert_keeper(every_steps: int, every_seconds: float, tmp_path: Path):
+    """A StageKeeper of expert 1 of a real ExpertHost (no network: announcing is a no-op), and a function that
+    sets the expert's step and hands it to the keeper as ExpertServer.after_steps does, waiting for the write."""
+    config = RunConfig(
+        model=ModelConfig(vocab_size=64, seq_len=4, n_layer=2, n_head=2, d_model=8,
+                          moe=MoEConfig(every=1, num_experts=2, top_k=1, expert_servers=True)),
+        optimizer=OptimizerConfig(batch_size=4, micro_batch_size=2),
+        checkpoint=CheckpointConfig(every_steps=every_steps, every_seconds=every_seconds, keep=10),
+    ).validate()
+    host = ExpertHost(config, [1])
+    records = SimpleNamespace(announce_checkpoints=lambda record, ttl: True)
+    keeper = StageKeeper(ExpertState(host, 1), config, tmp_path, records, None, "QmSelf", part="expert")
+    keeper._serving = True  # as after start(), without a service
 
-    class Host:
-        step = 0
+    def step_to(step: int) -> None:
+        for optimizer in host.optimizers.values():
+            optimizer.step_count = step
+        keeper.after_step(keeper.state.step)
+        if keeper._writing is not None:
+            keeper._writing.result(30)
 
-        def submit(self, fn):
-            saved.append(self.step)
-            return SimpleNamespace(add_done_callback=lambda callback: None)
-
-    server.host = Host()
-    server.schedule = CheckpointSchedule(checkpoint)
-    return server, saved
-
-
-def test_an_expert_server_with_every_steps_zero_saves_by_time_and_does_not_divide_by_zero(tmp_path):
-    server, saved = expert_server(0, 3600, tmp_path)
-    for step in range(1, 60):
-        server.host.step = step
-        server.after_steps()  # was `step % 0`: ZeroDivisionError on every step
-    assert saved == []
-    server.schedule.last_time -= 3600
-    server.after_steps()
-    assert saved == [59]
+    try:
+        yield keeper, step_to
+    finally:
+        keeper.close()
+        host.shutdown()
 
 
-def test_an_expert_server_saves_every_n_steps(tmp_path):
-    server, saved = expert_server(25, 0, tmp_path)
-    for step in range(1, 80):
-        server.host.step = step
-        server.after_steps()
-    assert saved == [25, 50, 75]
+def written(keeper: StageKeeper) -> list[int]:
+    return sorted(int(path.name.removeprefix("step")) for path in keeper.store.entries())
+
+
+def test_an_expert_keeper_with_every_steps_zero_saves_by_time_and_does_not_divide_by_zero(tmp_path):
+    with expert_keeper(0, 3600, tmp_path) as (keeper, step_to):
+        for step in range(1, 60):
+            step_to(step)  # the expert-only writer this replaced did `step % 0`: ZeroDivisionError on every step
+        assert written(keeper) == []
+        keeper.schedule.last_time -= 3600
+        step_to(59)
+        assert written(keeper) == [59]
+        assert keeper.store.dir == tmp_path / "swarm" / "expert1"
+
+
+def test_an_expert_keeper_saves_every_n_steps(tmp_path):
+    with expert_keeper(25, 0, tmp_path) as (keeper, step_to):
+        for step in range(1, 80):
+            step_to(step)
+        assert written(keeper) == [25, 50, 75]

@@ -104,6 +104,7 @@ class RunArchive:
         self._tenure = {key: TenureBook(grace=config.network.record_ttl) for key in self._stores}
         self._holders: dict[Part, dict[str, float]] = {key: {} for key in self._stores}  # peer -> last established
         self._bounds: dict[Part, int] = {}
+        self._expert_hosts: list = []  # the ONLINE expert hosts, read at the start of each poll
         self._ignored: set[str] = set()  # claims already logged (bounded: cleared when it grows large)
 
     def start(self, p2p: Any) -> None:
@@ -137,6 +138,7 @@ class RunArchive:
         """Pull any newer stage (or expert) checkpoint, then assemble a run checkpoint if a stage's came; whether
         one did."""
         with self._lock:
+            self._expert_hosts = online(self.records.lookup_expert_hosts()) if self.experts else []
             pulled = [key for key in self._stores if self._pull(key)]
             assembled = any(part == "stage" for part, _ in pulled) and self._assemble()
             if pulled:
@@ -179,7 +181,7 @@ class RunArchive:
         if part == "stage":
             servers = online(self.records.lookup_servers(index))
         else:
-            servers = [r for r in online(self.records.lookup_expert_hosts()) if index in r.experts]
+            servers = [r for r in self._expert_hosts if index in r.experts]  # (read once a poll)
         book, holders, now = self._tenure[key], self._holders[key], time.monotonic()
         book.observe(r.peer_id for r in servers)
         established = [r for r in servers if book.established(r.peer_id, self.min_tenure)]

@@ -134,12 +134,17 @@ class AveragingProcess(AveragerInternals):
         return self._policy
 
     def start_process(self, timeout: float) -> None:
-        """Fork the averaging process and wait until it serves.
+        """Fork the averaging process and wait until it serves (launch, then wait_started).
 
         The process ignores the SIGINT a terminal sends to the whole process group (this process
         stops it, after leaving cleanly), and dies with this process. This process keeps its own
         SIGINT handler (hivemind would ignore SIGINT here for good).
         """
+        self.launch()
+        self.wait_started(timeout)
+
+    def launch(self) -> None:
+        """Fork the averaging process (start_process says how), without waiting for it."""
         collect_before_fork()
         self._forked_by_main_thread = threading.current_thread() is threading.main_thread()
         self._owner_pid = os.getpid()
@@ -151,6 +156,9 @@ class AveragingProcess(AveragerInternals):
                 signal.signal(signal.SIGINT, previous)
         else:
             self.start()  # signal handlers can only change on the main thread; the child keeps ours
+
+    def wait_started(self, timeout: float) -> None:
+        """Wait until a launched process serves (several can be launched first, then waited for together)."""
         try:
             self.wait_until_ready(timeout)
         except Exception as e:

@@ -159,18 +159,21 @@ class StageKeeper:
         return manifest, tensors, path
 
     # serving
-    def start(self, p2p: Any, serve: bool | Callable[[str], Path | None] = True) -> None:
+    def start(self, p2p: Any, serve: bool | Callable[[str], Path | None] = True, renew: bool = True) -> None:
         """Announce this stage's checkpoints in the DHT, and serve them to peers: `serve` True serves this
         keeper's, a function (manifest id -> directory) serves what it resolves (the keepers of one server
-        share one service), False serves nothing (another keeper's service does)."""
+        share one service), False serves nothing (another keeper's service does). With `renew` False no
+        thread of its own renews the record: the owner calls announce() (the keepers of one server, from
+        its announcer); a new checkpoint is announced as soon as it is written either way."""
         if serve:
             resolve = self.store.path_for if serve is True else serve
             self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, resolve), LOOP_CALL_TIMEOUT)
         self._serving = True
         self._p2p = p2p
         self.schedule.restart_clock()
-        self._announcer = threading.Thread(target=self._announce_forever, name="checkpoints", daemon=True)
-        self._announcer.start()
+        if renew:
+            self._announcer = threading.Thread(target=self._announce_forever, name="checkpoints", daemon=True)
+            self._announcer.start()
 
     def after_step(self, step: int) -> None:
         """Called on the compute thread after every step: copy the state and write it, if one is due."""

@@ -45,13 +45,13 @@ Concurrency map of a stage server (what runs where, what it may touch, how work 
     processes          the DHT and averaging processes (forked by hivemind) and p2pd
 
 An expert server has the same main thread, loop, announcer and metrics; its ExpertHost's worker thread
-does every forward, backward and step of the hosted experts, copies an expert's state for a joiner or a
-checkpoint, and applies what an averaging round moved (after_steps, ExpertReplicas and hivemind's state
-download thread hand work to it with host.submit). The main thread loads the experts' states (a live
-host's, or a checkpoint) before it hands the host's optimizers to that thread (ExpertHost.owner).
-Beside it: replicas{e} (ExpertReplicas' rounds, one thread and one averaging process per hosted
-expert: snapshots and updates go through host.submit) and each expert's StageKeeper threads (writer,
-announcer), as a stage's.
+does every forward, backward and step of the hosted experts, copies an expert's state for its keeper
+right after a step (ExpertServer.backward) and for a joiner, and applies what an averaging round moved
+(ExpertReplicas and hivemind's state download thread hand work to it with host.submit). The main
+thread loads the experts' states (a live host's, or a checkpoint) before it hands the host's
+optimizers to that thread (ExpertHost.owner). Beside it: replicas{e} (ExpertReplicas' rounds, one
+thread and one averaging process per hosted expert, forked side by side at start) and each expert's
+StageKeeper writer thread; the announcer renews the keepers' records (ExpertServer._tick).
 
 Both sides of a wire contract take its limits from one place (swarm.protocol.RequestLimits), checkpoints
 are due by one rule (swarm.checkpoint.schedule), and ONLINE records are found by one function

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import hivemind
+import torch
 from prometheus_client import CollectorRegistry
 
 from swarm.checkpoint.claims import step_bound
@@ -81,6 +82,7 @@ class ExpertServer(ServerLifecycle):
         self.states: dict[int, ExpertState] = {}  # each hosted expert, in every MoE block
         self.replicas: dict[int, ExpertReplicas] = {}  # each one's averaging with its other hosts
         self.keepers: dict[int, StageKeeper] = {}  # each one's checkpoints (none with no checkpoint_dir)
+        self._renewed = 0.0  # monotonic time the keepers' records were last renewed
 
     def start(self) -> None:
         moe = self.config.model.moe
@@ -99,7 +101,9 @@ class ExpertServer(ServerLifecycle):
         self.states = {e: ExpertState(self.host, e) for e in self.experts}
         for e, state in self.states.items():
             self.replicas[e] = ExpertReplicas(state, self.dht, self.records, self.config, self.peer_id,
-                                              self.config.averaging.state_download_timeout)
+                                              self.metrics.replica_rounds)
+        for replicas in self.replicas.values():  # forked side by side, waited for together
+            replicas.wait_started(self.config.averaging.state_download_timeout)
         if self.options.checkpoint_dir is not None:
             metrics = KeeperMetrics(self.registry)
             trusted = [self.options.coordinator_peer_id] if self.options.coordinator_peer_id else []
@@ -115,10 +119,22 @@ class ExpertServer(ServerLifecycle):
         self._go_online()
         for replicas in self.replicas.values():
             replicas.start()
-        for i, keeper in enumerate(self.keepers.values()):  # one checkpoint service answers for all of them
-            keeper.start(self._p2p, serve=self._checkpoint_path if i == 0 else False)
+        for i, keeper in enumerate(self.keepers.values()):  # one service answers for all, _tick renews them
+            keeper.start(self._p2p, serve=self._checkpoint_path if i == 0 else False, renew=False)
         log.info("hosting experts %s of MoE blocks %s as %s (%.0f tokens/s measured)", self.experts,
                  self.config.model.moe_layers(), self.peer_id, self.throughput)
+
+    def _tick(self) -> None:
+        """Renew the experts' checkpoint records, at half their lifetime: a host of many experts renews that
+        many records, and a record changes only when a checkpoint is written (announced then, at once)."""
+        now = time.monotonic()
+        if self.keepers and now - self._renewed >= self.config.network.record_ttl / 2:
+            self._renewed = now
+            for e, keeper in self.keepers.items():
+                try:
+                    keeper.announce()
+                except Exception as err:  # noqa: BLE001 - a DHT hiccup: the next tick tries again
+                    log.warning("expert %d: announcing its checkpoints failed: %s", e, err)
 
     def _checkpoint_path(self, manifest_id: str) -> Path | None:
         """The checkpoint directory of any hosted expert whose manifest has this id (what the service serves)."""
@@ -185,15 +201,17 @@ class ExpertServer(ServerLifecycle):
             return hosts, []
         return [r for r in hosts if r.step <= bound], [(r, bound) for r in hosts if r.step > bound]
 
-    def after_steps(self) -> None:
-        """Hand each expert's keeper its step, between two tasks on the host's thread: it copies the state and
-        writes it beside compute when its schedule (checkpoint.every_steps / every_seconds) says."""
-        if self.keepers:
-            self.host.submit(self._after_steps).add_done_callback(_log_failure)
-
-    def _after_steps(self) -> None:
-        for e, keeper in self.keepers.items():
-            keeper.after_step(self.states[e].step)
+    def backward(self, *args) -> tuple[torch.Tensor, list[dict]]:
+        """ExpertHost.backward, on the host's worker thread; after a step, each expert's keeper gets its step
+        (it copies the state there and writes it beside compute when checkpoint.every_steps / every_seconds
+        say), as a stage server's does on its compute thread."""
+        grad, stats = self.host.backward(*args)
+        for e, keeper in self.keepers.items() if stats else ():
+            try:
+                keeper.after_step(self.states[e].step)
+            except Exception as err:  # noqa: BLE001 - the backward took effect: its reply must still go out
+                log.warning("expert %d: copying its state for a checkpoint failed: %s", e, err)
+        return grad, stats
 
     def record(self) -> ExpertHostRecord:
         return ExpertHostRecord(peer_id=self.peer_id, experts=self.experts, state=self.state.value,
@@ -215,11 +233,6 @@ class ExpertServer(ServerLifecycle):
                 log.warning("expert %d: closing its averaging failed: %s", e, err)
         if self.host is not None:
             self.host.shutdown()
-
-
-def _log_failure(future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("checkpointing the experts failed: %s", future.exception())
 
 
 class ExpertRequestHandler(CountingHandler):
@@ -249,14 +262,13 @@ class ExpertRequestHandler(CountingHandler):
         if request.samples > cap:
             self._count(request.kind, BAD_REQUEST)
             raise RequestRejected(BAD_REQUEST, f"a micro-batch has at most {cap} samples, got {request.samples}")
-        grad, stats = await self._run(request, host.backward, request.stage, request.experts, request.inputs,
-                                      request.grad_outputs, request.samples, request.stage_step)
+        grad, stats = await self._run(request, self.server.backward, request.stage, request.experts,
+                                      request.inputs, request.grad_outputs, request.samples, request.stage_step)
         for step in stats:
             if step["skipped"]:
                 log.warning("an expert skipped a step: non-finite gradient norm")
         if stats:
             log.info("experts stepped: step %d (lr %.2e)", host.step, stats[0]["lr"])
-            self.server.after_steps()
         self._done(request, started)
         return StageReply([grad], server_step=host.step)
 

@@ -163,6 +163,9 @@ class ExpertMetrics:
                                 ["kind", "status"], registry=registry)
         self.latency = Histogram("swarm_expert_request_seconds", "Time to answer an expert request", ["kind"],
                                  registry=registry)
+        self.replica_rounds = Counter("swarm_expert_replica_rounds_total", "Averaging rounds of a hosted expert "
+                                      "with its other hosts (swarm.serving.replicas)", ["expert", "outcome"],
+                                      registry=registry)
         Gauge("swarm_expert_step", "Optimizer steps of the hosted experts", registry=registry).set_function(
             lambda: host().step if host() else 0)
         Gauge("swarm_expert_queue_depth", "Tasks waiting for or in compute", registry=registry).set_function(

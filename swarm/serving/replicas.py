@@ -53,7 +53,9 @@ class ExpertReplicas:
     """The averaging of one expert (`state`) with its other hosts; its state offered to hosts joining it."""
 
     def __init__(self, state: ExpertState, dht: Any, records: SwarmRecords, config: RunConfig, peer_id: str,
-                 start_timeout: float):
+                 counter: Any = None):
+        """Forks the averaging process (`wait_started` waits until it serves: the processes of a server's
+        experts start side by side)."""
         self.state, self.records, self.peer_id = state, records, peer_id
         self.expert = state.stage
         self.period = config.averaging.expert_replica_period
@@ -66,10 +68,14 @@ class ExpertReplicas:
                                         state_source=self._state_for_peer,
                                         declare_period=max(self.period, config.network.announce_period),
                                         max_weight=1.0)
-        self.process.start_process(start_timeout)
+        self.process.launch()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.rounds = {"succeeded": 0, "failed": 0}  # for metrics and tests
+        self.rounds = {"succeeded": 0, "failed": 0}  # for tests; `counter` (a Prometheus one) for operators
+        self._counter = counter
+
+    def wait_started(self, timeout: float) -> None:
+        self.process.wait_started(timeout)
 
     # joining
     def download(self, donors: Sequence[str], timeout: float) -> int | None:
@@ -77,7 +83,9 @@ class ExpertReplicas:
         the step it is at, or None. Runs before the host is handed to its worker thread."""
         left, deadline = list(donors), time.monotonic() + timeout
         while left and time.monotonic() < deadline:
-            got = self.process.download_state(deadline - time.monotonic(), self._stop, only=left)
+            # a sender of more than an honest state's bytes is cut off (and the next one asked)
+            got = self.process.download_state(deadline - time.monotonic(), self._stop, only=left,
+                                              max_bytes=self.state.nbytes() + 2**16)
             if got is None:
                 return None
             metadata, tensors, peer = got
@@ -110,15 +118,18 @@ class ExpertReplicas:
             others = self.other_hosts()
             if not others:
                 continue
+            outcome = "failed"
             try:
                 self.average(index, others)
-                self.rounds["succeeded"] += 1
+                outcome = "succeeded"
+                log.debug("expert %d: round %d with %d other host(s) done", self.expert, index, len(others))
             except RoundFailed as e:
-                self.rounds["failed"] += 1
                 log.info("expert %d: round %d with %d other host(s) failed: %s", self.expert, index, len(others), e)
             except Exception as e:  # noqa: BLE001 - the host shutting down, a closed process: the next period tries again
-                self.rounds["failed"] += 1
                 log.warning("expert %d: averaging round %d failed: %s", self.expert, index, e)
+            self.rounds[outcome] += 1
+            if self._counter is not None:
+                self._counter.labels(expert=str(self.expert), outcome=outcome).inc()
 
     def other_hosts(self) -> list[str]:
         """The peer ids of the expert's other ONLINE hosts, as the DHT says now."""

@@ -136,9 +136,10 @@ def test_checkpoints_field_bounds():
             checkpoints_field(stage)
 
 
-def _record(peer_id: str, *held: tuple[int, str, int], stage: int = 1, state_hash: str = "5e" * 32):
+def _record(peer_id: str, *held: tuple[int, str, int], stage: int = 1, state_hash: str = "5e" * 32,
+            part: str = "stage"):
     checkpoints = [HeldCheckpoint(step=step, manifest_id=mid, size=size) for step, mid, size in held]
-    return CheckpointRecord(peer_id=peer_id, stage=stage, state_hash=state_hash, checkpoints=checkpoints)
+    return CheckpointRecord(peer_id=peer_id, stage=stage, state_hash=state_hash, checkpoints=checkpoints, part=part)
 
 
 def test_candidates_newest_first_filtered_and_deduplicated():
@@ -147,12 +148,15 @@ def test_candidates_newest_first_filtered_and_deduplicated():
         _record("QmA", (100, ID_B, 10), (120, ID_A, 10), (100, ID_B, 10)),  # listed twice: tried once
         _record("QmB", (120, ID_A, 10), (90, ID_C, 10)),
         _record("QmC", (500, ID_D, 10), stage=2),  # another stage's record under this stage's key
+        _record("QmX", (600, ID_D, 10), part="expert"),  # expert 1's: never a candidate for stage 1
         _record("QmD", (500, ID_D, 10), state_hash="00" * 32),  # another model shape
         _record("QmE", (400, ID_D, 10**9)),  # too big
         _record("QmSelf", (300, ID_D, 10)),
     ]
     found = checkpoint_candidates(records, stage=1, state_hash="5e" * 32, max_bytes=1000, exclude={"QmSelf"})
     assert [(held.step, holder) for held, holder in found] == [(120, "QmA"), (120, "QmB"), (100, "QmA"), (90, "QmB")]
+    experts = checkpoint_candidates(records, stage=1, state_hash="5e" * 32, max_bytes=1000, part="expert")
+    assert [(held.step, holder) for held, holder in experts] == [(600, "QmX")]
     newer = checkpoint_candidates(records, stage=1, state_hash="5e" * 32, max_bytes=1000, min_step=100)
     assert [(held.step, holder) for held, holder in newer] == [(300, "QmSelf"), (120, "QmA"), (120, "QmB"),
                                                                (100, "QmA")]

@@ -53,7 +53,7 @@ def test_every_seconds_zero_counts_steps_only():
 @contextlib.contextmanager
 def expert_keeper(every_steps: int, every_seconds: float, tmp_path: Path):
     """A StageKeeper of expert 1 of a real ExpertHost (no network: announcing is a no-op), and a function that
-    sets the expert's step and hands it to the keeper as ExpertServer.after_steps does, waiting for the write."""
+    sets the expert's step and hands it to the keeper as ExpertServer.backward does, waiting for the write."""
     config = RunConfig(
         model=ModelConfig(vocab_size=64, seq_len=4, n_layer=2, n_head=2, d_model=8,
                           moe=MoEConfig(every=1, num_experts=2, top_k=1, expert_servers=True)),

@@ -263,6 +263,34 @@ def test_install_rejects_another_stage(tmp_path):
         stage_store(tmp_path / "me").install(fetched)
 
 
+def test_an_expert_checkpoint_lives_apart_and_never_loads_as_a_stage_or_another_expert(tmp_path):
+    experts = StageCheckpoints(tmp_path, RUN, 1, keep=3, part="expert")
+    manifest, _, path = write(experts, 30, num_stages=4)
+    assert path == tmp_path / RUN / "expert1" / "step0000000030"
+    assert manifest.part == "expert" and json.loads((path / "manifest.json").read_text())["part"] == "expert"
+    assert_same(experts.load(path, state_hash=HASH)[2], state(30))
+    with pytest.raises(CheckpointError, match="is of expert 1, not of a stage"):
+        stage_store(tmp_path / "me").install(path)  # stage 1 of the same run: the index alone would match
+    with pytest.raises(CheckpointError, match="is for expert 1, not 2"):
+        StageCheckpoints(tmp_path / "me", RUN, 2, keep=3, part="expert").install(path)
+    with pytest.raises(ValueError, match="part must be one of"):
+        StageCheckpoints(tmp_path, RUN, 1, keep=3, part="experts")
+
+
+def test_a_manifest_without_part_is_a_stages_and_a_bad_part_is_refused(tmp_path):
+    _, _, path = write(stage_store(tmp_path), 30)
+    fields = json.loads((path / "manifest.json").read_text())
+    assert fields.pop("part") == "stage"
+    older = json.dumps({"format": 1, "kind": "stage", **fields}).encode()  # as written before experts had any
+    assert StageManifest.from_bytes(older).part == "stage"
+    for bad in ("expert ", "", 1, None, True):
+        with pytest.raises(CheckpointError, match="field 'part'"):
+            StageManifest.from_bytes(json.dumps({"format": 1, "kind": "stage", **fields, "part": bad}).encode())
+    with pytest.raises(CheckpointError, match="expert 4 is out of range for 4 experts"):
+        StageManifest.from_bytes(json.dumps({"format": 1, "kind": "stage", **fields, "part": "expert",
+                                             "stage": 4, "num_stages": 4}).encode())
+
+
 def test_install_removes_a_staged_copy_that_does_not_verify(tmp_path):
     _, _, fetched = write(StageCheckpoints(tmp_path / "peer", RUN, 1, keep=3), 30)
     store = stage_store(tmp_path / "me")

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from swarm.config import ModelConfig, MoEConfig, OptimizerConfig, RunConfig
-from swarm.experts import ExpertHost
+from swarm.experts import ExpertHost, ExpertState
 from swarm.model import make_expert
 from swarm.optim import StageOptimizer
+from swarm.state import StateRejected
 from swarm.threads import WrongThread
 
 pytestmark = pytest.mark.timeout(30)
@@ -263,3 +265,71 @@ def test_once_handed_to_its_worker_only_the_worker_changes_the_experts(host):
     assert untouched(host)
     host.submit(host.backward, layer, [(host.experts[0], 3)], x, g, 1).result(10)  # on the worker: fine
     assert not untouched(host)
+
+
+def trained_state(config=CONFIG) -> tuple:
+    """An ExpertState of expert 2 after two steps of every block, and the host (the caller shuts it down)."""
+    giver = ExpertHost(config, HOSTED)
+    for seed in range(2):
+        for layer in giver.layers:
+            giver.backward(layer, [(0, 3), (2, 3)], rand(6, D, seed=seed), rand(6, D, seed=seed + 7), samples=8)
+    return giver, ExpertState(giver, 2)
+
+
+def test_an_expert_state_moves_whole_from_one_host_to_another():
+    giver, state = trained_state()
+    taker = ExpertHost(CONFIG, [2])
+    try:
+        info, tensors = state.state_dict()
+        assert info.stage == 2 and info.step == 2 == state.step
+        assert sorted(tensors) == sorted(f"{layer}.{name}" for layer in giver.layers for name in
+                                         ("parameters", "exp_avg", "exp_avg_sq", "gradient", "counts", "adam_step"))
+        assert state.nbytes() >= sum(t.numel() * t.element_size() for t in tensors.values())
+        ExpertState(taker, 2).load_state_dict(info, tensors)
+        for layer in giver.layers:
+            torch.testing.assert_close(taker.modules[layer, 2].state_dict(), giver.modules[layer, 2].state_dict(),
+                                       rtol=0, atol=0)
+            assert taker.optimizers[layer, 2].step_count == 2
+            mine, theirs = taker.optimizers[layer, 2].moments(), giver.optimizers[layer, 2].moments()
+            assert mine.keys() == theirs.keys() and mine
+            for key in mine:
+                torch.testing.assert_close(mine[key].float(), theirs[key].float(), rtol=0, atol=0)
+    finally:
+        giver.shutdown()
+        taker.shutdown()
+
+
+def _forged(tensors: dict, layer: int) -> list:
+    """(what, info changes, tensors) of states a stranger could send instead of `tensors`."""
+    good = tensors[f"{layer}.parameters"]
+    return [
+        ("another expert", {"stage": 0}, tensors),
+        ("a block missing", {}, {k: v for k, v in tensors.items() if not k.startswith(f"{layer}.")}),
+        ("an unknown tensor", {}, {**tensors, f"{layer}.extra": good}),
+        ("parameters short", {}, {**tensors, f"{layer}.parameters": good[:-1]}),
+        ("parameters of another dtype", {}, {**tensors, f"{layer}.parameters": good.double()}),
+        ("a NaN", {}, {**tensors, f"{layer}.parameters": torch.cat([good[:-1], torch.tensor([float("nan")])])}),
+        ("a moment without the other", {}, {**tensors, f"{layer}.exp_avg_sq": torch.zeros(0)}),
+        ("counts as floats", {}, {**tensors, f"{layer}.counts": tensors[f"{layer}.counts"].double()}),
+        ("negative samples", {}, {**tensors, f"{layer}.counts": torch.tensor([2, -1])}),
+        ("adam step not a number", {}, {**tensors, f"{layer}.adam_step": torch.zeros(2, dtype=torch.float64)}),
+        ("another step than it says", {"step": 7}, tensors),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_a_forged_expert_state_is_refused_and_changes_nothing(case):
+    giver, state = trained_state()
+    taker = ExpertHost(CONFIG, [2])
+    try:
+        info, tensors = state.state_dict()
+        what, changes, forged = _forged(tensors, giver.layers[-1])[case]  # the last block: the first would load
+        before = {key: {k: v.clone() for k, v in m.state_dict().items()} for key, m in taker.modules.items()}
+        with pytest.raises(StateRejected):
+            ExpertState(taker, 2).load_state_dict(dataclasses.replace(info, **changes), forged)
+        for key, module in taker.modules.items():  # not even the blocks before the bad one
+            torch.testing.assert_close(module.state_dict(), before[key], rtol=0, atol=0, msg=what)
+        assert all(opt.step_count == 0 and not opt.moments() for opt in taker.optimizers.values()), what
+    finally:
+        giver.shutdown()
+        taker.shutdown()

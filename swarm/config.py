@@ -32,7 +32,7 @@ class ConfigError(ValueError):
     """A run config is malformed; the message names the field."""
 
 
-MAX_EXPERTS = 256  # experts per block a run with expert servers may have (swarm.dht enumerates their keys)
+MAX_EXPERTS = 64  # experts per block a run with expert servers may have (swarm.dht enumerates a key for each)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Every key is ``{run_id}_{field}``; fields are ``config``, ``metrics``, ``run_checkpoint``, ``experts``
 (expert host records), ``stage0`` .. ``stage255`` (server records), ``checkpoints0`` .. ``checkpoints255``
-(who holds which stage checkpoints) and ``expert_checkpoints0`` .. ``expert_checkpoints255`` (who holds which
+(who holds which stage checkpoints) and ``expert_checkpoints0`` .. ``expert_checkpoints63`` (who holds which
 expert checkpoints). Each key holds a dictionary whose subkeys are owner markers
 (``[owner:ssh-rsa ...]``): hivemind's RSASignatureValidator then accepts a subkey's value only if it is
 signed by that owner, so a peer can write its own server record, metrics or checkpoint list, never

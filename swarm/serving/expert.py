@@ -157,7 +157,10 @@ class ExpertServer(ServerLifecycle):
         fresh = []
         for e in self.states:
             donors = [r.peer_id for r in sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)]
-            if donors and self.replicas[e].download(donors, STATE_TIMEOUT) is not None:
+            step = self.replicas[e].download(donors, STATE_TIMEOUT) if donors else None
+            if step is not None:
+                if e in self.keepers:  # the next checkpoint is due counting from the state taken
+                    self.keepers[e].schedule.restored(step)
                 continue
             keeper = self.keepers.get(e)
             try:

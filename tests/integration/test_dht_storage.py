@@ -74,6 +74,9 @@ def _attacker_record(field: str, attacker: str) -> dict:
         return ServerRecord(peer_id=attacker, stage=number, state=ServerState.ONLINE, throughput=1.0).to_wire()
     if field.startswith("checkpoints"):
         return CheckpointRecord(peer_id=attacker, stage=number, state_hash=HASH, checkpoints=[]).to_wire()
+    if field.startswith("expert_checkpoints"):
+        return CheckpointRecord(peer_id=attacker, stage=number, part="expert", state_hash=HASH,
+                                checkpoints=[]).to_wire()
     if field == "config":
         return dict(run_id=RUN_ID, config_yaml="x: 1", coordinator_peer_id=attacker)
     if field == "run_checkpoint":
@@ -95,16 +98,18 @@ async def _flood(target: str, owner: bytes, attacker: str, scale: float, _dht, n
         await protocol.call_store(peer, keys, values, expiration, subkeys=subkeys, in_cache=in_cache)
         sent += sum(map(len, values)) + sum(len(s) for s in subkeys or ())
 
-    # 1. at every key of the run, its own signed record, padded to just under the guard's limit, stored (~48 MiB)
-    # and cached (~12 MiB, a quarter of the keys)
+    # 1. at every key of the run, its own signed record, padded to just under the guard's limit (less where the run
+    # has so many keys that this part would pass 48 MiB: the flood stays the 100 MiB it says), stored (~48 MiB) and
+    # cached (~12 MiB, a quarter of the keys)
     fields = [(dht_key(RUN_ID, f), f) for f in run_fields()]
     fields += [(progress_key(RUN_ID, k), "") for k in range(MAX_STAGES)]
+    padding = min(MAX_RECORD_BYTES - 1000, 48 * MiB // len(fields) - 200)
     fields = fields[:max(1, int(len(fields) * scale))]
     expiration, subkey = get_dht_time() + TTL, MSGPackSerializer.dumps(owner)
     for start in range(0, len(fields), 16):
         keys, values = [], []
         for key, field in fields[start:start + 16]:
-            padded = dict(_attacker_record(field, attacker), padding="x" * (MAX_RECORD_BYTES - 1000))
+            padded = dict(_attacker_record(field, attacker), padding="x" * padding)
             value = MSGPackSerializer.dumps(padded)
             key_id = DHTID.generate(source=key)
             values.append(protocol.record_validator.sign_value(DHTRecord(key_id.to_bytes(), subkey, value, expiration)))

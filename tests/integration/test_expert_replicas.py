@@ -16,21 +16,20 @@ import torch
 from coordinator.archive import RunArchive
 from swarm.model import make_expert
 from swarm.serving import ExpertServer
-from swarm.trainer import Trainer, TrainerOptions
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     BACKEND_CALL_TIMEOUT,
     running_peers,
-    stage_servers,
-    train_bounded,
-    wait_until_online,
 )
-from tests.integration.test_moe_experts import expert_servers, expert_state, moe_config
+from tests.integration.test_moe_experts import (
+    expert_servers,
+    expert_state,
+    moe_config,
+    one_batch_with_one_host,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
-TRAIN_TIMEOUT = 90.0
-STEP_TIMEOUT = 10.0
 PULL_TIMEOUT = 60.0
 ROUND_TIMEOUT = 60.0
 LAYERS = (0, 1)
@@ -47,20 +46,12 @@ def test_an_expert_whose_hosts_are_all_gone_resumes_from_its_dht_announced_check
     caplog.set_level(logging.INFO)
     config = moe_config("expertresume")
     config.checkpoint.every_steps = 1
-    batch = config.optimizer.batch_size
     with running_peers(config.run_id, 6) as (coordinator, trainer_peer, *peers), contextlib.ExitStack() as stack:
         archive = RunArchive(config, tmp_path / "coordinator", coordinator.records, coordinator.loop,
                              coordinator.peer_id, max_stage_bytes=2**30)
         archive.start(coordinator.p2p())
         stack.callback(archive.close)
-        (first,) = stack.enter_context(expert_servers(config, peers[2:3], [[0, 1, 2, 3]], tmp_path / "first"))
-        servers = stack.enter_context(stage_servers(config, peers[:2], [0, 1]))
-        wait_until_online(trainer_peer.records, [0, 1])
-        trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
-                          TrainerOptions(trainer_index=0, max_samples=batch, in_flight=1))
-        train_bounded(trainer, TRAIN_TIMEOUT)
-        wait_until(lambda: first.host.step >= 1 and all(s.backend.step >= 1 for s in servers), STEP_TIMEOUT,
-                   what="the first step")
+        first = one_batch_with_one_host(config, stack, trainer_peer, peers, tmp_path / "first")
         saved = {(layer, e): expert_state(first, layer, e) for layer in LAYERS for e in (1, 3)}
         for (layer, e), state in saved.items():  # trained: resuming from the initial weights would show
             initial = make_expert(config.model, layer, e).state_dict()

@@ -138,19 +138,27 @@ def test_a_joining_expert_server_takes_the_state_of_a_live_host():
                     torch.testing.assert_close(mine[key].float(), theirs[key].float(), rtol=0, atol=0)
 
 
+def one_batch_with_one_host(config, stack: contextlib.ExitStack, trainer_peer: Peer, peers: Sequence[Peer],
+                            checkpoint_dir: Path) -> ExpertServer:
+    """Stage servers on peers[0] and [1], one host of every expert on peers[2] (checkpoints in `checkpoint_dir`),
+    all entered in `stack`, and one batch trained: the host, once it and the stages took their first step."""
+    (host,) = stack.enter_context(expert_servers(config, peers[2:3], [list(range(config.model.moe.num_experts))],
+                                                 checkpoint_dir))
+    servers = stack.enter_context(stage_servers(config, peers[:2], [0, 1]))
+    wait_until_online(trainer_peer.records, [0, 1])
+    trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
+                      TrainerOptions(trainer_index=0, max_samples=config.optimizer.batch_size, in_flight=1))
+    train_bounded(trainer, TRAIN_TIMEOUT)
+    wait_until(lambda: host.host.step >= 1 and all(s.backend.step >= 1 for s in servers), STEP_TIMEOUT,
+               what="the first step")
+    return host
+
+
 def test_an_expert_server_restores_its_experts_from_its_checkpoint_when_no_host_is_live(tmp_path: Path):
     config = moe_config("ckptexperts")
     config.checkpoint.every_steps = 1
-    batch = config.optimizer.batch_size
     with running_peers(config.run_id, 5) as (trainer_peer, *peers), contextlib.ExitStack() as first_host:
-        (host,) = first_host.enter_context(expert_servers(config, peers[2:3], [[0, 1, 2, 3]], tmp_path))
-        servers = first_host.enter_context(stage_servers(config, peers[:2], [0, 1]))
-        wait_until_online(trainer_peer.records, [0, 1])
-        trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
-                          TrainerOptions(trainer_index=0, max_samples=batch, in_flight=1))
-        train_bounded(trainer, TRAIN_TIMEOUT)
-        wait_until(lambda: host.host.step >= 1 and all(s.backend.step >= 1 for s in servers), STEP_TIMEOUT,
-                   what="the first step")
+        host = one_batch_with_one_host(config, first_host, trainer_peer, peers, tmp_path)
         saved = {(layer, e): expert_state(host, layer, e) for layer in (0, 1) for e in range(4)}
         moments = {key: host.host.optimizers[key].moments() for key in saved}
         host.shutdown()  # announces OFFLINE; the stage servers stay up

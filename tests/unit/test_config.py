@@ -70,7 +70,7 @@ def test_small_config_has_tens_of_millions_of_parameters():
         ({"averaging": {"expert_replica_period": -1}}, "averaging.expert_replica_period"),
         ({"averaging": {"expert_replica_period": float("inf")}}, "averaging.expert_replica_period"),
         ({"averaging": {"expert_replica_period": True}}, "averaging.expert_replica_period"),
-        ({"model": {"moe": {"num_experts": 257, "expert_servers": True}}}, "model.moe.num_experts"),
+        ({"model": {"moe": {"num_experts": 65, "expert_servers": True}}}, "model.moe.num_experts"),
         ({"data": {"val_percent": 0}}, "data.val_percent"),
         ({"network": {"record_ttl": 1.0, "announce_period": 5.0}}, "network.record_ttl"),
         ({"network": {"record_ttl": 7200.0}}, "at most 3600"),

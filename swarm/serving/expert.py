@@ -40,7 +40,7 @@ from .throughput import expert_throughput
 
 log = logging.getLogger("swarm.expert")
 
-STATE_TIMEOUT = 60.0  # for one expert's state to arrive from a host that has it
+STATE_TIMEOUT = 60.0  # for every hosted expert's state to arrive from live hosts of it
 DONOR_LOOKUPS = 3  # reads of the experts' hosts, an announce period apart, while one is beyond the bound
 
 
@@ -154,10 +154,11 @@ class ExpertServer(ServerLifecycle):
         its live host), so those records stay candidates too: asking a host for its state needs no DHT.
         """
         hosts = self._donors_within_bound(seen)
-        fresh = []
+        fresh, deadline = [], time.monotonic() + STATE_TIMEOUT  # for every expert's state from live hosts
         for e in self.states:
             donors = [r.peer_id for r in sorted((r for r in hosts if e in r.experts), key=lambda r: -r.step)]
-            step = self.replicas[e].download(donors, STATE_TIMEOUT) if donors else None
+            left = deadline - time.monotonic()
+            step = self.replicas[e].download(donors, left) if donors and left > 0 else None
             if step is not None:
                 if e in self.keepers:  # the next checkpoint is due counting from the state taken
                     self.keepers[e].schedule.restored(step)

@@ -47,6 +47,8 @@ from swarm.state import StateRejected, flatten, unflatten
 log = logging.getLogger("swarm.expert")
 
 HOST_CALL_TIMEOUT = 60.0  # a snapshot or an update, queued behind the host's tasks
+DOWNLOAD_RETRY_PAUSE = 1.0  # seconds before asking the donors again when none sent a state
+DOWNLOAD_TRIES = 3  # asks of the donors for one expert's state (each a few seconds when they are gone)
 
 
 class ExpertReplicas:
@@ -80,14 +82,25 @@ class ExpertReplicas:
     # joining
     def download(self, donors: Sequence[str], timeout: float) -> int | None:
         """Take the expert's state from the first of `donors` (peer ids, best first) that sends one that fits;
-        the step it is at, or None. Runs before the host is handed to its worker thread."""
+        the step it is at, or None. Runs before the host is handed to its worker thread.
+
+        Each of DOWNLOAD_TRIES tries is bounded on its own (a donor that never answers costs one try, not the
+        whole `timeout`); one that got nothing (no offer in the DHT yet, or every donor failed) is made again
+        a moment later."""
         left, deadline = list(donors), time.monotonic() + timeout
-        while left and time.monotonic() < deadline:
+        attempt = 2 * self.config.next_chunk_timeout + self.config.request_timeout
+        for _ in range(DOWNLOAD_TRIES):
+            if not left or time.monotonic() >= deadline or self._stop.is_set():
+                break
+            started = time.monotonic()
             # a sender of more than an honest state's bytes is cut off (and the next one asked)
-            got = self.process.download_state(deadline - time.monotonic(), self._stop, only=left,
+            got = self.process.download_state(min(attempt, deadline - started), self._stop, only=left,
                                               max_bytes=self.state.nbytes() + 2**16)
             if got is None:
-                return None
+                log.info("expert %d: no state from %d host(s) within %.1fs; trying again", self.expert, len(left),
+                         time.monotonic() - started)
+                self._stop.wait(DOWNLOAD_RETRY_PAUSE)
+                continue
             metadata, tensors, peer = got
             left = [donor for donor in left if donor != peer]
             try:

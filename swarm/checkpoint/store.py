@@ -249,7 +249,7 @@ class StageCheckpoints(_StepDirs):
                 shutil.rmtree(staged, ignore_errors=True)  # ours to clean: no use keeping a bad copy
                 raise
             for name in manifest.files:
-                _fsync_file(staged / name)
+                _fsync(staged / name)
         else:
             temp = self.new_temp_dir()
             try:
@@ -350,12 +350,6 @@ def _cpu_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _fsync(file: Path) -> None:
-    with open(file, "rb") as f:
-        os.fsync(f.fileno())
-
-
-
-def _fsync_file(file: Path) -> None:
     with open(file, "rb") as f:
         os.fsync(f.fileno())
 

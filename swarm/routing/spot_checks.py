@@ -24,12 +24,15 @@ When the witness disagrees a second one decides: the one of the three the other 
 is wrong. If its reported optimizer step is one the others do not report, a step may explain it
 (replicas apply a step a few milliseconds apart): it gets a strike, and `STRIKES` among its last
 `STRIKE_WINDOW` checks of that kind count as wrong, so a server cannot hide behind made-up steps,
-nor clear its record with honest answers of the other kind. A wrong
-server is banned for its balancer's longest ban, its peer id logged; a wrong reply (or a struck
-one) is not used: the call is retried on another server. Two servers alone cannot say which is
-wrong: the dispute is logged. What a check catches is gross: zeros, noise, a flipped or scaled-up
-gradient, a made-up loss. A reply within the tolerances (a gradient with some noise added, scaled
-by less than `SLOPE_RATIO`) passes, and so does a lie two witnesses share (colluding servers).
+nor clear its record with honest answers of the other kind. A wrong server is banned for its
+balancer's longest ban, its peer id logged; a wrong reply (or a struck one) is not used: the call is
+retried on another server. Two servers alone cannot say which is wrong: the dispute is logged and
+the reply used, unless one of the two is a newcomer (it has yet to answer us well) and the other is
+not: the newcomer gets a strike, its answer is not used, and it stays on probation. A newcomer's
+answers as a witness do not end its probation. What a check catches is gross: zeros, noise, a
+flipped or scaled-up gradient, a made-up loss. A reply within the tolerances (a gradient with some
+noise added, scaled by less than `SLOPE_RATIO`) passes, and so does a lie two witnesses share
+(colluding servers).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.protocol import BACKWARD, FORWARD, StageReply, StageRequest
-from swarm.routing.balancer import StageBalancer, Ticket
+from swarm.routing.balancer import StageBalancer
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +174,7 @@ class SpotCheck:
         return found if math.isfinite(found.slope) else None
 
 
-Attempt = Callable[[StageRequest, Ticket], Awaitable[StageReply | None]]
+Attempt = Callable[..., Awaitable[StageReply | None]]  # (request, ticket, report=True): the pipeline's _attempt
 
 
 class Witnesses:
@@ -203,8 +206,12 @@ class Witnesses:
         peer = self.rng.choice(sorted(others))
         size = int(check.request.inputs.shape[0])
         tickets = [balancer.charge(peer, size, FORWARD) for _ in check.witness_requests]
+        # A newcomer's answers as a witness are not checked: they do not end its probation (only its own
+        # checked replies do), else a liar picked as a witness early would have its lies trusted after.
+        report = not balancer.on_probation(peer)
         try:
-            replies = await asyncio.gather(*(self.attempt(r, t) for r, t in zip(check.witness_requests, tickets)))
+            replies = await asyncio.gather(*(self.attempt(r, t, report=report)
+                                             for r, t in zip(check.witness_requests, tickets)))
         finally:
             for ticket in tickets:
                 balancer.release(ticket)
@@ -229,6 +236,20 @@ class Witnesses:
         self.stats.disputes += 1
         second = await self.ask(check, {claim.peer, first.peer})
         wrong = None if second is None else minority(claim, first, second)
+        newcomer = None if wrong is not None else self._newcomer_of(claim, first)
+        if newcomer is not None:
+            # No third settles it, but one of the two is a newcomer (on probation: it has yet to answer us well)
+            # and the other is not: the newcomer gets a strike, and its answer is not used. It stays on
+            # probation, so its next answer is checked too. Else a liar that joins while the stage's other
+            # servers are banned or busy would have its lies used from its first call.
+            elder = first if newcomer is claim else claim
+            strikes = self._note(newcomer.peer, kind, struck=True)
+            log.info("spot check of stage %d %s: newcomer %s disagrees with %s, which answered us before, and no "
+                     "third server settles it; %d of %d strikes", self.stage, kind, newcomer.peer, elder.peer,
+                     strikes, STRIKES)
+            if strikes >= STRIKES:
+                self._ban(newcomer, [elder], kind)
+            return newcomer is claim
         if wrong is None:
             # Two replicas at different steps compute different things: a stage of two whose servers are steps
             # apart (one catching up) would say so on most checks, which is no news for whoever reads the log
@@ -243,13 +264,23 @@ class Witnesses:
             self._note(f.peer, kind, struck=False)
         excused = wrong.step is not None and all(f.step is not None and f.step != wrong.step for f in others)
         if not excused or self._note(wrong.peer, kind, struck=True) >= STRIKES:
-            self.record.pop((wrong.peer, kind), None)
-            self.balancer.ban(wrong.peer, self.balancer.ban_max)
-            self.stats.caught[self.stage] += 1
-            log.warning("spot check of stage %d %s: server %s answered wrongly (the other two of %s agree); banned "
-                        "for %.0fs", self.stage, check.request.kind, wrong.peer, sorted(f.peer for f in others),
-                        self.balancer.ban_max)
+            self._ban(wrong, others, kind)
         return wrong is claim
+
+    def _newcomer_of(self, claim: Finding, witness: Finding) -> Finding | None:
+        """The one of the two on probation (yet to answer us well) if the other is not, else None."""
+        balancer = self.balancer
+        if claim.peer not in balancer.servers or witness.peer not in balancer.servers:
+            return None
+        on = [f for f in (claim, witness) if balancer.on_probation(f.peer)]
+        return on[0] if len(on) == 1 else None
+
+    def _ban(self, wrong: Finding, others: Sequence[Finding], kind: str) -> None:
+        self.record.pop((wrong.peer, kind), None)
+        self.balancer.ban(wrong.peer, self.balancer.ban_max)
+        self.stats.caught[self.stage] += 1
+        log.warning("spot check of stage %d %s: server %s answered wrongly (%s against it); banned for %.0fs",
+                    self.stage, kind, wrong.peer, ", ".join(sorted(f.peer for f in others)), self.balancer.ban_max)
 
     def strikes(self, peer: str, kind: str) -> int:
         return sum(self.record.get((peer, kind), ()))

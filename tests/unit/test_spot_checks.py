@@ -19,6 +19,7 @@ from swarm.protocol import BACKWARD, FORWARD, StageReply, StageRequest
 from swarm.routing.spot_checks import (
     OUTPUT_TOLERANCE,
     SLOPE_RATIO,
+    STRIKES,
     Finding,
     SpotCheck,
     agree,
@@ -142,6 +143,13 @@ class Swarm:
         return loss, reply.tensors[0]
 
 
+def answered_before(swarm: Swarm, stage: int, *peers: str) -> None:
+    """Take the servers off probation: each answered the trainer well once."""
+    balancer = swarm.pipeline.balancers[stage]
+    for peer in peers:
+        balancer.report_success(balancer.charge(peer, 4, FORWARD))
+
+
 # --- the comparisons --------------------------------------------------------------------------------
 
 def test_relative_distance_and_slopes():
@@ -209,7 +217,8 @@ def test_a_witness_a_step_apart_gets_a_strike_not_a_ban():
     behind, so unlike the others') is not banned for it; an agreeing check clears its strike."""
     servers = {0: ["a", "b", "c"], 1: ["h"], 2: ["h"]}
     swarm = Swarm(servers)
-    swarm.trip(0)  # every server of stage 0 answers once (probes and witnesses)
+    answered_before(swarm, 0, "a", "b", "c")
+    swarm.trip(0)
     pipeline, witnesses = swarm.pipeline, swarm.pipeline.witnesses[0]
     pipeline.rng = random.Random(1)
     swarm.once["c"] = lambda r: StageReply([r.tensors[0] * 3], STEP - 1, r.info)  # answered before its step
@@ -227,6 +236,7 @@ def test_a_witness_a_step_apart_gets_a_strike_not_a_ban():
 
 def test_two_servers_alone_cannot_settle_a_dispute(caplog):
     swarm = Swarm({0: ["h"], 1: ["h1", "liar"], 2: ["h"]}, "flipped gradient")
+    answered_before(swarm, 1, "h1", "liar")  # the liar lies only once past its probes
     with caplog.at_level(logging.INFO, "swarm.routing.spot_checks"):
         for seed in range(4):
             swarm.trip(seed)
@@ -236,9 +246,39 @@ def test_two_servers_alone_cannot_settle_a_dispute(caplog):
     assert {r.levelno for r in caplog.records if "no third server" in r.message} == {logging.WARNING}
 
 
+def test_a_newcomer_disputed_by_a_server_that_answered_before_is_not_used_and_struck_out(caplog):
+    """No third server settles it (a stage of two, or its others banned): the newcomer's probe is not used,
+    it stays on probation, and STRIKES such probes ban it. The stranger of the CI run on 12-05, whose
+    zero gradients were used 77 times while the stage's third server was banned for a failed call."""
+    swarm = Swarm({0: ["h"], 1: ["h"], 2: ["h1"]}, "zero gradient")  # the last stage: its probe is a backward
+    swarm.trip(0)  # h1 answers: no longer on probation
+    swarm.pipeline.update_servers({0: ["h"], 1: ["h"], 2: ["h1", "liar"]})
+    with caplog.at_level(logging.INFO, "swarm.routing.spot_checks"):
+        for seed in range(1, 12):
+            loss, grad = swarm.honest_trip(seed)
+            assert swarm.trip(seed) == pytest.approx(loss, rel=1e-5)
+            torch.testing.assert_close(swarm.sent_to_first[-1], grad, rtol=1e-4, atol=1e-6)  # no lie used
+    assert swarm.calls["liar", BACKWARD] == STRIKES and swarm.pipeline.stats.caught == {2: 1}
+    assert "liar" not in swarm.pipeline.balancers[2].available()
+    struck = [r for r in caplog.records if "newcomer liar disagrees with h1" in r.message]
+    assert [f"{n} of {STRIKES} strikes" in r.message for n, r in enumerate(struck, 1)] == [True] * STRIKES
+
+
+def test_an_honest_newcomer_agrees_and_is_used():
+    swarm = Swarm({0: ["h"], 1: ["h1"], 2: ["h"]})
+    swarm.trip(0)
+    swarm.pipeline.update_servers({0: ["h"], 1: ["h1", "new"], 2: ["h"]})
+    for seed in range(1, 6):
+        swarm.trip(seed)
+    stats = swarm.pipeline.stats
+    assert swarm.calls["new", BACKWARD] >= 1 and stats.disputes == 0 and not stats.caught
+    assert not swarm.pipeline.balancers[1].on_probation("new")
+
+
 def test_two_servers_steps_apart_disagree_without_a_warning(caplog):
     # one of a stage of two still catching up: its outputs are another step's, a dispute the log need not shout
     swarm = Swarm({0: ["a", "b"], 1: ["h"], 2: ["h"]})
+    answered_before(swarm, 0, "a", "b")
     swarm.trip(0)
     with caplog.at_level(logging.INFO, "swarm.routing.spot_checks"):
         for seed in range(1, 8):
@@ -322,7 +362,8 @@ def test_a_witness_that_steps_between_its_forwards_is_asked_again():
     """A witness whose two forwards straddle its optimizer step says nothing comparable: the check asks again
     rather than letting the probe pass unchecked (under load, the liar's first answer was used this way)."""
     swarm = Swarm({0: ["h"], 1: ["h"], 2: ["h1", "h2"]}, "zero gradient")
-    swarm.trip(0)  # h1 and h2 answer: measured, off probation
+    answered_before(swarm, 2, "h1", "h2")  # off probation
+    swarm.trip(0)
     swarm.pipeline.update_servers({0: ["h"], 1: ["h"], 2: ["h1", "h2", "liar"]})
     for witness in ("h1", "h2"):  # the first forward each answers next is a step behind its second
         swarm.once[witness] = lambda r: StageReply(r.tensors, STEP - 1, r.info)

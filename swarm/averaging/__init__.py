@@ -10,27 +10,34 @@ Map of the subsystem, from what a server uses down to pure logic::
                  compute thread keeps serving (those samples count one step late); the compute
                  thread applies the same step on every replica between two requests. Steps alone
                  (and says so) when a round fails; catches up when behind (downloading beside
-                 compute too); load_state_from_peers() for a server joining its stage
+                 compute too); load_state_from_peers() for a server joining its stage. Composed of
+                 the parts below, each owning its fields: its phase, its kind of round, retries,
+                 groups formed ahead, catch-up, the ledger, the progress tracker
+    rounds.py    Phase (collecting, round in flight, catching up, solo), Retries (pure), and Round: one
+                 kind of round behind one interface (due, start, the network part, apply); PlainRound,
+                 the mean gradient through hivemind's all-reduce
     local.py     LocalAverager: the low-communication mode (averaging.mode local): each server takes
                  averaging.local_steps steps of its own, then the stage's servers average their
                  pseudo-gradients (slow weights minus their own) and all take the same outer Nesterov
-                 step; a StageAverager in every other respect (rounds, catch-up, state serving)
+                 step (OuterRound, a Round); a StageAverager in every other respect (catch-up,
+                 groups formed ahead, state serving)
     intake.py    StateIntake: downloads of the stage's state, bounded, skipping servers refused lately,
                  and the checks that the stage's progress backs what came
     feedback.py  ErrorFeedback: what the codec rounds off a server's pseudo-gradients, kept and sent
                  with its next one (local mode); pure
     ledger.py    SampleLedger: late samples (accumulated while a round ran) and those held while a batch
                  is due; what a round's start, a failed round and a replaced state do to them; pure
-    ahead.py     the group of a stage's next round forms while its batch fills (groups formed ahead)
-    catchup.py   the state downloads: a replica behind (or apart) takes the stage's state from a server of it
+    ahead.py     GroupsAhead: the group of a stage's next round forms while its batch fills
+    catchup.py   CatchUp: the state downloads (a replica behind, or apart, takes the stage's state from
+                 a server of it) and uploads
     tracker.py   StageProgressTracker: a thread that publishes this server's progress and reads the
                  stage's, through the DHT
     progress.py  what each server publishes of its stage's progress, and what a server concludes from it
     direct.py    matchmaking declarations sent straight to the stage's other servers, besides the DHT
     channel.py   ProgressChannel: progress pushed straight to the stage's other servers over libp2p,
                  so a full batch is known at once rather than at the next DHT read
-    sharded.py   StageAverager's rounds when the moments are sharded (averaging.zero): meet, plan, run
-                 the collective, apply; a failed round changes nothing and is tried again
+    sharded.py   ShardedRound, a Round for when the moments are sharded (averaging.zero): meet, plan,
+                 run the collective, apply; a failed round changes nothing and is tried again
     zero_round.py  one member's side of a sharded round (averaging.zero): gradients sent to every owner
                  of each chunk, each owner steps its chunks, the primary's updates gathered, moments
                  handed to new owners

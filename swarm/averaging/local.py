@@ -30,6 +30,11 @@ What the stage shares, publishes, checkpoints and serves to a newcomer is the sl
 slow weights (as the state's parameters), the outer momentum and the inner optimizer's moments, at
 the slow weights' step (swarm.state). A newcomer starts from the slow weights, not from a replica's
 drifted ones.
+
+LocalAverager is a StageAverager whose stepping takes inner steps and whose round is an OuterRound
+(rounds.py's interface): the round owns the pseudo-gradient handed to it, the error feedback and this
+server's share of the last round; the averager owns the inner steps and the samples since the slow
+weights' step.
 """
 
 from __future__ import annotations
@@ -38,21 +43,20 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import hivemind
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from swarm.averaging.averager import MAX_FAILED_TRIES, PROCESS_START_TIMEOUT, StageAverager
+from swarm.averaging.averager import PROCESS_START_TIMEOUT, StageAverager
 from swarm.averaging.codecs import grid_for
 from swarm.averaging.errors import AveragingError
 from swarm.averaging.feedback import ErrorFeedback
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
 from swarm.averaging.process import total_samples
 from swarm.averaging.progress import StageView, round_of
-from swarm.averaging.sharded import ROUND_RETRY_PAUSE
+from swarm.averaging.rounds import Apply, Phase, PlainRound, Round
 from swarm.config import RunConfig
 from swarm.state import StageState
 
@@ -64,6 +68,138 @@ INNER = "inner"  # the "averaging" of an inner step's stats
 MIN_SHARE = 0.25
 
 
+class OuterRound(Round):
+    """The low-communication mode's round: the mean of the stage's pseudo-gradients through hivemind's
+    all-reduce, then the same outer step on every member (see the module's docstring). Its host is a
+    LocalAverager."""
+
+    def __init__(self, host, config: RunConfig):
+        super().__init__(host)
+        settings = config.averaging
+        self.round_samples = settings.local_steps * config.optimizer.batch_size  # what the stage brings to a round
+        self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
+        self.feedback = ErrorFeedback(grid_for(settings.pseudo_gradient_compression)
+                                      if settings.pseudo_gradient_error_feedback else None)
+        self.handed = 0  # the samples of the pseudo-gradient handed to the round under way
+        # this server's part of the samples of the stage's last round, and how many servers that round had
+        self.share: tuple[float, int] | None = None
+        self.last_drift = 0.0  # when this server last handed its weights to a round (swarm_averaging_replica_drift)
+        self._plain = PlainRound(host)  # (its buffers: the all-reduce averages pseudo-gradients the same way)
+
+    def due(self, view: StageView) -> bool:
+        """Whether the stage's servers have brought local_steps batches since the slow weights' step between them
+        (alone: this server), or another server of the stage began the round."""
+        if self.host.in_flight:
+            return False
+        if view.group_size == 1:
+            return self.host.samples_since >= self.round_samples
+        return view.closed or view.samples >= self.round_samples
+
+    def start(self, view: StageView) -> dict[str, Any] | None:
+        """Hand this server's pseudo-gradient to a round (or, alone, take the outer step on it now)."""
+        host = self.host
+        with host.state.lock:  # (a record shows the samples handed over and the round's start at once)
+            delta, snapshot = host.state.pseudo_gradient()
+            whole, sent = self.feedback.prepare(delta)  # (what earlier rounds' codec rounded off goes in too)
+            self.last_drift = host.state.drift()
+            samples, self.handed, host.samples_since = host.samples_since, host.samples_since, 0
+            if view.group_size > 1:
+                host.enter(Phase.ROUND)
+        host.drift.set(self.last_drift)
+        log.debug("stage %d: the outer round after step %d begins with %d samples of ours: %s", host.stage,
+                  view.step, samples, view)
+        if view.group_size == 1:
+            return self.apply(whole, snapshot, LOCAL, [host.peer_id], samples)
+        host.start_job(self.run, view, whole, sent, snapshot, samples)
+        host.tracker.nudge()
+        return None
+
+    def run(self, view: StageView, whole: list[torch.Tensor], sent: list[torch.Tensor],
+            snapshot: list[torch.Tensor], samples: int) -> Apply:
+        """The network part (averaging thread). `sent`: this server's pseudo-gradient rounded as the codec
+        sends it (ErrorFeedback); `whole`: unrounded, for the outer step this server takes alone if the round
+        cannot be held."""
+        host = self.host
+        failure: AveragingError | None = None
+        with host.in_round():
+            try:
+                control = host.groups.take(view)
+                # the pseudo-gradient as sent (a weight of none: zeros); the all-reduce weighs it by `samples`
+                self._plain.load_buffers(sent, 1 if samples > 0 else 0)
+                gathered, _ = host.run_round(control, samples)
+                total, _ = total_samples(gathered, view.step, host.max_member_samples)
+                mean = self._plain.read_buffers()
+            except AveragingError as e:
+                failure = e
+        host.count_sent()
+        if failure is None:
+            host.metrics.group_size.set(len(gathered))
+            return functools.partial(self.apply, mean, snapshot, SUCCEEDED, [peer.to_base58() for peer in gathered],
+                                     total)
+        host.check_process()
+        retries = host.retries
+        if view.group_size > 1 and retries.another_try():
+            log.warning("stage %d: the outer round after step %d failed (%s); inner steps go on, try %d of %d soon",
+                        host.stage, view.step, failure, retries.tries + 1, retries.max_tries + 1)
+            return self.failed
+        log.warning("stage %d: the outer round after step %d failed (%s); taking the outer step on this server's "
+                    "pseudo-gradient alone", host.stage, view.step, failure)
+        if samples == 0:
+            return host.end_round
+        return functools.partial(self.apply, whole, snapshot, FAILED, [host.peer_id], samples)
+
+    def failed(self) -> None:
+        """The samples handed to a failed round count towards the next try (compute thread)."""
+        host = self.host
+        with host.state.lock:
+            host.samples_since, self.handed = host.samples_since + self.handed, 0
+            self.feedback.discard()
+        host.try_again([], 0)
+
+    def apply(self, mean: list[torch.Tensor], snapshot: list[torch.Tensor], outcome: str,
+              members: list[str], samples: int) -> dict[str, Any]:
+        """The outer step on the stage's mean pseudo-gradient (compute thread): the same on every member."""
+        host = self.host
+        state = host.state
+        finite = all(bool(torch.isfinite(d).all()) for d in mean)
+        with state.lock:
+            if outcome == SUCCEEDED:
+                host.retries.succeeded()
+            elif outcome == FAILED:
+                host.retries.gave_up()
+            host.metrics.rounds[outcome].inc()
+            norm = float("nan")
+            if finite:  # (every member got the same mean: all skip alike)
+                norm = state.outer_step(mean, snapshot, self.outer_lr, self.outer_momentum)
+                if outcome != SUCCEEDED:
+                    self.feedback.reset()  # (alone, the step took the whole pseudo-gradient, residual included)
+                elif self.handed > 0:
+                    self.feedback.commit()  # (what the round took of ours was rounded: the rest goes next time)
+                else:
+                    self.feedback.discard()  # (ours weighed nothing: the residual is still owed)
+                state.set_round(round_of(state.step, members), len(members))
+                if outcome == SUCCEEDED and samples > 0:
+                    self.share = (self.handed / samples, len(members))
+            else:  # (its samples count towards the next try)
+                host.samples_since += self.handed
+                self.feedback.discard()
+            self.handed = 0
+            host.enter(Phase.COLLECTING)
+            host.params_changed()
+        if not finite:
+            log.warning("stage %d: the stage's mean pseudo-gradient is not finite; no outer step", host.stage)
+            host.retries.hold(time.monotonic())
+        host.after_step()
+        return {"step": host.optimizer.step_count, "lr": self.outer_lr, "grad_norm": norm, "samples": samples,
+                "skipped": not finite, "averaging": outcome, "group_size": len(members), "own_samples": 0,
+                "outer_step": state.step}
+
+    def replaced(self) -> None:
+        """The replica now stands at slow weights from elsewhere: nothing of its own is owed to a round."""
+        self.feedback.reset()
+        self.last_drift = 0.0
+
+
 class LocalAverager(StageAverager):
     """A :class:`~swarm.averaging.stepper.StageStepper` for a stage in the low-communication mode (module docstring).
 
@@ -71,22 +207,15 @@ class LocalAverager(StageAverager):
     (``StageState(..., local_steps=...)``).
     """
 
+    round: OuterRound
+
     def __init__(self, state: StageState, dht: hivemind.DHT, config: RunConfig, *,
                  owner_key: bytes, peer_id: str, registry: CollectorRegistry | None = None,
                  start_timeout: float = PROCESS_START_TIMEOUT):
         if state.outer is None:
             raise ValueError("the low-communication mode needs a state with slow weights (StageState local_steps)")
         self.local_steps = config.averaging.local_steps
-        self.round_samples = self.local_steps * config.optimizer.batch_size  # what the stage brings to a round
-        self.outer_lr, self.outer_momentum = config.averaging.outer_lr, config.averaging.outer_momentum
-        self._samples_since = 0  # the samples of this server's inner steps since it handed the last to a round
-        self._handed = 0  # the samples of the pseudo-gradient handed to the round under way
-        # this server's part of the samples of the stage's last round, and how many servers that round had
-        self._share: tuple[float, int] | None = None
-        self.last_drift = 0.0  # when this server last handed its weights to a round (swarm_averaging_replica_drift)
-        settings = config.averaging
-        self.feedback = ErrorFeedback(grid_for(settings.pseudo_gradient_compression)
-                                      if settings.pseudo_gradient_error_feedback else None)
+        self.samples_since = 0  # the samples of this server's inner steps since it handed the last to a round
         registry = registry or CollectorRegistry()
         super().__init__(state, dht, config, owner_key=owner_key, peer_id=peer_id, registry=registry,
                          start_timeout=start_timeout)
@@ -97,6 +226,17 @@ class LocalAverager(StageAverager):
                            "slow weights, relative to them, when it last handed them to an outer round "
                            "(low-communication mode)", ["stage"],
                            registry=registry).labels(stage=str(self.stage))
+
+    def make_round(self, config: RunConfig) -> OuterRound:
+        return OuterRound(self, config)
+
+    @property
+    def feedback(self) -> ErrorFeedback:
+        return self.round.feedback
+
+    @property
+    def last_drift(self) -> float:
+        return self.round.last_drift
 
     def _steps_per_round(self) -> int:
         return self.local_steps
@@ -122,7 +262,7 @@ class LocalAverager(StageAverager):
         if job is not None:
             return False
         view = self.view()
-        return (view.needs_state and self._may_download()) or (self._round_due(view) and self._may_average())
+        return (view.needs_state and self.catch_up.may_run()) or (self.round.due(view) and self._may_average())
 
     def _inner_batch(self) -> int:
         """What one inner step takes: this server's part of the stage's batch, as it brought that part of the
@@ -130,48 +270,32 @@ class LocalAverager(StageAverager):
         server takes about local_steps inner steps between two outer steps, however the trainers spread their
         micro-batches."""
         servers = max(1, self.view().group_size)
-        if self._share is None or self._share[1] != servers:
-            share = 1 / servers
+        share = self.round.share
+        if share is None or share[1] != servers:
+            part = 1 / servers
         else:
-            share = max(self._share[0], MIN_SHARE / servers)
-        return max(1, math.ceil(self.batch_size * share))
-
-    def _round_due(self, view: StageView) -> bool:
-        """Whether the stage's servers have brought local_steps batches since the slow weights' step between them
-        (alone: this server), or another server of the stage began the round."""
-        if self._averaging:
-            return False
-        if view.group_size == 1:
-            return self._samples_since >= self.round_samples
-        return view.closed or view.samples >= self.round_samples
+            part = max(share[0], MIN_SHARE / servers)
+        return max(1, math.ceil(self.batch_size * part))
 
     def _published_samples(self) -> int:
         # towards the next round: those handed to the round under way count for it, not for the next
-        return self._samples_since + self.optimizer.samples
+        return self.samples_since + self.optimizer.samples
 
     def _advance(self) -> dict[str, Any] | None:
-        job = self._job
-        if job is not None:
-            if not job.done():
+        if self._job is not None:
+            if not self._job.done():
                 return self._inner_step()  # a round or a download runs beside compute: inner steps go on
-            self._job = None
-            try:
-                apply = job.result()
-            except Exception:  # a bug: this round is lost, training goes on
-                log.exception("stage %d: an averaging job failed", self.stage)
-                apply = self._end_round
-            stats = apply()
-            if self._request_step is not None and not self._closing.is_set() and self.ready:
-                self._requested = self._request_step()
+            stats = self._finish_job()
+            self._ask_again()
             return stats
         if self._channel is None:
             self._refresh()
         stats = self._inner_step()
         view = self.view()
-        if view.needs_state and self._may_download():
-            self._start_job(self._catch_up, view)
-        elif self._round_due(view) and self._may_average():
-            outer = self._start_round(view)
+        if view.needs_state and self.catch_up.may_run():
+            self.catch_up.start(view)
+        elif self.round.due(view) and self._may_average():
+            outer = self.round.start(view)
             return outer if stats is None else stats
         return stats
 
@@ -181,118 +305,21 @@ class LocalAverager(StageAverager):
             return None
         with self.state.lock:  # (a record reads the samples stepped on and those accumulating at one moment)
             grads, samples = self.optimizer.take_gradients()
-            stats = self.optimizer.step_with(self._mean(grads, samples), samples)
+            stats = self.optimizer.step_with(self.mean(grads, samples), samples)
             if not stats["skipped"]:
-                self._samples_since += samples
+                self.samples_since += samples
         if not stats["skipped"]:
             self.inner_steps.inc()
-        self._tracker.nudge()
+        self.tracker.nudge()
         return {**stats, "averaging": INNER, "group_size": 1, "own_samples": samples}
 
-    def _start_round(self, view: StageView) -> dict[str, Any] | None:
-        """Hand this server's pseudo-gradient to a round (or, alone, take the outer step on it now)."""
-        with self.state.lock:  # (a record shows the samples handed over and the round's start at once)
-            delta, snapshot = self.state.pseudo_gradient()
-            whole, sent = self.feedback.prepare(delta)  # (what earlier rounds' codec rounded off goes in too)
-            self.last_drift = self.state.drift()
-            samples, self._handed, self._samples_since = self._samples_since, self._samples_since, 0
-            if view.group_size > 1:
-                self._averaging = True
-        self.drift.set(self.last_drift)
-        log.debug("stage %d: the outer round after step %d begins with %d samples of ours: %s", self.stage,
-                  view.step, samples, view)
-        if view.group_size == 1:
-            return self._apply_outer(whole, snapshot, LOCAL, [self.peer_id], samples)
-        self._start_job(self._outer_round, view, whole, sent, snapshot, samples)
-        self._tracker.nudge()
-        return None
-
-    # the round (averaging thread; returns what the compute thread applies)
-    def _outer_round(self, view: StageView, whole: list[torch.Tensor], sent: list[torch.Tensor],
-                     snapshot: list[torch.Tensor], samples: int) -> Callable[[], Any]:
-        """`sent`: this server's pseudo-gradient rounded as the codec sends it (ErrorFeedback); `whole`: unrounded,
-        for the outer step this server takes alone if the round cannot be held."""
-        failure: AveragingError | None = None
-        with self._in_round():
-            try:
-                control = self._armed_for(view)
-                # the pseudo-gradient as sent (a weight of none: zeros); the all-reduce weighs it by `samples`
-                self._load_buffers(sent, 1 if samples > 0 else 0)
-                gathered, _ = self._run_round(control, samples)
-                total, _ = total_samples(gathered, view.step, self.max_member_samples)
-                mean = self._read_buffers()
-            except AveragingError as e:
-                failure = e
-        self._count_sent()
-        if failure is None:
-            self.metrics.group_size.set(len(gathered))
-            return functools.partial(self._apply_outer, mean, snapshot, SUCCEEDED,
-                                     [peer.to_base58() for peer in gathered], total)
-        self._check_process()
-        if view.group_size > 1 and self._failed_tries < MAX_FAILED_TRIES:
-            self._failed_tries += 1
-            log.warning("stage %d: the outer round after step %d failed (%s); inner steps go on, try %d of %d soon",
-                        self.stage, view.step, failure, self._failed_tries + 1, MAX_FAILED_TRIES + 1)
-            return self._round_failed
-        log.warning("stage %d: the outer round after step %d failed (%s); taking the outer step on this server's "
-                    "pseudo-gradient alone", self.stage, view.step, failure)
-        if samples == 0:
-            return self._end_round
-        return functools.partial(self._apply_outer, whole, snapshot, FAILED, [self.peer_id], samples)
-
-    def _round_failed(self) -> None:
-        """The samples handed to a failed round count towards the next try (compute thread)."""
-        with self.state.lock:
-            self._samples_since, self._handed = self._samples_since + self._handed, 0
-            self.feedback.discard()
-        self._try_again([], 0)
-
-    def _apply_outer(self, mean: list[torch.Tensor], snapshot: list[torch.Tensor], outcome: str,
-                     members: list[str], samples: int) -> dict[str, Any]:
-        """The outer step on the stage's mean pseudo-gradient (compute thread): the same on every member."""
-        finite = all(bool(torch.isfinite(d).all()) for d in mean)
-        with self.state.lock:
-            if outcome == SUCCEEDED:
-                self._failed_tries, self._round_pause = 0, ROUND_RETRY_PAUSE
-            elif outcome == FAILED:
-                self._failed_tries = MAX_FAILED_TRIES
-            self.metrics.rounds[outcome].inc()
-            norm = float("nan")
-            if finite:  # (every member got the same mean: all skip alike)
-                norm = self.state.outer_step(mean, snapshot, self.outer_lr, self.outer_momentum)
-                if outcome != SUCCEEDED:
-                    self.feedback.reset()  # (alone, the step took the whole pseudo-gradient, residual included)
-                elif self._handed > 0:
-                    self.feedback.commit()  # (what the round took of ours was rounded: the rest goes next time)
-                else:
-                    self.feedback.discard()  # (ours weighed nothing: the residual is still owed)
-                self.state.set_round(round_of(self.state.step, members), len(members))
-                if outcome == SUCCEEDED and samples > 0:
-                    self._share = (self._handed / samples, len(members))
-            else:  # (its samples count towards the next try)
-                self._samples_since += self._handed
-                self.feedback.discard()
-            self._handed = 0
-            self._averaging = False
-            self._params_changed()
-        if not finite:
-            log.warning("stage %d: the stage's mean pseudo-gradient is not finite; no outer step", self.stage)
-            self._next_round = time.monotonic() + self._round_pause
-        self._after_step()
-        return {"step": self.optimizer.step_count, "lr": self.outer_lr, "grad_norm": norm, "samples": samples,
-                "skipped": not finite, "averaging": outcome, "group_size": len(members), "own_samples": 0,
-                "outer_step": self.state.step}
-
-    def _adopt(self, loaded, min_step: int) -> bool:
-        adopted = super()._adopt(loaded, min_step)
-        if adopted:
-            self._samples_since = 0  # (this replica now stands at the slow weights)
-            self.feedback.reset()
-            self.last_drift = 0.0
-            self.drift.set(0.0)
-        return adopted
+    def state_adopted(self) -> None:
+        self.samples_since = 0  # (this replica now stands at the slow weights)
+        self.round.replaced()
+        self.drift.set(0.0)
+        super().state_adopted()
 
     def state_loaded(self) -> None:
         super().state_loaded()
-        self._samples_since = 0
-        self.feedback.reset()
+        self.samples_since = 0
+        self.round.feedback.reset()

@@ -29,9 +29,12 @@ Concurrency map of a stage server (what runs where, what it may touch, how work 
                        the StageState (steps, look-ahead, adopting a downloaded state, the round it is at);
                        its owner once handed over: a mutator on any other thread raises WrongThread where
                        SWARM_CHECK_THREADS=1 (swarm.threads; the tests set it)
-    averaging{k}       StageAverager's job thread: matchmaking and the all-reduce (through the averaging
-                       process), groups formed ahead; reads gradients handed to it, returns a function the
-                       compute thread applies (StageStepper.step)
+    averaging{k}       StageAverager's job thread: a round's network part (Round.run: matchmaking and
+                       the all-reduce through the averaging process, or the sharded collective), a
+                       catch-up's download (CatchUp.run), groups formed ahead (GroupsAhead.form); reads
+                       what the compute thread handed it, returns a function the compute thread applies
+                       (StageStepper.step); the phase (StageAverager.enter) changes on the compute thread,
+                       but for solo, entered wherever the dead averaging process is noticed
     progress:<key>     StageProgressTracker: publishes this server's progress to the DHT, reads the stage's
                        (reads the state under StageState.lock)
     announcer          ServerLifecycle: renews the record; a stage's expert hosts looked up, kept graphs
@@ -41,7 +44,7 @@ Concurrency map of a stage server (what runs where, what it may touch, how work 
                        state), announces what it holds; a hashing thread per write
     metrics-http       Prometheus scrapes: collectors read narrow views (metrics.py), counters only
     state downloads    hivemind's averaging process asks for the state on a thread of its own, which reads
-                       it under StageState.lock (StageAverager._state_for_peer)
+                       it under StageState.lock (CatchUp.state_for_peer)
     processes          the DHT and averaging processes (forked by hivemind) and p2pd
 
 An expert server has the same main thread, loop, announcer and metrics; its ExpertHost's worker thread

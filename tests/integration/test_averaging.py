@@ -366,8 +366,8 @@ def averager_state(server: StageServer) -> str:
     """What decides whether a server's averager starts a round now (for a test's timeout message)."""
     averager = server.averager
     return (f"view {averager.view()}, step {server.backend.step}, samples {averager.optimizer.samples}, "
-            f"ready {averager.ready}, next round in {averager._next_round - time.monotonic():.1f}s, "
-            f"failed tries {averager._failed_tries}, averaging {averager._averaging}")
+            f"ready {averager.ready}, next round in {averager.retries.next_at - time.monotonic():.1f}s, "
+            f"failed tries {averager.retries.tries}, phase {averager.phase.value}")
 
 
 def retried(server: StageServer) -> float:
@@ -416,14 +416,14 @@ def poison(server: StageServer, how: str) -> None:
         server.averager.state_loaded()
 
     server.backend.call(corrupt, BACKEND_CALL_TIMEOUT)
-    server.averager._after_step()  # (test seam) share the state under its new rank, publish its progress
+    server.averager.after_step()  # (test seam) share the state under its new rank, publish its progress
 
 
 def best_ranked_source(server: StageServer) -> str:
     """The peer whose state `server` would ask for first: downloads rank the stage's servers by the priority in
     their signed progress records (StateIntake.fetch), not by hivemind's "all_averagers" entries, which say only
     that a state is offered (stored once, every value the same)."""
-    records = server.averager._tracker.others()
+    records = server.averager.tracker.others()
     return max(records, key=lambda r: (r.priority, r.peer_id)).peer_id if records else ""
 
 
@@ -434,7 +434,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
     with running_peers(config.run_id, 2, visible_maddrs(peers[0].dht)) as (peer_m, peer_j), \
             stage_servers(config, [peer_m], [STAGE]) as (m,):
         # (m knowing only one of them would take it for a stage of two, and follow that elder back to its step)
-        wait_until(lambda: {a.peer_id, b.peer_id} <= m.averager._established(), SEE_TIMEOUT, interval=0.1,
+        wait_until(lambda: {a.peer_id, b.peer_id} <= m.averager.established(), SEE_TIMEOUT, interval=0.1,
                    what="m watching both honest replicas long enough to count them")
         poison(m, how)
         wait_until(lambda: best_ranked_source(a) == m.peer_id, SEE_TIMEOUT, interval=0.1,
@@ -443,9 +443,9 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
         with stage_servers(config, [peer_j], [STAGE]) as (j,):  # downloads a state on start
             # It asks the best-ranked established server: m, unless m's record reached it later than the
             # others' (then m was not established yet when it downloaded). Either way, it asks m now.
-            wait_until(lambda: m.peer_id in j.averager._established(), SEE_TIMEOUT, interval=0.1,
+            wait_until(lambda: m.peer_id in j.averager.established(), SEE_TIMEOUT, interval=0.1,
                        what="the joiner watching the poisoned replica long enough to ask it")
-            intake, asked = j.averager._intake, []
+            intake, asked = j.averager.catch_up.intake, []
 
             def ask_m() -> bool:  # (a download a loaded machine cuts off by its chunk timeout: again)
                 asked.append(intake.process.download_state(ROUND_TIMEOUT, threading.Event(),
@@ -457,7 +457,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_the_honest_replicas_keep_theirs(p
             assert loaded[2] == m.peer_id
             assert unflatten(*loaded[:2])[0].step == m.backend.step > honest[0]["step"], "m is not poisoned"
             with pytest.raises(StateRejected):
-                j.backend.call(lambda: j.averager._adopt(loaded, 0), BACKEND_CALL_TIMEOUT)
+                j.backend.call(lambda: j.averager.catch_up.adopt(loaded, 0), BACKEND_CALL_TIMEOUT)
             rejected = j.registry.get_sample_value("swarm_averaging_rejected_states_total", {"stage": str(STAGE)})
             assert rejected and rejected >= 1
             if how == "far-ahead":  # a step no majority backs is not believed: nobody is behind it or moves

@@ -41,11 +41,11 @@ class Recorder:
     def __init__(self, averager):
         self.loaded: list[tuple[list[torch.Tensor], int]] = []
         self.applied: list[tuple[list[torch.Tensor], dict]] = []
-        load, apply = averager._load_buffers, averager._apply
+        load, apply = averager.round.load_buffers, averager.round.apply
 
         def recording_load(grads, samples):
             load(grads, samples)
-            with averager._process.buffers() as buffers:
+            with averager.process.buffers() as buffers:
                 self.loaded.append(([b.clone() for b in buffers], samples))
 
         def recording_apply(mean, *args, **kwargs):
@@ -54,13 +54,13 @@ class Recorder:
             self.applied.append((received, stats))
             return stats
 
-        averager._load_buffers, averager._apply = recording_load, recording_apply
+        averager.round.load_buffers, averager.round.apply = recording_load, recording_apply
 
 
 def make_liar(averager, poison) -> None:
     """The averager claims CLAIMED_SAMPLES and puts `poison(buffer)` into each of its rounds."""
-    load = averager._load_buffers
-    process: AveragingProcess = averager._process
+    load = averager.round.load_buffers
+    process: AveragingProcess = averager.process
     run_round = process.run_round
 
     def poisoned_load(grads, samples):
@@ -72,7 +72,7 @@ def make_liar(averager, poison) -> None:
     def lying_round(control, weight, *args, **kwargs):  # (the weight is what the others count as its samples)
         return run_round(control, float(CLAIMED_SAMPLES), *args, **kwargs)
 
-    averager._load_buffers, process.run_round = poisoned_load, lying_round
+    averager.round.load_buffers, process.run_round = poisoned_load, lying_round
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

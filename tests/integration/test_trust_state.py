@@ -50,7 +50,7 @@ def claim_a_step_ahead(m, step: int, scale: float = 0.0) -> None:
         m.averager.state_loaded()
 
     m.backend.call(corrupt, BACKEND_CALL_TIMEOUT)
-    m.averager._after_step()  # (test seam) share the state under its new rank, publish its progress
+    m.averager.after_step()  # (test seam) share the state under its new rank, publish its progress
 
 
 def downloads(server) -> float:
@@ -65,7 +65,7 @@ def test_an_established_server_claiming_the_next_step_with_its_own_weights_moves
             running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer_m,), \
             stage_servers(config, [peer_m], [STAGE]) as (m,):
         wait_until_peers_see_each_other([a, b, m])
-        wait_until(lambda: all(m.peer_id in s.averager._established() for s in (a, b)), SEE_TIMEOUT, interval=0.1,
+        wait_until(lambda: all(m.peer_id in s.averager.established() for s in (a, b)), SEE_TIMEOUT, interval=0.1,
                    what="m established in the honest replicas' eyes")
         honest = [snapshot(a), snapshot(b)]
         step = honest[0]["step"]
@@ -74,7 +74,7 @@ def test_an_established_server_claiming_the_next_step_with_its_own_weights_moves
         claim_a_step_ahead(m, step + 1)
 
         def sees_the_claim(server) -> bool:
-            return any(r.peer_id == m.peer_id and r.step == step + 1 for r in server.averager._tracker.others())
+            return any(r.peer_id == m.peer_id and r.step == step + 1 for r in server.averager.tracker.others())
 
         wait_until(lambda: all(sees_the_claim(s) for s in (a, b)), SEE_TIMEOUT, interval=0.05,
                    what="both honest replicas holding m's claim")
@@ -110,22 +110,22 @@ def stage_of_two(run_id: str):
             running_peers(config.run_id, 1, visible_maddrs(peers[0].dht)) as (peer,), \
             stage_servers(config, [peer], [STAGE]) as (younger,):
         wait_until_peers_see_each_other([elder, younger])
-        wait_until(lambda: younger.peer_id in elder.averager._established()
-                   and elder.peer_id in younger.averager._established(), SEE_TIMEOUT, interval=0.1,
+        wait_until(lambda: younger.peer_id in elder.averager.established()
+                   and elder.peer_id in younger.averager.established(), SEE_TIMEOUT, interval=0.1,
                    what="each established in the other's eyes")
         yield config, elder, younger
 
 
 def test_a_server_that_joined_a_lone_honest_server_cannot_lead_it_with_a_step_ahead():
     with stage_of_two("trust-pair") as (config, a, m):
-        assert m.peer_id not in a.averager._tracker.elders()  # m came second
-        assert a.peer_id in m.averager._tracker.elders()  # as m itself sees it
+        assert m.peer_id not in a.averager.tracker.elders()  # m came second
+        assert a.peer_id in m.averager.tracker.elders()  # as m itself sees it
         honest = snapshot(a)
         step, downloaded = honest["step"], downloads(a)
 
-        m.averager._may_download = lambda: False  # a stranger keeps its claim (honest code would defer to a)
+        m.averager.catch_up.may_run = lambda: False  # a stranger keeps its claim (honest code would defer to a)
         claim_a_step_ahead(m, step + 1)
-        wait_until(lambda: any(r.peer_id == m.peer_id and r.step == step + 1 for r in a.averager._tracker.others()),
+        wait_until(lambda: any(r.peer_id == m.peer_id and r.step == step + 1 for r in a.averager.tracker.others()),
                    SEE_TIMEOUT, interval=0.05, what="a holding m's claim")
         view = a.averager.view()
         assert not view.behind and not view.diverged, view
@@ -147,7 +147,7 @@ def test_a_server_far_behind_its_elder_in_a_stage_of_two_takes_the_elder_s_state
     # The lab's NAT test: the elder stepped 6 times alone before it counted the other, which never took a step
     # of its own (no trainer sent it samples) and, bounding the elder's step by its own, never saw it ahead.
     with stage_of_two("trust-lead") as (_, a, b):
-        assert a.peer_id in b.averager._tracker.elders()
+        assert a.peer_id in b.averager.tracker.elders()
         step, downloaded = snapshot(b)["step"], downloads(b)
         lead = step + 3 * MAX_STEP_LEAD
 

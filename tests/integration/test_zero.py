@@ -103,7 +103,7 @@ def test_sharded_steps_equal_one_unsharded_optimizer_and_each_server_holds_r_ove
         for batches in rounds:
             run_round(servers, batches)
         states = [sharded_state(s) for s in servers]
-        layout = servers[0].averager._layout
+        layout = servers[0].averager.round.layout
         reference = reference_steps(config, [[b for mine in batches for b in mine] for batches in rounds])
 
         for state in states:
@@ -154,7 +154,7 @@ def test_a_sigkilled_member_loses_no_moment_and_a_joiner_takes_over_its_chunks()
             live = [*survivors, joiner]
             run_round(live, batches[2])
             states = [sharded_state(s) for s in live]
-            layout = joiner.averager._layout
+            layout = joiner.averager.round.layout
             reference = reference_steps(config, [[b for mine in step for b in mine] for step in batches])
             for state in states:
                 assert state["step"] == 3
@@ -183,14 +183,14 @@ def test_a_primary_that_sends_wrong_updates_leaves_its_chunks_as_they_were_and_i
     with running_peers(config.run_id, 3) as peers, stage_servers(config, peers, [STAGE] * 3) as servers:
         run_round(servers, batches[0])  # an honest round: every owner now holds its chunks' moments
         liar, honest = servers[1], [servers[0], servers[2]]
-        liar.averager._mailbox.outbound = lambda items: [
+        liar.averager.round.mailbox.outbound = lambda items: [
             dataclasses.replace(item, tensors=(item.tensors[0] + 0.5,)) if item.kind == "update" else item
             for item in items]
         before = [sharded_state(s) for s in honest]
         with caplog.at_level(logging.WARNING, logger="swarm.averaging"):
             run_round(servers, batches[1])
         after = [sharded_state(s) for s in honest]
-        layout = liar.averager._layout
+        layout = liar.averager.round.layout
         reference = reference_steps(config, [[b for mine in step for b in mine] for step in batches])
 
     lied = [c for c in range(layout.num_chunks) if targets(layout.hash, c, [s.peer_id for s in servers], 2)[0]

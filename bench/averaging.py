@@ -81,7 +81,8 @@ class Member:
         module = build_stage(config, self.stage)
         optimizer = StageOptimizer(module, config.optimizer)
         state = StageState(module, optimizer, self.stage, INITIAL_ROUND)
-        self.ours = StageAverager(state, self.dht, config, owner_key=self.records.local_owner_key,
+        self.ours = StageAverager(state, self.dht, config.averaging, run_id=config.run_id,
+                                  owner_key=self.records.local_owner_key,
                                   peer_id=peer_id(self.dht), registry=self.registry)
         channel = None if self.p2p is None else \
             ProgressChannel(self.p2p, self.loop, averaging_prefix(config.run_id, self.stage))

@@ -42,7 +42,7 @@ import torch
 
 from swarm.backend import StageBackend
 from swarm.checkpoint import StageCheckpoints
-from swarm.checkpoint.keeper import StageKeeper
+from swarm.checkpoint.keeper import KeeperScope, StageKeeper
 from swarm.checkpoint.verify import STATE_NAME
 from swarm.config import RunConfig
 from swarm.model import build_stage
@@ -90,7 +90,8 @@ def overhead(config_path: str, stage: int, steps: int, blocks: int, parent: str 
     micro_batches = config.optimizer.batch_size // n
     times: dict[str, list[float]] = {"off": [], "every step": []}
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=parent) as tmp:
-        keeper = StageKeeper(state, config, Path(tmp), AcceptingRecords(), None, "bench")  # type: ignore[arg-type]
+        keeper = StageKeeper(state, KeeperScope.of(config), config.checkpoint, Path(tmp),  # type: ignore[arg-type]
+                             AcceptingRecords(), None, "bench")
         backend = StageBackend(module, state.optimizer)
         try:
             for block in range(2 * blocks):

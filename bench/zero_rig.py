@@ -77,8 +77,9 @@ class Replica:
         module = build_stage(config, stage)
         optimizer = StageOptimizer(module, config.optimizer)
         self.registry = CollectorRegistry()
-        self.averager = StageAverager(StageState(module, optimizer, stage, INITIAL_ROUND), peer.dht, config,
-                                      owner_key=peer.records.local_owner_key, peer_id=peer.peer_id,
+        self.averager = StageAverager(StageState(module, optimizer, stage, INITIAL_ROUND), peer.dht, config.averaging,
+                                      run_id=config.run_id, owner_key=peer.records.local_owner_key,
+                                      peer_id=peer.peer_id,
                                       registry=self.registry)
         stack.callback(self.averager.shutdown)
         channel = ProgressChannel(peer.p2p, peer.loop, averaging_prefix(config.run_id, stage))

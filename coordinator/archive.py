@@ -70,7 +70,9 @@ MAX_INTACT_IDS = 1000  # signed stage checkpoints seen to verify, remembered so 
 
 
 class RunArchive:
-    """Pulls, verifies, keeps, serves and announces the run's checkpoints (see the module docstring)."""
+    """Pulls, verifies, keeps, serves and announces the run's checkpoints (see the module docstring).
+
+    It takes the whole RunConfig, unlike the servers' components: a run checkpoint holds the run's config."""
 
     def __init__(self, config: RunConfig, root: Path, records: SwarmRecords, loop: BackgroundLoop, peer_id: str,
                  max_stage_bytes: int, max_expert_bytes: int | None = None):

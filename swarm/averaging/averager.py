@@ -61,7 +61,7 @@ from swarm.averaging.progress import (
 from swarm.averaging.rounds import MAX_FAILED_TRIES, Phase, PlainRound, Retries, Round
 from swarm.averaging.sharded import ShardedRound
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
-from swarm.config import RunConfig
+from swarm.config import AveragingConfig
 from swarm.dht.keys import averaging_prefix
 from swarm.state import StageState
 
@@ -87,14 +87,15 @@ class StageAverager:
     is its own.
     """
 
-    def __init__(self, state: StageState, dht: hivemind.DHT, config: RunConfig, *,
+    def __init__(self, state: StageState, dht: hivemind.DHT, settings: AveragingConfig, *, run_id: str,
                  owner_key: bytes, peer_id: str, registry: CollectorRegistry | None = None,
                  start_timeout: float = PROCESS_START_TIMEOUT):
+        """`settings`: the run's averaging section (the optimizer's is the state's optimizer's)."""
         self.state, self.optimizer, self.stage, self.peer_id = state, state.optimizer, state.stage, peer_id
         stage = self.stage
-        self.config = config.averaging
-        self.run_optimizer = config.optimizer
-        self.batch_size = config.optimizer.batch_size
+        self.config = settings
+        self.run_optimizer = state.optimizer.config
+        self.batch_size = self.run_optimizer.batch_size
         # What a member's claim of samples counts for at most, in the weights of the all-reduce and in the
         # step's sample count (robust.py). A stage steps once its members hold a batch between them; an
         # honest member holds more only with samples that came in while the round before ran (seen: 1.5
@@ -116,8 +117,8 @@ class StageAverager:
         self._fingerprint: list[float] = []
         self._fingerprint_rtol = fingerprint_rtol(self._round_compression())
         self.params_changed()
-        self.prefix = averaging_prefix(config.run_id, stage)
-        self.round = self.make_round(config)
+        self.prefix = averaging_prefix(run_id, stage)
+        self.round = self.make_round()
         ttl = PROGRESS_TTL_PERIODS * self.config.progress_period
         self.process = AveragingProcess(self.round.buffers(), dht, prefix=self.prefix, config=self.config,
                                         compression=installed_compression(self._round_compression()),
@@ -137,9 +138,9 @@ class StageAverager:
                                   may_form=self._may_form_group, submit=self._jobs.submit,
                                   on_error=self.check_process)
 
-    def make_round(self, config: RunConfig) -> Round:
+    def make_round(self) -> Round:
         """The kind of round this stage runs (rounds.py): sharded with averaging.zero, else plain."""
-        return ShardedRound(self, config.averaging.zero) if config.averaging.zero.enabled else PlainRound(self)
+        return ShardedRound(self, self.config.zero) if self.config.zero.enabled else PlainRound(self)
 
     def _steps_per_round(self) -> int:
         """Optimizer steps of a server's between two rounds (what a member's samples may span)."""

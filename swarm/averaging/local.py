@@ -57,7 +57,7 @@ from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
 from swarm.averaging.process import total_samples
 from swarm.averaging.progress import StageView, round_of
 from swarm.averaging.rounds import Apply, Phase, PlainRound, Round
-from swarm.config import RunConfig
+from swarm.config import AveragingConfig
 from swarm.state import StageState
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,9 @@ class OuterRound(Round):
     all-reduce, then the same outer step on every member (see the module's docstring). Its host is a
     LocalAverager."""
 
-    def __init__(self, host, config: RunConfig):
+    def __init__(self, host, settings: AveragingConfig):
         super().__init__(host)
-        settings = config.averaging
-        self.round_samples = settings.local_steps * config.optimizer.batch_size  # what the stage brings to a round
+        self.round_samples = settings.local_steps * host.batch_size  # what the stage brings to a round
         self.outer_lr, self.outer_momentum = settings.outer_lr, settings.outer_momentum
         self.feedback = ErrorFeedback(grid_for(settings.pseudo_gradient_compression)
                                       if settings.pseudo_gradient_error_feedback else None)
@@ -209,16 +208,16 @@ class LocalAverager(StageAverager):
 
     round: OuterRound
 
-    def __init__(self, state: StageState, dht: hivemind.DHT, config: RunConfig, *,
+    def __init__(self, state: StageState, dht: hivemind.DHT, settings: AveragingConfig, *, run_id: str,
                  owner_key: bytes, peer_id: str, registry: CollectorRegistry | None = None,
                  start_timeout: float = PROCESS_START_TIMEOUT):
         if state.outer is None:
             raise ValueError("the low-communication mode needs a state with slow weights (StageState local_steps)")
-        self.local_steps = config.averaging.local_steps
+        self.local_steps = settings.local_steps
         self.samples_since = 0  # the samples of this server's inner steps since it handed the last to a round
         registry = registry or CollectorRegistry()
-        super().__init__(state, dht, config, owner_key=owner_key, peer_id=peer_id, registry=registry,
-                         start_timeout=start_timeout)
+        super().__init__(state, dht, settings, run_id=run_id, owner_key=owner_key, peer_id=peer_id,
+                         registry=registry, start_timeout=start_timeout)
         self.inner_steps = Counter("swarm_averaging_inner_steps", "Optimizer steps a server of a stage in the "
                                    "low-communication mode took on its own samples", ["stage"],
                                    registry=registry).labels(stage=str(self.stage))
@@ -227,8 +226,8 @@ class LocalAverager(StageAverager):
                            "(low-communication mode)", ["stage"],
                            registry=registry).labels(stage=str(self.stage))
 
-    def make_round(self, config: RunConfig) -> OuterRound:
-        return OuterRound(self, config)
+    def make_round(self) -> OuterRound:
+        return OuterRound(self, self.config)
 
     @property
     def feedback(self) -> ErrorFeedback:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from swarm.checkpoint.schedule import CheckpointSchedule
 from swarm.checkpoint.serving import serve_checkpoints
 from swarm.checkpoint.store import StageCheckpoints
 from swarm.checkpoint.transfer import fetch_newest
-from swarm.config import RunConfig
+from swarm.config import CheckpointConfig, RunConfig
 from swarm.dht import BackgroundLoop, SwarmRecords, online_steps
 from swarm.dht.schemas import CheckpointRecord, HeldCheckpoint
 from swarm.state import StageState, StateInfo, StateRejected
@@ -57,6 +58,27 @@ class KeeperMetrics:
                           "from", ["stage"], registry=registry)
 
 
+@dataclass(frozen=True)
+class KeeperScope:
+    """What a keeper knows of its run besides the checkpoint section, computed once from the run's config."""
+
+    run_id: str
+    part: str  # "stage" or "expert": what the keeper's state is
+    state_hash: str  # RunConfig.state_hash: the states its checkpoints hold fit every run with it
+    count: int  # how many of its part the run has: its stages, or its experts per block
+    num_stages: int  # the stages whose ONLINE servers bound the steps a claim may make believable
+    record_ttl: float  # of its checkpoint records, renewed every announce_period
+    announce_period: float
+
+    @classmethod
+    def of(cls, config: RunConfig, part: str = "stage") -> KeeperScope:
+        if part not in ("stage", "expert"):
+            raise ValueError(f"a keeper keeps a stage's or an expert's checkpoints, not {part!r}'s")
+        count = config.model.moe.num_experts if part == "expert" else config.stages.num_stages
+        return cls(config.run_id, part, config.state_hash(), count, config.stages.num_stages,
+                   config.network.record_ttl, config.network.announce_period)
+
+
 class StageKeeper:
     """Checkpoints of one stage replica (or, with `part` "expert", of one expert an expert host hosts: `state` is
     then its swarm.experts.ExpertState); create it once the state exists, `start` it once serving.
@@ -64,26 +86,25 @@ class StageKeeper:
     Several keepers of one server share one KeeperMetrics (`metrics`), and one checkpoint service (the first
     serves, the others `start(p2p, serve=False)`; serve_checkpoints resolves through every keeper's store)."""
 
-    def __init__(self, state: StageState, config: RunConfig, root: Path, records: SwarmRecords,
-                 loop: BackgroundLoop, peer_id: str, registry: CollectorRegistry | None = None,
-                 trusted_holders: Collection[str] = (), part: str = "stage", metrics: KeeperMetrics | None = None):
-        self.state, self.config, self.records, self.loop, self.peer_id = state, config, records, loop, peer_id
+    def __init__(self, state: StageState, scope: KeeperScope, settings: CheckpointConfig, root: Path,
+                 records: SwarmRecords, loop: BackgroundLoop, peer_id: str, registry: CollectorRegistry | None = None,
+                 trusted_holders: Collection[str] = (), metrics: KeeperMetrics | None = None):
+        self.state, self.scope, self.records, self.loop, self.peer_id = state, scope, records, loop, peer_id
         self.trusted_holders = frozenset(trusted_holders)  # the coordinator: it keeps only checkpoints it vetted
-        self.part = part
+        self.part = part = scope.part
         self.label = f"{part} {state.stage}"  # for logs
         metric_label = str(state.stage) if part == "stage" else f"{part}{state.stage}"
         metrics = metrics or KeeperMetrics(registry or CollectorRegistry())
         self._writes = lambda outcome: metrics.writes.labels(stage=metric_label, outcome=outcome)
         self._write_seconds = metrics.write_seconds.labels(stage=metric_label)
         self._step_gauge = metrics.step.labels(stage=metric_label)
-        # how many of what is kept the run has: its stages, or its experts per block
-        self.count = config.model.moe.num_experts if part == "expert" else config.stages.num_stages
-        self.settings = config.checkpoint
-        self.store = StageCheckpoints(root, config.run_id, state.stage, self.settings.keep, part)
-        self.state_hash = config.state_hash()
+        self.count = scope.count
+        self.settings = settings
+        self.store = StageCheckpoints(root, scope.run_id, state.stage, settings.keep, part)
+        self.state_hash = scope.state_hash
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint{state.stage}")
         self._writing: Future | None = None
-        self.schedule = CheckpointSchedule(config.checkpoint)
+        self.schedule = CheckpointSchedule(settings)
         self._stop = threading.Event()
         self._announcer: threading.Thread | None = None
         self._service: Any = None
@@ -126,7 +147,7 @@ class StageKeeper:
         """The announced checkpoints worth fetching: the coordinator's, and others' up to the step the run's
         ONLINE servers (every stage: they step together) make believable (swarm.checkpoint.claims)."""
         if any(record.peer_id not in self.trusted_holders for record in remote):
-            servers = self.records.lookup_all_servers(self.config.stages.num_stages)
+            servers = self.records.lookup_all_servers(self.scope.num_stages)
             steps = online_steps(servers, other_than=self.peer_id)
         else:
             steps = []
@@ -145,7 +166,7 @@ class StageKeeper:
     def _fetch(self, p2p: Any, remote: list[CheckpointRecord], min_step: int):
         staging = self.store.new_temp_dir()
         max_bytes = 2 * self.state.nbytes() + 2**20
-        fetched = self.loop.run(fetch_newest(p2p, remote, self.config.run_id, staging, expect_stage=self.state.stage,
+        fetched = self.loop.run(fetch_newest(p2p, remote, self.scope.run_id, staging, expect_stage=self.state.stage,
                                              expect_state_hash=self.state_hash, max_bytes=max_bytes,
                                              min_step=min_step, expect_part=self.part, timeout=FETCH_TIMEOUT),
                                 FETCH_TIMEOUT * 2)
@@ -167,7 +188,7 @@ class StageKeeper:
         its announcer); a new checkpoint is announced as soon as it is written either way."""
         if serve:
             resolve = self.store.path_for if serve is True else serve
-            self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, resolve), LOOP_CALL_TIMEOUT)
+            self._service = self.loop.run(serve_checkpoints(p2p, self.scope.run_id, resolve), LOOP_CALL_TIMEOUT)
         self._serving = True
         self._p2p = p2p
         self.schedule.restart_clock()
@@ -226,10 +247,10 @@ class StageKeeper:
             return True
         record = CheckpointRecord(peer_id=self.peer_id, stage=self.state.stage, state_hash=self.state_hash,
                                   checkpoints=held, part=self.part)
-        return self.records.announce_checkpoints(record, ttl=self.config.network.record_ttl)
+        return self.records.announce_checkpoints(record, ttl=self.scope.record_ttl)
 
     def _announce_forever(self) -> None:
-        while not self._stop.wait(self.config.network.announce_period):
+        while not self._stop.wait(self.scope.announce_period):
             try:
                 self.announce()
             except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop the renewals

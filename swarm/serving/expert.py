@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from swarm.checkpoint.claims import step_bound
 from swarm.checkpoint.errors import CheckpointError
-from swarm.checkpoint.keeper import KeeperMetrics, StageKeeper
+from swarm.checkpoint.keeper import KeeperMetrics, KeeperScope, StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ExpertHostRecord, ServerState, SwarmRecords, online, online_steps
 from swarm.dht.reachability import Reachability
@@ -100,15 +100,19 @@ class ExpertServer(ServerLifecycle):
         self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue)
         self.states = {e: ExpertState(self.host, e) for e in self.experts}
         for e, state in self.states.items():
-            self.replicas[e] = ExpertReplicas(state, self.dht, self.records, self.config, self.peer_id,
-                                              self.metrics.replica_rounds)
+            self.replicas[e] = ExpertReplicas(state, self.dht, self.records, self.config.averaging,
+                                              run_id=self.config.run_id,
+                                              announce_period=self.config.network.announce_period,
+                                              peer_id=self.peer_id, counter=self.metrics.replica_rounds)
         for replicas in self.replicas.values():  # forked side by side, waited for together
             replicas.wait_started(self.config.averaging.state_download_timeout)
         if self.options.checkpoint_dir is not None:
             metrics = KeeperMetrics(self.registry)
             trusted = [self.options.coordinator_peer_id] if self.options.coordinator_peer_id else []
-            self.keepers = {e: StageKeeper(state, self.config, self.options.checkpoint_dir, self.records, self.loop,
-                                           self.peer_id, trusted_holders=trusted, part="expert", metrics=metrics)
+            scope = KeeperScope.of(self.config, "expert")
+            self.keepers = {e: StageKeeper(state, scope, self.config.checkpoint, self.options.checkpoint_dir,
+                                           self.records, self.loop, self.peer_id, trusted_holders=trusted,
+                                           metrics=metrics)
                             for e, state in self.states.items()}
         self._take_states(seen)
         self.host.hand_over(self.host.owner, LOOP_CALL_TIMEOUT)  # only its worker thread changes the experts

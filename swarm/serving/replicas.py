@@ -38,7 +38,7 @@ import torch
 
 from swarm.averaging.codecs import installed_compression
 from swarm.averaging.process import AveragingProcess, RoundFailed
-from swarm.config import RunConfig
+from swarm.config import AveragingConfig
 from swarm.dht import SwarmRecords, online
 from swarm.dht.keys import expert_averaging_prefix
 from swarm.experts import ExpertState
@@ -54,21 +54,21 @@ DOWNLOAD_TRIES = 3  # asks of the donors for one expert's state (each a few seco
 class ExpertReplicas:
     """The averaging of one expert (`state`) with its other hosts; its state offered to hosts joining it."""
 
-    def __init__(self, state: ExpertState, dht: Any, records: SwarmRecords, config: RunConfig, peer_id: str,
-                 counter: Any = None):
+    def __init__(self, state: ExpertState, dht: Any, records: SwarmRecords, settings: AveragingConfig, *,
+                 run_id: str, announce_period: float, peer_id: str, counter: Any = None):
         """Forks the averaging process (`wait_started` waits until it serves: the processes of a server's
-        experts start side by side)."""
+        experts start side by side). `settings`: the run's averaging section."""
         self.state, self.records, self.peer_id = state, records, peer_id
         self.expert = state.stage
-        self.period = config.averaging.expert_replica_period
-        self.config = config.averaging
+        self.period = settings.expert_replica_period
+        self.config = settings
         host = state.host
         buffers = [torch.zeros(sum(p.numel() for p in host.optimizers[layer, self.expert].params))
                    for layer in host.layers]
-        self.process = AveragingProcess(buffers, dht, prefix=expert_averaging_prefix(config.run_id, self.expert),
+        self.process = AveragingProcess(buffers, dht, prefix=expert_averaging_prefix(run_id, self.expert),
                                         config=self.config, compression=installed_compression("none"),
                                         state_source=self._state_for_peer,
-                                        declare_period=max(self.period, config.network.announce_period),
+                                        declare_period=max(self.period, announce_period),
                                         max_weight=1.0)
         self.process.launch()
         self._stop = threading.Event()

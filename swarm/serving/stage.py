@@ -25,7 +25,7 @@ from swarm.averaging import (
     averaging_prefix,
 )
 from swarm.backend import Overloaded, StageBackend
-from swarm.checkpoint.keeper import StageKeeper
+from swarm.checkpoint.keeper import KeeperScope, StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, online, online_steps
 from swarm.dht.reachability import Reachability
@@ -133,16 +133,17 @@ class StageServer(ServerLifecycle):
         self.stage_state = StageState(module, optimizer, stage, INITIAL_ROUND,
                                       local_steps=self.config.averaging.local_steps if local else None)
         averager = LocalAverager if local else StageAverager
-        self.averager = averager(self.stage_state, self.dht, self.config, owner_key=self.records.local_owner_key,
-                                 peer_id=self.peer_id, registry=self.registry)
+        self.averager = averager(self.stage_state, self.dht, self.config.averaging, run_id=self.config.run_id,
+                                 owner_key=self.records.local_owner_key, peer_id=self.peer_id, registry=self.registry)
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
                                     on_step=self._on_step, stepper=self.averager,
                                     stash_weights=self.config.stages.stash_weights,
                                     compute_dtype=self.config.stages.compute_dtype, cache=self._activation_cache())
         if self.options.checkpoint_dir is not None:
             trusted = [self.options.coordinator_peer_id] if self.options.coordinator_peer_id else []
-            self.keeper = StageKeeper(self.stage_state, self.config, self.options.checkpoint_dir, self.records,
-                                      self.loop, self.peer_id, self.registry, trusted_holders=trusted)
+            self.keeper = StageKeeper(self.stage_state, KeeperScope.of(self.config), self.config.checkpoint,
+                                      self.options.checkpoint_dir, self.records, self.loop, self.peer_id,
+                                      self.registry, trusted_holders=trusted)
         others = sorted(r.peer_id for r in online(self.records.lookup_servers(stage), other_than=self.peer_id))
         if others:
             try:

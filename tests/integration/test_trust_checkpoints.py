@@ -24,7 +24,7 @@ import torch
 
 from coordinator.archive import RunArchive
 from swarm.averaging.progress import INITIAL_ROUND
-from swarm.checkpoint.keeper import StageKeeper, held_checkpoints
+from swarm.checkpoint.keeper import KeeperScope, StageKeeper, held_checkpoints
 from swarm.checkpoint.serving import serve_checkpoints
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.dht import CheckpointRecord, ServerRecord, ServerState
@@ -109,15 +109,15 @@ def test_a_far_ahead_checkpoint_is_ignored_by_the_archive_export_and_a_restartin
         newer = {name: t + 1.0 for name, t in honest.items()}
         disk = StageCheckpoints(tmp_path / "restarter", RUN_ID, STAGE, keep=3)
         disk.write(newer, step=HONEST_STEP + 3, num_stages=1, state_hash=config.state_hash(), round_id="r", group=1)
-        keeper = StageKeeper(own, config, tmp_path / "restarter", restarter.records, restarter.loop,
-                             restarter.peer_id, trusted_holders=[coordinator.peer_id])
+        keeper = StageKeeper(own, KeeperScope.of(config), config.checkpoint, tmp_path / "restarter", restarter.records,
+                             restarter.loop, restarter.peer_id, trusted_holders=[coordinator.peer_id])
         assert keeper.restore(restarter.p2p()) == HONEST_STEP + 3
         assert torch.equal(own.state_dict()[1][next(iter(newer))], next(iter(newer.values())))
 
         # One with an empty disk takes the honest checkpoint (from the server), not the stranger's.
         empty = replica(config)
-        keeper = StageKeeper(empty, config, tmp_path / "empty", restarter.records, restarter.loop,
-                             restarter.peer_id, trusted_holders=[coordinator.peer_id])
+        keeper = StageKeeper(empty, KeeperScope.of(config), config.checkpoint, tmp_path / "empty", restarter.records,
+                             restarter.loop, restarter.peer_id, trusted_holders=[coordinator.peer_id])
         assert keeper.restore(restarter.p2p()) == HONEST_STEP
         info, tensors = empty.state_dict()
         assert isinstance(info, StateInfo) and info.step == HONEST_STEP

@@ -6,7 +6,7 @@ import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
-from swarm.checkpoint.keeper import StageKeeper
+from swarm.checkpoint.keeper import KeeperScope, StageKeeper
 from swarm.checkpoint.schedule import CheckpointSchedule
 from swarm.config import CheckpointConfig, ModelConfig, MoEConfig, OptimizerConfig, RunConfig
 from swarm.experts import ExpertHost, ExpertState
@@ -62,7 +62,8 @@ def expert_keeper(every_steps: int, every_seconds: float, tmp_path: Path):
     ).validate()
     host = ExpertHost(config, [1])
     records = SimpleNamespace(announce_checkpoints=lambda record, ttl: True)
-    keeper = StageKeeper(ExpertState(host, 1), config, tmp_path, records, None, "QmSelf", part="expert")
+    keeper = StageKeeper(ExpertState(host, 1), KeeperScope.of(config, "expert"), config.checkpoint, tmp_path, records,
+                         None, "QmSelf")
     keeper._serving = True  # as after start(), without a service
 
     def step_to(step: int) -> None:

@@ -5,9 +5,10 @@ announce one (every byte verified against its manifest, a holder that serves wro
 keeps them like a server does (``<dir>/<run_id>/stage<k>/``), and, whenever it holds a newer one of
 any stage, assembles a run checkpoint of every stage (``<dir>/<run_id>/run/``, what ``swarm-export``
 reads). In a run with expert servers it pulls each expert's newest checkpoint from its hosts the same
-way (``<dir>/<run_id>/expert<e>/``). It announces them all in the DHT and serves them, so a stage whose
-servers all vanished, or an expert whose hosts all did, resumes from the coordinator. The coordinator is
-optional: without it, servers still checkpoint on their own disks and serve each other.
+way (``<dir>/<run_id>/expert<e>/``), and puts each expert's newest in the run checkpoints. It
+announces them all in the DHT and serves them, so a stage whose servers all vanished, or an expert
+whose hosts all did, resumes from the coordinator. The coordinator is optional: without it, servers
+still checkpoint on their own disks and serve each other.
 
 Every checkpoint the archive verified it signs (swarm.checkpoint.signing) with its own key, kept at
 ``<dir>/<run_id>/coordinator.key``: a stage checkpoint once fetched and installed, a run checkpoint
@@ -98,7 +99,7 @@ class RunArchive:
                            "expert": max_stage_bytes if max_expert_bytes is None else max_expert_bytes}
         self._p2p: Any = None
         self._service: Any = None
-        self._assembled: dict[int, str] = {}  # stage -> manifest id of the newest run checkpoint's part
+        self._assembled: dict[Part, str] = {}  # the manifest id of each part of the newest run checkpoint
         self._lock = threading.Lock()
         # Who backs a checkpoint's step (swarm.checkpoint.claims): the stage's servers (the expert's hosts) as
         # this coordinator watched them, and the furthest step they made believable when last seen.
@@ -117,12 +118,12 @@ class RunArchive:
         self._service = self.loop.run(serve_checkpoints(p2p, self.config.run_id, self._resolve), LOOP_CALL_TIMEOUT)
         for path in self._signed(self.runs.entries(), RUN_KIND):  # the newest that verifies (tensors not read)
             try:
-                manifest, _, _ = verify_run(path, run_id=self.config.run_id, state_hash=self.state_hash,
-                                            read_state=False)
+                manifest = verify_run(path, run_id=self.config.run_id, state_hash=self.state_hash,
+                                      read_state=False).manifest
             except CheckpointError as e:
                 log.warning("skipping run checkpoint %s: %s", path, e)
                 continue
-            self._assembled = {entry.stage: entry.manifest_sha256 for entry in manifest.stages}
+            self._assembled = _ids(manifest)
             log.info("holding the run checkpoint of step %d (%s)", manifest.step, path)
             break
         self.announce()
@@ -137,12 +138,13 @@ class RunArchive:
                 log.warning("checkpoint archive: %s", e)
 
     def poll(self) -> bool:
-        """Pull any newer stage (or expert) checkpoint, then assemble a run checkpoint if a stage's came; whether
-        one did."""
+        """Pull any newer stage (or expert) checkpoint, then assemble a run checkpoint if one came; whether one
+        was assembled. (Its stages at the same steps as the last one's, it is not: a run checkpoint is never
+        replaced, so an expert's newer checkpoint waits for the stages' next.)"""
         with self._lock:
             self._expert_hosts = online(self.records.lookup_expert_hosts()) if self.experts else []
             pulled = [key for key in self._stores if self._pull(key)]
-            assembled = any(part == "stage" for part, _ in pulled) and self._assemble()
+            assembled = bool(pulled) and self._assemble()
             if pulled:
                 self.announce()
             return assembled
@@ -205,18 +207,23 @@ class RunArchive:
         return kept
 
     def _assemble(self) -> bool:
-        """A run checkpoint of every stage's newest verified checkpoint, unless it would be the last one again."""
-        newest: dict[int, Path] = {}
-        ids: dict[int, str] = {}
-        for stage in self.stages:
-            found = self._newest_intact(("stage", stage))
+        """A run checkpoint of every stage's newest verified checkpoint, and of every expert's that has one,
+        unless it would be the last one again."""
+        newest: dict[Part, Path] = {}
+        ids: dict[Part, str] = {}
+        for key in self._stores:
+            found = self._newest_intact(key)
             if found is None:
-                return False  # not every stage has a checkpoint yet
-            ids[stage], newest[stage] = found
+                if key[0] == "stage":
+                    return False  # not every stage has a checkpoint yet
+                continue  # an expert no host has checkpointed yet: in a later run checkpoint
+            ids[key], newest[key] = found
         if ids == self._assembled:
             return False
+        stages = {index: path for (part, index), path in newest.items() if part == "stage"}
+        experts = {index: path for (part, index), path in newest.items() if part == "expert"}
         try:
-            manifest, _, path = self.runs.write(self.config.to_yaml(), self.state_hash, newest)
+            manifest, _, path = self.runs.write(self.config.to_yaml(), self.state_hash, stages, experts)
         except CheckpointExists as e:  # the same lowest step as one written before: that one stays as it is
             log.info("not writing a run checkpoint: %s", e)
             self._assembled = ids
@@ -230,7 +237,8 @@ class RunArchive:
             log.error("could not sign the run checkpoint %s: %s", path, e)
             return False
         self._assembled = ids
-        log.info("run checkpoint of steps %s written (%s)", [e.step for e in manifest.stages], path)
+        log.info("run checkpoint of steps %s written (%s)%s", [e.step for e in manifest.stages], path,
+                 f", with experts {[e.stage for e in manifest.experts]}" if manifest.experts else "")
         return True
 
     def announce(self) -> None:
@@ -314,6 +322,11 @@ class RunArchive:
         """The step of the newest signed checkpoint of `key` here that verifies (-1: none)."""
         found = self._newest_intact(key)
         return int(found[1].name.removeprefix("step")) if found is not None else -1
+
+
+def _ids(manifest: RunManifest) -> dict[Part, str]:
+    """The manifest id of each stage and expert checkpoint a run checkpoint holds."""
+    return {(entry.part, entry.stage): entry.manifest_sha256 for entry in manifest.stages + manifest.experts}
 
 
 def _held(paths: list[Path]) -> list[HeldCheckpoint]:

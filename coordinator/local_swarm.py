@@ -204,7 +204,7 @@ class LocalSwarm:
             return None  # no key, no checkpoint swarm-export would take
         for path in RunCheckpoints(root, run_id, self.config.checkpoint.keep).entries():
             try:
-                manifest, _, _ = verify_run(path, run_id=run_id, state_hash=None, read_state=False)
+                manifest = verify_run(path, run_id=run_id, state_hash=None, read_state=False).manifest
                 verify_signature(path, kind=RUN_KIND, run_id=run_id, expect=signer)  # as swarm-export checks
             except CheckpointError:
                 continue

@@ -7,17 +7,24 @@ uses its tanh approximation, and the LM head is not tied to the token embedding.
 ``Conv1D`` stores weights as [in, out], the transpose of ``nn.Linear``'s, so those are transposed.
 
 The output directory holds ``model.safetensors`` and ``config.json`` and loads with
-``transformers.GPT2LMHeadModel.from_pretrained(OUT)``. The pure functions (:func:`hf_config`,
-:func:`to_hf_state`) do no I/O; :func:`main` reads the newest run checkpoint that verifies and that
-the coordinator signed (swarm.checkpoint.signing): checked against the public half of the key it keeps
-beside its checkpoints (``<root>/<run_id>/coordinator.key``), or against ``--signer FINGERPRINT`` (what
-the coordinator logs as "signing checkpoints as ...") for checkpoints copied elsewhere. A run
-checkpoint copied into the coordinator's directory by any other way is skipped, and the next newest tried.
+``transformers.GPT2LMHeadModel.from_pretrained(OUT)``. GPT-2 has no mixture of experts: a run with
+``model.moe`` is exported in swarm's own form instead, ``model.safetensors`` named as
+``swarm.model.GPT`` names its parameters, with every expert inside its block (the experts of a run
+with expert servers come from their checkpoints in the run checkpoint), and ``swarm.yaml``, the run's
+config with ``model.moe.expert_servers`` off; :func:`load_exported` loads it into a GPT.
+
+The pure functions (:func:`hf_config`, :func:`to_hf_state`, :func:`to_swarm_state`) do no I/O;
+:func:`main` reads the newest run checkpoint that verifies and that the coordinator signed
+(swarm.checkpoint.signing): checked against the public half of the key it keeps beside its
+checkpoints (``<root>/<run_id>/coordinator.key``), or against ``--signer FINGERPRINT`` (what the
+coordinator logs as "signing checkpoints as ...") for checkpoints copied elsewhere. A run checkpoint
+copied into the coordinator's directory by any other way is skipped, and the next newest tried.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -30,14 +37,17 @@ import torch
 from safetensors.torch import save_file
 
 from swarm.config import ConfigError, RunConfig
-from swarm.model import Block, Embedding, Head, StageModule
-from swarm.model.gpt import INIT_STD
+from swarm.model import GPT, Block, Embedding, Head, StageModule
+from swarm.model.gpt import INIT_STD, make_expert
+from swarm.model.moe import Expert, MoEFeedForward
+from swarm.model.stages import stage_layers
 
 if TYPE_CHECKING:
     from swarm.checkpoint.store import RunCheckpoints
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+SWARM_CONFIG_FILE = "swarm.yaml"  # beside the weights of a mixture-of-experts model (swarm's own form)
 # The exporter only reads checkpoints; a keep this large means it could never prune one.
 READ_ONLY_KEEP = 2**31 - 1
 
@@ -149,6 +159,120 @@ def export(config: RunConfig, stage_params: dict[int, dict[str, torch.Tensor]], 
     _write_atomically(out / CONFIG_FILE, lambda tmp: tmp.write_text(text))
 
 
+# --------------------------------------------------------------- mixture of experts: swarm's own form
+
+def with_local_experts(config: RunConfig) -> RunConfig:
+    """The run's config with every expert inside its block (model.moe.expert_servers off)."""
+    moe = dataclasses.replace(config.model.moe, expert_servers=False)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, moe=moe)).validate()
+
+
+def to_swarm_state(config: RunConfig, stage_params: dict[int, dict[str, torch.Tensor]],
+                   expert_params: dict[int, dict[str, torch.Tensor]] | None = None,
+                   init_missing_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's parameters as swarm.model.GPT names them with its experts in their blocks; ValueError
+    if any is missing, extra or misshapen.
+
+    ``stage_params[k]``: stage k's ``state_dict()``. ``expert_params[e]``: expert e's checkpoint tensors
+    (swarm.experts.ExpertState: ``<block>.parameters`` flat, in the expert's parameter order), for a run with
+    expert servers. An expert with none is an error, unless `init_missing_experts`: then it is made as the run
+    made it before any step (its seeded initialization), which is what an expert no host ever trained is.
+    """
+    cfg = config.model
+    expected = _shape_only_model(with_local_experts(config).model).state_dict()
+    state: dict[str, torch.Tensor] = {}
+    unused = []
+    for k, params in sorted(stage_params.items()):
+        layers = stage_layers(cfg.n_layer, config.stages.num_stages, k) if 0 <= k < config.stages.num_stages else None
+        for name, tensor in params.items():
+            full = _full_name(name, layers) if layers is not None else None
+            if full is None or full not in expected or full in state:
+                unused.append(f"stage {k}: {name}")
+                continue
+            state[full] = tensor
+    if cfg.moe.expert_servers:
+        experts = expert_params or {}
+        unused += [f"expert {e}" for e in sorted(experts) if not 0 <= e < cfg.moe.num_experts]
+        missing = [e for e in range(cfg.moe.num_experts) if e not in experts]
+        if missing and not init_missing_experts:
+            raise ValueError(f"experts {missing} have no checkpoint in it (no host of theirs wrote one); "
+                             "--init-missing-experts exports them as initialized")
+        for e in range(cfg.moe.num_experts):
+            for layer in cfg.moe_layers():
+                module = make_expert(cfg, layer, e) if e in missing else _expert_module(cfg, e, experts[e], layer)
+                for name, tensor in module.state_dict().items():
+                    state[f"blocks.{layer}.mlp.experts.{e}.{name}"] = tensor
+    missing_names = [name for name in expected if name not in state]
+    if missing_names or unused:
+        problems = [f"missing {', '.join(missing_names)}"] if missing_names else []
+        problems += [f"unused {', '.join(unused)}"] if unused else []
+        raise ValueError("the checkpoints do not match the run config: " + "; ".join(problems))
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{name} has shape {list(tensor.shape)}, the run config makes it "
+                             f"{list(expected[name].shape)}")
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
+
+
+def export_swarm(config: RunConfig, state: dict[str, torch.Tensor], out: Path) -> None:
+    """Write ``out/model.safetensors`` and ``out/swarm.yaml`` (each to a temporary file, then renamed)."""
+    text = with_local_experts(config).to_yaml()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomically(out / WEIGHTS_FILE, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    _write_atomically(out / SWARM_CONFIG_FILE, lambda tmp: tmp.write_text(text))
+
+
+def load_exported(out: Path) -> GPT:
+    """The GPT a mixture-of-experts export holds (swarm's own form), every parameter loaded."""
+    from safetensors.torch import load_file
+
+    config = RunConfig.load(Path(out) / SWARM_CONFIG_FILE)
+    model = GPT(config.model)
+    model.load_state_dict(load_file(str(Path(out) / WEIGHTS_FILE)), strict=True)
+    return model
+
+
+def _expert_module(cfg, expert: int, tensors: dict[str, torch.Tensor], layer: int) -> Expert:
+    """Expert `expert` of block `layer` with the parameters its checkpoint holds (flat, in parameter order)."""
+    flat = tensors.get(f"{layer}.parameters")
+    with torch.device("meta"):
+        module = Expert(cfg.d_model, cfg.expert_hidden)
+    shapes = [(name, p.shape) for name, p in module.named_parameters()]
+    total = sum(shape.numel() for _, shape in shapes)
+    if flat is None or flat.dim() != 1 or flat.numel() != total:
+        raise ValueError(f"expert {expert}: its checkpoint's {layer}.parameters is "
+                         f"{'missing' if flat is None else list(flat.shape)}, the run config makes it [{total}]")
+    params, offset = {}, 0
+    for name, shape in shapes:
+        params[name] = flat[offset:offset + shape.numel()].view(shape)
+        offset += shape.numel()
+    module = Expert(cfg.d_model, cfg.expert_hidden)
+    module.load_state_dict(params, strict=True)
+    return module
+
+
+def _shape_only_model(cfg) -> torch.nn.Module:
+    """The names and shapes of GPT(cfg)'s parameters, on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        blocks = [Block(cfg, MoEFeedForward(cfg.d_model, [Expert(cfg.d_model, cfg.expert_hidden)
+                                                          for _ in range(cfg.moe.num_experts)],
+                                            cfg.moe.top_k, cfg.moe.capacity_factor, layer=i))
+                  if cfg.is_moe_layer(i) else Block(cfg) for i in range(cfg.n_layer)]
+        return torch.nn.ModuleDict({"embed": Embedding(cfg), "blocks": torch.nn.ModuleList(blocks),
+                                    "head": Head(cfg)})
+
+
+def _full_name(name: str, layers: range) -> str | None:
+    """A stage's parameter name as the whole GPT names it (``blocks.j`` -> the global index); None if its block
+    index is not the stage's."""
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        if len(parts) < 2 or not parts[1].isdigit() or int(parts[1]) >= len(layers):
+            return None
+        parts[1] = str(layers[int(parts[1])])
+    return ".".join(parts)
+
+
 def _hf_name(full_name: str) -> tuple[str, bool]:
     """The HF GPT-2 name of one of our GPT's parameters, and whether HF stores it transposed."""
     if full_name in _OUTER_NAMES:
@@ -195,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="swarm-export",
         description="Export the newest verified run checkpoint as a Hugging Face GPT-2 model "
-        "(model.safetensors and config.json, for transformers.GPT2LMHeadModel.from_pretrained).",
+        "(model.safetensors and config.json, for transformers.GPT2LMHeadModel.from_pretrained); a mixture of "
+        "experts in swarm's own form (model.safetensors and swarm.yaml, for swarm.export.load_exported).",
     )
     p.add_argument("--checkpoint-dir", type=Path, help="the coordinator's checkpoint root (default: as the "
                    "coordinator's, $XDG_CACHE_HOME/swarm/checkpoints or ~/.cache/swarm/checkpoints)")
@@ -205,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signer", metavar="FINGERPRINT", help="export only a run checkpoint signed by this key: the "
                    "fingerprint the coordinator logs ('signing checkpoints as ...'; 16 hex digits, or the 64 of its "
                    "key's sha256). Default: the key in <checkpoint-dir>/<run_id>/coordinator.key")
+    p.add_argument("--init-missing-experts", action="store_true", help="a mixture-of-experts run: export an expert "
+                   "with no checkpoint in the run checkpoint (no host of it wrote one) as the run initialized it, "
+                   "instead of refusing")
     p.add_argument("--trust-unsigned", action="store_true", help="also accept a run checkpoint with no signature "
                    "at all (written by a version that did not sign checkpoints yet); a warning says so")
     return p
@@ -219,23 +347,42 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         _fail(f"--out {out} is not empty (pass --force to overwrite its model files)")
-    config, stage_params, steps, source, signer = _load_newest(args.checkpoint_dir, args.run_id, args.signer,
-                                                               args.trust_unsigned)
+    found = _load_newest(args.checkpoint_dir, args.run_id, args.signer, args.trust_unsigned)
+    config, source = found.config, found.source
+    moe = config.model.moe is not None
     try:
-        export(config, stage_params, out)
+        if moe:  # GPT-2 has no experts to put them in: swarm's own form
+            export_swarm(config, to_swarm_state(config, found.stage_params, found.expert_params,
+                                                args.init_missing_experts), out)
+        else:
+            export(config, found.stage_params, out)
     except ValueError as e:
         _fail(f"checkpoint {source} does not fit its own run config: {e}")
     except OSError as e:
         _fail(f"cannot write {out}: {e}")
-    step_list = ", ".join(f"stage {k} step {steps[k]}" for k in sorted(steps))
-    signed = f"signed by the coordinator {signer}" if signer else "NOT signed (--trust-unsigned)"
-    print(f"exported run {config.run_id} ({step_list}) from {source} to {out}, {signed}", flush=True)
+    steps = [f"stage {k} step {found.steps[k]}" for k in sorted(found.steps)]
+    steps += [f"expert {e} step {found.expert_steps[e]}" for e in sorted(found.expert_steps)]
+    signed = f"signed by the coordinator {found.signer}" if found.signer else "NOT signed (--trust-unsigned)"
+    form = " in swarm's own form (a mixture of experts: load it with swarm.export.load_exported)" if moe else ""
+    print(f"exported run {config.run_id} ({', '.join(steps)}) from {source} to {out}{form}, {signed}", flush=True)
 
 
-def _load_newest(root: Path | None, run_id: str | None, signer: str | None, trust_unsigned: bool
-                 ) -> tuple[RunConfig, dict, dict[int, int], Path, str | None]:
-    """The run config, every stage's parameters and step, the directory of the newest run checkpoint that
-    verifies and is signed by the coordinator, and its signer's fingerprint (None: unsigned, and trusted)."""
+@dataclasses.dataclass
+class _Found:
+    """What the newest run checkpoint that verifies holds, and where it is."""
+
+    config: RunConfig
+    stage_params: dict[int, dict[str, torch.Tensor]]
+    expert_params: dict[int, dict[str, torch.Tensor]]
+    steps: dict[int, int]
+    expert_steps: dict[int, int]
+    source: Path
+    signer: str | None  # its signer's fingerprint; None: unsigned, and trusted
+
+
+def _load_newest(root: Path | None, run_id: str | None, signer: str | None, trust_unsigned: bool) -> _Found:
+    """The run config, every stage's parameters and step (and every expert's in it), of the newest run checkpoint
+    that verifies and is signed by the coordinator."""
     from swarm.checkpoint.errors import CheckpointError
     from swarm.checkpoint.store import RunCheckpoints, default_root, find_run_ids
 
@@ -260,7 +407,7 @@ def _load_newest(root: Path | None, run_id: str | None, signer: str | None, trus
             hint = ""
         _fail(f"none of the {len(written)} run checkpoint(s) of run {run_id} in {root} verifies as the coordinator's "
               f"({named}): " + "; ".join(reason for reason, _ in reasons) + hint)
-    run, stages, source, signed_by = found
+    run, stages, experts, source, signed_by = found
     ignored: list[str] = []
     try:
         config = RunConfig.from_yaml(run.config_yaml, ignored)
@@ -270,16 +417,14 @@ def _load_newest(root: Path | None, run_id: str | None, signer: str | None, trus
     if unknown_model:  # the run's model may differ from the one this version would export
         _fail(f"checkpoint {source} is of a model with settings this version does not know "
               f"({', '.join(unknown_model)}): export it with the swarm version that trained it")
-    if config.model.moe is not None:  # GPT-2 has no experts to put them in
-        _fail(f"checkpoint {source} is of a mixture-of-experts model (model.moe): a GPT-2 model cannot hold its "
-              "experts, so swarm-export does not convert it; its stage checkpoints load with swarm's own model")
     if ignored:
         logging.getLogger(__name__).warning("ignoring run config keys this version does not know: %s",
                                             ", ".join(ignored))
     params = {k: {name.removeprefix("param/"): t for name, t in tensors.items() if name.startswith("param/")}
               for k, (_, tensors) in stages.items()}
-    steps = {k: manifest.step for k, (manifest, _) in stages.items()}
-    return config, params, steps, source, signed_by
+    return _Found(config, params, {e: tensors for e, (_, tensors) in experts.items()},
+                  {k: manifest.step for k, (manifest, _) in stages.items()},
+                  {e: manifest.step for e, (manifest, _) in experts.items()}, source, signed_by)
 
 
 def _expected_signer(root: Path, run_id: str, signer: str | None, trust_unsigned: bool) -> tuple[object, str]:
@@ -332,14 +477,14 @@ def _newest_signed(store: RunCheckpoints, expect: object, trust_unsigned: bool
                 log.warning("skipping run checkpoint %s: %s", path, e)
                 continue
         try:
-            run, stages = store.load(path)
+            run, _, stages, experts = store.load(path)
         except CheckpointError as e:
             reasons.append((f"run checkpoint {path.name} does not verify: {e}", False))
             log.warning("skipping run checkpoint %s: %s", path, e)
             continue
         if signed_by is None:
             log.warning("run checkpoint %s is not signed: exported as --trust-unsigned says", path)
-        return (run, stages, path, signed_by), reasons
+        return (run, stages, experts, path, signed_by), reasons
     return None, reasons
 
 

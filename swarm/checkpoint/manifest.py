@@ -26,7 +26,7 @@ MAX_NAME_CHARS = 255
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # no '/', no leading '.'
-_STAGE_DIR = re.compile(r"stage[0-9]+")
+_PART_DIR = re.compile(r"(stage|expert)[0-9]+")
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]+")  # as RunConfig.validate() requires; it names a directory
 # What a checkpoint of one hosted thing holds: a stage replica, or one expert (in every MoE block) of an expert host.
 PARTS = ("stage", "expert")
@@ -101,25 +101,31 @@ class StageManifest:
 
 @dataclass(frozen=True)
 class RunStageEntry:
-    """One stage of a run checkpoint: the sub-directory holding it and its manifest's sha256."""
+    """One checkpoint in a run checkpoint: a stage's, or (``part`` "expert") an expert's, whose index is then
+    ``stage``; the sub-directory holding it (``stage<k>`` or ``expert<e>``) and its manifest's sha256."""
 
     stage: int
     step: int
     manifest_sha256: str
     dir: str
+    part: str = "stage"
 
     def __post_init__(self) -> None:
         _check_count(self.stage, "stage")
         _check_count(self.step, "step")
         _check_sha256(self.manifest_sha256, "manifest_sha256")
         _check_type(self.dir, str, "dir", "a string")
-        if not _STAGE_DIR.fullmatch(self.dir) or self.dir != f"stage{self.stage}":
-            raise CheckpointError(f"stage {self.stage} must live in dir 'stage{self.stage}', not {self.dir!r}")
+        if type(self.part) is not str or self.part not in PARTS:
+            raise CheckpointError(f"field 'part' must be one of {PARTS}, got {self.part!r:.80}")
+        if not _PART_DIR.fullmatch(self.dir) or self.dir != f"{self.part}{self.stage}":
+            raise CheckpointError(f"{self.part} {self.stage} must live in dir '{self.part}{self.stage}', "
+                                  f"not {self.dir!r:.80}")
 
 
 @dataclass(frozen=True)
 class RunManifest:
-    """``manifest.json`` of a run checkpoint: the run config and one verified checkpoint per stage."""
+    """``manifest.json`` of a run checkpoint: the run config, one verified checkpoint per stage and, for a
+    run with expert servers, one per expert that had one (by index; a manifest without ``experts`` has none)."""
 
     KIND: ClassVar[str] = "run"
 
@@ -128,6 +134,7 @@ class RunManifest:
     config_yaml: str
     created: float
     stages: list[RunStageEntry]
+    experts: list[RunStageEntry] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
@@ -140,6 +147,12 @@ class RunManifest:
         indices = [entry.stage for entry in self.stages]
         if indices != list(range(len(indices))):
             raise CheckpointError(f"stages must be listed as 0, 1, ..., got {indices}")
+        if any(entry.part != "stage" for entry in self.stages):
+            raise CheckpointError("field 'stages' lists a checkpoint that is not a stage's")
+        _check_type(self.experts, list, "experts", "a list")
+        experts = [entry.stage for entry in self.experts]
+        if any(entry.part != "expert" for entry in self.experts) or experts != sorted(set(experts)):
+            raise CheckpointError(f"experts must be expert checkpoints listed by increasing index, got {experts}")
 
     @property
     def step(self) -> int:
@@ -156,6 +169,9 @@ class RunManifest:
             fields = _load(data, cls.KIND)
             stages = _field(fields, "stages", list, "a list")
             fields["stages"] = [_run_stage_entry(entry, i) for i, entry in enumerate(stages)]
+            experts = fields.setdefault("experts", [])
+            _check_type(experts, list, "experts", "a list")
+            fields["experts"] = [_run_stage_entry(entry, i, "experts") for i, entry in enumerate(experts)]
             return cls(**_known(cls, fields))
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
@@ -209,12 +225,12 @@ def _file_entry(entry: Any, name: str) -> FileEntry:
         raise CheckpointError(f"files[{name!r}]: {e}") from None
 
 
-def _run_stage_entry(entry: Any, index: int) -> RunStageEntry:
-    _check_type(entry, dict, f"stages[{index}]", "an object")
+def _run_stage_entry(entry: Any, index: int, where: str = "stages") -> RunStageEntry:
+    _check_type(entry, dict, f"{where}[{index}]", "an object")
     try:
-        return RunStageEntry(**_known(RunStageEntry, entry))
+        return RunStageEntry(**_known(RunStageEntry, {"part": "stage", **entry}))
     except CheckpointError as e:
-        raise CheckpointError(f"stages[{index}]: {e}") from None
+        raise CheckpointError(f"{where}[{index}]: {e}") from None
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from swarm.checkpoint.manifest import (
 from swarm.checkpoint.safefile import save_hashed
 from swarm.checkpoint.verify import (
     STATE_NAME,
+    VerifiedRun,
     check_listing,
     check_owner,
     check_stage,
@@ -277,32 +278,28 @@ class StageCheckpoints(_StepDirs):
 
 
 class RunCheckpoints(_StepDirs):
-    """Whole-run checkpoints (one verified checkpoint per stage): ``<root>/<run_id>/run/``."""
+    """Whole-run checkpoints (one verified checkpoint per stage, and per expert that has one in a run with expert
+    servers): ``<root>/<run_id>/run/``."""
 
     def __init__(self, root: Path, run_id: str, keep: int):
         self.run_id = run_id
         super().__init__(Path(root) / run_id / "run", keep)
 
-    def write(self, config_yaml: str, state_hash: str, stage_dirs: dict[int, Path]) -> tuple[RunManifest, str, Path]:
-        """Copy one stage checkpoint per stage (each verified on the way) into a new run checkpoint."""
+    def write(self, config_yaml: str, state_hash: str, stage_dirs: dict[int, Path],
+              expert_dirs: dict[int, Path] | None = None) -> tuple[RunManifest, str, Path]:
+        """Copy one stage checkpoint per stage, and the expert checkpoints of `expert_dirs` (by expert index),
+        each verified on the way, into a new run checkpoint."""
         temp = self.new_temp_dir()
         try:
-            entries, num_stages = [], set()
-            for k in sorted(stage_dirs):
-                src = Path(stage_dirs[k])
-                data = read_manifest(src)
-                manifest = StageManifest.from_bytes(data, where=str(src / MANIFEST_NAME))
-                check_owner(src, manifest, run_id=self.run_id, stage=k, state_hash=state_hash)
-                (temp / f"stage{k}").mkdir()
-                _copy_verified(src, temp / f"stage{k}", manifest.files, data)
-                entries.append(RunStageEntry(stage=k, step=manifest.step, manifest_sha256=manifest_id(data),
-                                             dir=f"stage{k}"))
-                num_stages.add(manifest.num_stages)
+            entries, num_stages = self._copy_in(temp, "stage", stage_dirs, state_hash)
             if len(num_stages) != 1 or sorted(stage_dirs) != list(range(min(num_stages))):
                 raise CheckpointError(f"a run checkpoint needs exactly one checkpoint of each stage, got stages "
                                       f"{sorted(stage_dirs)} whose manifests say num_stages {sorted(num_stages)}")
+            experts, per_block = self._copy_in(temp, "expert", expert_dirs or {}, state_hash)
+            if len(per_block) > 1:
+                raise CheckpointError(f"expert checkpoints of runs of {sorted(per_block)} experts per block")
             run = RunManifest(run_id=self.run_id, state_hash=state_hash, config_yaml=config_yaml,
-                              created=time.time(), stages=entries)
+                              created=time.time(), stages=entries, experts=experts)
             data = run.to_bytes()
             _write_synced(temp / MANIFEST_NAME, data)
             path = self._place(temp, run.step, data, replace=False)  # a run checkpoint is never replaced
@@ -312,26 +309,38 @@ class RunCheckpoints(_StepDirs):
         self.prune(protect=path)
         return run, manifest_id(data), path
 
-    def load(self, path: Path, state_hash: str | None = None
-             ) -> tuple[RunManifest, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]]]:
-        """Verify the run checkpoint at `path` and every stage in it, and read all their tensors."""
-        run, _, stages = verify_run(Path(path), run_id=self.run_id, state_hash=state_hash, read_state=True)
-        return run, stages
+    def _copy_in(self, temp: Path, part: str, dirs: dict[int, Path], state_hash: str
+                 ) -> tuple[list[RunStageEntry], set[int]]:
+        """Copy each checkpoint of `part` in `dirs` (index -> directory), verified, into `temp`: their entries,
+        and the counts of their part their manifests say the run has."""
+        entries, counts = [], set()
+        for k in sorted(dirs):
+            src, name = Path(dirs[k]), f"{part}{k}"
+            data = read_manifest(src)
+            manifest = StageManifest.from_bytes(data, where=str(src / MANIFEST_NAME))
+            check_owner(src, manifest, run_id=self.run_id, stage=k, state_hash=state_hash, part=part)
+            (temp / name).mkdir()
+            _copy_verified(src, temp / name, manifest.files, data)
+            entries.append(RunStageEntry(stage=k, step=manifest.step, manifest_sha256=manifest_id(data), dir=name,
+                                         part=part))
+            counts.add(manifest.num_stages)
+        return entries, counts
 
-    def newest_verified(self, state_hash: str | None = None
-                        ) -> tuple[RunManifest, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]], Path] | None:
-        """The newest run checkpoint that verifies, as (run manifest, {stage: (manifest, tensors)}, path)."""
+    def load(self, path: Path, state_hash: str | None = None) -> VerifiedRun:
+        """Verify the run checkpoint at `path` and every checkpoint in it, and read all their tensors."""
+        return verify_run(Path(path), run_id=self.run_id, state_hash=state_hash, read_state=True)
+
+    def newest_verified(self, state_hash: str | None = None) -> tuple[VerifiedRun, Path] | None:
+        """The newest run checkpoint that verifies, with its path."""
         for path in self.entries():
             try:
-                run, stages = self.load(path, state_hash)
+                return self.load(path, state_hash), path
             except CheckpointError as e:
                 logger.warning("skipping run checkpoint %s: %s", path, e)
-                continue
-            return run, stages, path
         return None
 
     def _check(self, path: Path) -> str:
-        return verify_run(path, run_id=self.run_id, state_hash=None, read_state=False)[1]
+        return verify_run(path, run_id=self.run_id, state_hash=None, read_state=False).id
 
 
 def _cpu_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import hashlib
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import safetensors.torch
 import torch
@@ -69,9 +69,21 @@ def load_stage(path: Path, *, run_id: str, stage: int, state_hash: str,
     return manifest, mid, _read_tensors(path / STATE_NAME)
 
 
-def verify_run(path: Path, *, run_id: str, state_hash: str | None, read_state: bool
-               ) -> tuple[RunManifest, str, dict[int, tuple[StageManifest, dict[str, torch.Tensor]]]]:
-    """Verify a run checkpoint and every stage checkpoint in it; their tensors too if `read_state` (else {})."""
+Loaded = dict[int, tuple[StageManifest, dict[str, torch.Tensor]]]  # index -> (manifest, tensors or {})
+
+
+class VerifiedRun(NamedTuple):
+    """A run checkpoint that verified: its manifest and id, and each stage's and expert's checkpoint."""
+
+    manifest: RunManifest
+    id: str
+    stages: Loaded
+    experts: Loaded
+
+
+def verify_run(path: Path, *, run_id: str, state_hash: str | None, read_state: bool) -> VerifiedRun:
+    """Verify a run checkpoint and every stage and expert checkpoint in it; their tensors too if `read_state`
+    (else {})."""
     data = read_manifest(path)
     run = RunManifest.from_bytes(data, where=str(path / MANIFEST_NAME))
     if run.run_id != run_id:
@@ -79,20 +91,29 @@ def verify_run(path: Path, *, run_id: str, state_hash: str | None, read_state: b
     if state_hash is not None and run.state_hash != state_hash:
         raise CheckpointError(f"run checkpoint {path} has state hash {run.state_hash[:12]}, not {state_hash[:12]} "
                               "(another model shape or number of stages)")
-    check_listing(path, {entry.dir for entry in run.stages}, directories=True)
-    stages: dict[int, tuple[StageManifest, dict[str, torch.Tensor]]] = {}
-    for entry in run.stages:
-        where = dict(run_id=run.run_id, stage=entry.stage, state_hash=run.state_hash, expect_id=entry.manifest_sha256)
+    check_listing(path, {entry.dir for entry in run.stages + run.experts}, directories=True)
+    loaded: dict[str, Loaded] = {"stage": {}, "expert": {}}
+    experts_per_block: set[int] = set()
+    for entry in run.stages + run.experts:
+        where = dict(run_id=run.run_id, stage=entry.stage, state_hash=run.state_hash, expect_id=entry.manifest_sha256,
+                     part=entry.part)
         if read_state:
             manifest, _, tensors = load_stage(path / entry.dir, **where)
         else:
             (manifest, _), tensors = check_stage(path / entry.dir, **where), {}
-        if manifest.num_stages != len(run.stages) or manifest.step != entry.step:
-            raise CheckpointError(f"run checkpoint {path}: {entry.dir} is step {manifest.step} of a run of "
-                                  f"{manifest.num_stages} stages, the run manifest says step {entry.step} of "
-                                  f"{len(run.stages)}")
-        stages[entry.stage] = (manifest, tensors)
-    return run, manifest_id(data), stages
+        if manifest.step != entry.step:
+            raise CheckpointError(f"run checkpoint {path}: {entry.dir} is step {manifest.step}, the run manifest "
+                                  f"says step {entry.step}")
+        if entry.part == "stage" and manifest.num_stages != len(run.stages):
+            raise CheckpointError(f"run checkpoint {path}: {entry.dir} is of a run of {manifest.num_stages} stages, "
+                                  f"the run manifest lists {len(run.stages)}")
+        if entry.part == "expert":
+            experts_per_block.add(manifest.num_stages)  # (an expert's manifest counts the run's experts there)
+        loaded[entry.part][entry.stage] = (manifest, tensors)
+    if len(experts_per_block) > 1:
+        raise CheckpointError(f"run checkpoint {path}: its experts' manifests disagree on the number of experts "
+                              f"({sorted(experts_per_block)})")
+    return VerifiedRun(run, manifest_id(data), loaded["stage"], loaded["expert"])
 
 
 def check_owner(path: Path, manifest: StageManifest, *, run_id: str, stage: int, state_hash: str | None,

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from coordinator.archive import RunArchive
+from swarm.export import load_exported
+from swarm.export import main as export_main
 from swarm.model import make_expert
 from swarm.serving import ExpertServer
 from tests.helpers import wait_until
@@ -42,7 +44,8 @@ def parameters(server: ExpertServer, expert: int) -> list[torch.Tensor]:
 
 def test_an_expert_whose_hosts_are_all_gone_resumes_from_its_dht_announced_checkpoint(tmp_path: Path, caplog):
     """The only host of experts 0-3 leaves; a new host on another disk resumes 1 and 3 from the checkpoints the
-    coordinator pulled from it and announces (not from their initial weights)."""
+    coordinator pulled from it and announces (not from their initial weights). The coordinator's run checkpoint
+    holds the experts too, and swarm-export puts them in the model it writes."""
     caplog.set_level(logging.INFO)
     config = moe_config("expertresume")
     config.checkpoint.every_steps = 1
@@ -51,7 +54,7 @@ def test_an_expert_whose_hosts_are_all_gone_resumes_from_its_dht_announced_check
                              coordinator.peer_id, max_stage_bytes=2**30)
         archive.start(coordinator.p2p())
         stack.callback(archive.close)
-        first = one_batch_with_one_host(config, stack, trainer_peer, peers, tmp_path / "first")
+        first = one_batch_with_one_host(config, stack, trainer_peer, peers, tmp_path / "first", tmp_path / "stages")
         saved = {(layer, e): expert_state(first, layer, e) for layer in LAYERS for e in (1, 3)}
         for (layer, e), state in saved.items():  # trained: resuming from the initial weights would show
             initial = make_expert(config.model, layer, e).state_dict()
@@ -60,6 +63,19 @@ def test_an_expert_whose_hosts_are_all_gone_resumes_from_its_dht_announced_check
         # the archive pulls each expert's checkpoint once the host has been established for min_tenure
         wait_until(lambda: archive.poll() or all(archive.experts[e].newest_intact() for e in (1, 3)), PULL_TIMEOUT,
                    interval=0.3, what="the coordinator pulling the experts' checkpoints")
+
+        def run_with_experts() -> bool:
+            archive.poll()
+            found = archive.runs.newest_verified()
+            return found is not None and [e.stage for e in found[0].manifest.experts] == [0, 1, 2, 3]
+
+        wait_until(run_with_experts, PULL_TIMEOUT, interval=0.3,
+                   what="a run checkpoint of both stages and every expert")
+        export_main(["--checkpoint-dir", str(tmp_path / "coordinator"), "--out", str(tmp_path / "model")])
+        exported = load_exported(tmp_path / "model").state_dict()
+        for (layer, e), state in saved.items():
+            for name, tensor in state.items():
+                torch.testing.assert_close(exported[f"blocks.{layer}.mlp.experts.{e}.{name}"], tensor, rtol=0, atol=0)
         first.shutdown()  # announces OFFLINE: no live host of any expert is left, and its disk is not the new one's
         with expert_servers(config, peers[3:4], [[1, 3]], tmp_path / "second") as (second,):
             assert second.host.step == 1

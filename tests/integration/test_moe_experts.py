@@ -139,12 +139,14 @@ def test_a_joining_expert_server_takes_the_state_of_a_live_host():
 
 
 def one_batch_with_one_host(config, stack: contextlib.ExitStack, trainer_peer: Peer, peers: Sequence[Peer],
-                            checkpoint_dir: Path) -> ExpertServer:
-    """Stage servers on peers[0] and [1], one host of every expert on peers[2] (checkpoints in `checkpoint_dir`),
-    all entered in `stack`, and one batch trained: the host, once it and the stages took their first step."""
+                            checkpoint_dir: Path, stage_checkpoints: Path | None = None) -> ExpertServer:
+    """Stage servers on peers[0] and [1] (checkpoints in `stage_checkpoints`, if given), one host of every expert
+    on peers[2] (checkpoints in `checkpoint_dir`), all entered in `stack`, and one batch trained: the host, once
+    it and the stages took their first step."""
     (host,) = stack.enter_context(expert_servers(config, peers[2:3], [list(range(config.model.moe.num_experts))],
                                                  checkpoint_dir))
-    servers = stack.enter_context(stage_servers(config, peers[:2], [0, 1]))
+    options = {} if stage_checkpoints is None else {"checkpoint_dir": stage_checkpoints}
+    servers = stack.enter_context(stage_servers(config, peers[:2], [0, 1], **options))
     wait_until_online(trainer_peer.records, [0, 1])
     trainer = Trainer(config, trainer_peer.dht, trainer_peer.records, trainer_peer.loop,
                       TrainerOptions(trainer_index=0, max_samples=config.optimizer.batch_size, in_flight=1))

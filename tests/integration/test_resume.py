@@ -122,8 +122,8 @@ def test_a_dead_stage_and_then_a_whole_swarm_resume_from_checkpoints(procs: Proc
         "the coordinator pulling a recent checkpoint of stage 1")
     coordinator.proc.wait_until(lambda: ASSEMBLED.search(coordinator.proc.stderr()), PULL_TIMEOUT,
                                 "the coordinator assembling a run checkpoint of both stages")
-    run = RunCheckpoints(tmp_path / "coordinator", config.run_id, config.checkpoint.keep).newest_verified()
-    assert run is not None and sorted(run[1]) == [0, 1]  # what swarm-export reads, verified file by file
+    found = RunCheckpoints(tmp_path / "coordinator", config.run_id, config.checkpoint.keep).newest_verified()
+    assert found is not None and sorted(found[0].stages) == [0, 1]  # what swarm-export reads, verified file by file
     initial_loss = math.log(config.model.vocab_size)  # of a fresh model: uniform over the vocabulary
     trainer.proc.wait_until(lambda: (trainer.metric("swarm_trainer_loss") or initial_loss) < initial_loss - 0.5,
                             TRAIN_TIMEOUT, "the trainer's loss (published every 5 s) falling")

@@ -97,8 +97,8 @@ def test_a_far_ahead_checkpoint_is_ignored_by_the_archive_export_and_a_restartin
         assert not list(stage_dir.glob(".tmp-*")), "a poll left an empty staging directory behind"
         ignored = [r.getMessage() for r in caplog.records if "ignoring a checkpoint claim" in r.getMessage()]
         assert any(stranger.peer_id in line and f"step {LIE_STEP}, beyond step" in line for line in ignored), ignored
-        run = RunCheckpoints(tmp_path / "coordinator", RUN_ID, keep=3).newest_verified()
-        assert run is not None and [e.step for e in run[0].stages] == [HONEST_STEP]
+        found = RunCheckpoints(tmp_path / "coordinator", RUN_ID, keep=3).newest_verified()
+        assert found is not None and [e.step for e in found[0].manifest.stages] == [HONEST_STEP]
 
         capsys.readouterr()
         export_main(["--checkpoint-dir", str(tmp_path / "coordinator"), "--out", str(tmp_path / "model")])
@@ -144,9 +144,9 @@ def test_a_stage_checkpoint_put_on_the_coordinators_disk_by_hand_is_not_assemble
         runs = RunCheckpoints(root, config.run_id, keep=3)
         archived(config, coordinator, root, lambda archive: runs.entries())
 
-    run = runs.newest_verified()
-    assert run is not None and [e.step for e in run[0].stages] == [HONEST_STEP, HONEST_STEP]
-    assert all(torch.equal(run[1][1][1][name], honest[1][name]) for name in honest[1])
+    found = runs.newest_verified()
+    assert found is not None and [e.step for e in found[0].manifest.stages] == [HONEST_STEP, HONEST_STEP]
+    assert all(torch.equal(found[0].stages[1][1][name], honest[1][name]) for name in honest[1])
     skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"not using checkpoint {dropped}")]
     assert len(skipped) == 1 and "is not signed" in skipped[0], skipped  # logged once, however many polls
     assert len(re.findall(r"signing checkpoints as ([0-9a-f]{16}) ", caplog.text)) == 2  # one key, kept

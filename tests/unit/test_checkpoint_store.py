@@ -319,9 +319,9 @@ def test_run_checkpoint_round_trip(tmp_path):
     assert path.name == "step0000000010" and run.step == 10
     assert sorted(os.listdir(path)) == ["manifest.json", "stage0", "stage1"]
     assert mid == manifest_id((path / "manifest.json").read_bytes())
-    loaded, stages, where = runs.newest_verified(HASH)
+    (loaded, _, stages, experts), where = runs.newest_verified(HASH)
     assert (loaded, where) == (run, path) and RunManifest.from_bytes(run.to_bytes()) == run
-    assert sorted(stages) == [0, 1]
+    assert sorted(stages) == [0, 1] and experts == {} and run.experts == []
     for k in (0, 1):
         manifest, tensors = stages[k]
         assert (manifest.stage, manifest.step) == (k, (12, 10)[k])
@@ -338,7 +338,7 @@ def test_run_checkpoint_with_a_tampered_stage_is_rejected(tmp_path, caplog):
     with pytest.raises(CheckpointError, match="is not the expected"):
         runs.load(bad)
     with caplog.at_level(logging.WARNING, logger="swarm.checkpoint.store"):
-        assert runs.newest_verified(HASH)[2] == good
+        assert runs.newest_verified(HASH)[1] == good
     assert str(bad) in caplog.text
     flip_byte(good / "stage0")
     with pytest.raises(CheckpointError, match="corrupted"):
@@ -357,9 +357,44 @@ def test_run_manifest_is_strict():
         ({"stages": [entry, entry]}, "listed as 0, 1"),
         ({"stages": []}, "empty"),
         ({"kind": "stage"}, "expected 'run'"),
+        ({"stages": [{**entry, "part": "expert", "dir": "expert0"}]}, "not a stage's"),
+        ({"experts": [entry]}, "expert checkpoints listed by increasing index"),
+        ({"experts": [{**entry, "part": "expert", "dir": "stage0"}]}, "must live in dir 'expert0'"),
+        ({"experts": [{**entry, "part": "expert", "dir": "expert0"}] * 2}, "listed by increasing index"),
+        ({"experts": [{**entry, "part": "experts", "dir": "experts0"}]}, "field 'part' must be one of"),
+        ({"experts": {"0": entry}}, "'experts' must be a list"),
     ]:
         with pytest.raises(CheckpointError, match=message):
             RunManifest.from_bytes(json.dumps({**good, **change}).encode())
+
+
+def test_a_run_manifest_from_before_experts_reads_with_none():
+    entry = {"stage": 0, "step": 1, "manifest_sha256": "c" * 64, "dir": "stage0"}  # no "part"
+    old = {"format": 1, "kind": "run", "run_id": RUN, "state_hash": HASH, "config_yaml": "", "created": 1.0,
+           "stages": [entry]}  # no "experts"
+    run = RunManifest.from_bytes(json.dumps(old).encode())
+    assert run.experts == [] and run.stages[0].part == "stage"
+
+
+def test_a_run_checkpoint_holds_and_verifies_the_experts_that_have_checkpoints(tmp_path):
+    experts = {e: write(StageCheckpoints(tmp_path / f"host{e}", RUN, e, keep=3, part="expert"), 40 + e,
+                        seed=10 + e, num_stages=4)[2] for e in (0, 3)}  # experts 1 and 2 have none yet
+    runs = RunCheckpoints(tmp_path / "coord", RUN, keep=2)
+    run, _, path = runs.write("run_id: tiny\n", HASH, two_stages(tmp_path), experts)
+    assert sorted(os.listdir(path)) == ["expert0", "expert3", "manifest.json", "stage0", "stage1"]
+    assert [(e.part, e.stage, e.step, e.dir) for e in run.experts] == [("expert", 0, 40, "expert0"),
+                                                                     ("expert", 3, 43, "expert3")]
+    assert run.step == 10  # named by its stages, as before
+    loaded = runs.load(path, HASH)
+    assert loaded.manifest == run and sorted(loaded.experts) == [0, 3]
+    assert_same(loaded.experts[3][1], state(13)) and loaded.experts[3][0].part == "expert"
+    flip_byte(path / "expert3")
+    with pytest.raises(CheckpointError, match="corrupted"):
+        runs.load(path)
+    with pytest.raises(CheckpointError, match="is of expert 0, not of a stage"):
+        runs.write("", HASH, {0: experts[0], 1: two_stages(tmp_path / "b")[1]})
+    with pytest.raises(CheckpointError, match="is for expert 3, not 1"):
+        runs.write("", HASH, two_stages(tmp_path / "c"), {1: experts[3]})
 
 
 def test_run_checkpoint_needs_every_stage_of_the_run(tmp_path):

@@ -25,8 +25,10 @@ from swarm.checkpoint.signing import (
 from swarm.checkpoint.store import RunCheckpoints, StageCheckpoints
 from swarm.checkpoint.verify import STATE_NAME
 from swarm.config import ModelConfig, MoEConfig, RunConfig, StagesConfig
-from swarm.export import CONFIG_FILE, WEIGHTS_FILE, export, main, to_hf_state
+from swarm.experts import ExpertHost, ExpertState
+from swarm.export import CONFIG_FILE, SWARM_CONFIG_FILE, WEIGHTS_FILE, export, load_exported, main, to_hf_state
 from swarm.model import StageModule, build_stage
+from swarm.model.gpt import make_expert
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -204,16 +206,75 @@ def test_cli_names_the_runs_to_choose_from(stages: list[StageModule], tmp_path: 
     assert (tmp_path / "out" / CONFIG_FILE).is_file()
 
 
-def test_cli_refuses_a_mixture_of_experts_run_up_front(tmp_path: Path):
+def moe_config(expert_servers: bool) -> RunConfig:
     config = RunConfig.from_yaml(CONFIG.to_yaml())
     config.run_id = "moe"
-    config.model.moe = MoEConfig(every=2, num_experts=2, top_k=1)
-    config.validate()
-    root = tmp_path / "ckpt"
-    write_run_checkpoint(root, config, [build_stage(config, k) for k in range(config.stages.num_stages)], step=3)
-    with pytest.raises(SystemExit, match=r"mixture-of-experts model \(model.moe\): a GPT-2 model cannot hold"):
-        main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])
-    assert not (tmp_path / "out").exists()
+    config.model.moe = MoEConfig(every=2, num_experts=3, top_k=2, expert_servers=expert_servers)
+    return config.validate()
+
+
+def test_a_mixture_of_experts_exports_in_swarms_own_form_and_computes_what_its_stages_do(tmp_path: Path, capsys):
+    config = moe_config(expert_servers=False)  # the experts live in the stages
+    stages = perturbed_stages(config)
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    write_run_checkpoint(root, config, stages, step=3)
+    main(["--checkpoint-dir", str(root), "--out", str(out)])
+    assert "in swarm's own form" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted([SWARM_CONFIG_FILE, WEIGHTS_FILE])
+    model = load_exported(out).eval()
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, config.model.vocab_size, (2, config.model.seq_len), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), our_logits(stages, idx), rtol=1e-5, atol=1e-5)
+
+
+def expert_host(config: RunConfig) -> ExpertHost:
+    """Every expert of the run on one host, each parameter moved off its init."""
+    host = ExpertHost(config, range(config.model.moe.num_experts))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for module in host.modules.values():
+            for p in module.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return host
+
+
+def test_a_run_with_expert_servers_exports_each_expert_from_its_checkpoint(tmp_path: Path):
+    config = moe_config(expert_servers=True)  # the stages hold the routers, the experts are the hosts'
+    stages, host = perturbed_stages(config), expert_host(config)
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    stage_dirs = {}
+    for stage in stages:
+        tensors = {f"param/{name}": t for name, t in stage.state_dict().items()}
+        _, _, stage_dirs[stage.index] = StageCheckpoints(root, config.run_id, stage.index, keep=2).write(
+            tensors, step=5, num_stages=len(stages), state_hash=config.state_hash(), round_id="r", group=1)
+    expert_dirs = {}
+    for e in (0, 2):  # expert 1: no host of it wrote a checkpoint
+        info, tensors = ExpertState(host, e).state_dict()
+        _, _, expert_dirs[e] = StageCheckpoints(root, config.run_id, e, keep=2, part="expert").write(
+            tensors, step=9, num_stages=3, state_hash=config.state_hash(), round_id=info.round_id, group=1)
+    path = RunCheckpoints(root, config.run_id, keep=2).write(config.to_yaml(), config.state_hash(), stage_dirs,
+                                                             expert_dirs)[2]
+    sign_checkpoint(path, load_or_create_key(key_path(root, config.run_id)), kind=RUN_KIND, run_id=config.run_id)
+
+    with pytest.raises(SystemExit, match=r"experts \[1\] have no checkpoint in it .* --init-missing-experts"):
+        main(["--checkpoint-dir", str(root), "--out", str(out)])
+    assert not out.exists()
+    main(["--checkpoint-dir", str(root), "--out", str(out), "--init-missing-experts"])
+    exported = load_file(out / WEIGHTS_FILE)
+    model = load_exported(out)  # strict: every parameter of the whole model, none more
+    for layer in config.model.moe_layers():
+        for e in (0, 2):  # from the checkpoints: the hosts' parameters, unflattened in order
+            for name, p in host.modules[layer, e].named_parameters():
+                torch.testing.assert_close(exported[f"blocks.{layer}.mlp.experts.{e}.{name}"], p.detach(),
+                                           rtol=0, atol=0)
+        for name, p in make_expert(config.model, layer, 1).named_parameters():  # as the run initialized it
+            torch.testing.assert_close(exported[f"blocks.{layer}.mlp.experts.1.{name}"], p.detach(), rtol=0, atol=0)
+    for stage in stages:  # the routers and every other parameter, from the stages
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(exported[stage.full_model_name(name)], p.detach(), rtol=0, atol=0)
+    idx = torch.randint(0, config.model.vocab_size, (2, config.model.seq_len))
+    assert torch.isfinite(model(idx)).all()
 
 
 def copied_in(root: Path, config: RunConfig, stages: list[StageModule], step: int, signer_root: Path | None) -> Path:
@@ -234,7 +295,7 @@ def test_cli_exports_only_a_run_checkpoint_the_coordinator_signed(stages: list[S
             p.data.zero_()
     unsigned = copied_in(root, CONFIG, zeros, step=7, signer_root=None)
     foreign = copied_in(root, CONFIG, zeros, step=9, signer_root=tmp_path / "other-coordinator")
-    assert RunCheckpoints(root, "tiny", keep=9).newest_verified()[2] == foreign  # every one of them verifies
+    assert RunCheckpoints(root, "tiny", keep=9).newest_verified()[1] == foreign  # every one of them verifies
     mine = coordinator_fingerprint(root)
 
     main(["--checkpoint-dir", str(root), "--out", str(tmp_path / "out")])

@@ -111,6 +111,7 @@ class PipelineStats:
     refused: int = 0  # micro-batches dropped because every server of a stage refused them as bad requests
     spot_checks: int = 0  # replies checked against a witness
     disputes: int = 0  # of them, replies a witness disagreed with
+    rejected: int = 0  # replies not used after a check (retried elsewhere: a backward's server counted it anyway)
     caught: Counter = field(default_factory=Counter)  # servers banned by a spot check, by stage
     stage_failures: Counter = field(default_factory=Counter)  # failures by stage
     stage_bad_replies: Counter = field(default_factory=Counter)  # bad replies by stage
@@ -243,6 +244,7 @@ class RemotePipeline:
                     first = None if early is None else await early
                     if await witnesses.rejects(check, check.claim(ticket.peer_id, reply), first):
                         reply = None  # wrong: retried on another server, like a failure
+                        self.stats.rejected += 1
                     else:
                         balancer.report_success(ticket, answered)
             finally:

@@ -18,6 +18,7 @@ from tests.integration.test_averaging import (
     ROUND_TIMEOUT,
     STAGE,
     averaged_round,
+    caught_up,
     make_config,
     micro_batch,
     rounds,
@@ -55,6 +56,9 @@ def test_with_the_dht_blind_to_groups_and_no_direct_declarations_no_group_forms(
     with running_peers(config.run_id, 2) as peers, stage_servers(config, peers, [STAGE, STAGE]) as (a, b):
         wait_until_peers_see_each_other([a, b])
         batches = [[micro_batch(config, 1)], [micro_batch(config, 2), micro_batch(config, 3)]]
-        averaged_round([a, b], batches)  # each steps alone when its round finds nobody; then they agree
+        averaged_round([a, b], batches)  # no round finds anybody; then they agree
         assert [rounds(s, "succeeded") for s in (a, b)] == [0.0, 0.0]
-        assert [rounds(s, "failed") for s in (a, b)] == [1.0, 1.0]
+        # Each steps alone once its tries are spent, or, if the other stepped alone first, takes its state
+        # (the other is then ahead of it)
+        assert max(rounds(s, "failed") for s in (a, b)) == 1.0
+        assert all(rounds(s, "failed") == 1.0 or caught_up(s) >= 1 for s in (a, b))

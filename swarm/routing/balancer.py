@@ -86,6 +86,7 @@ class ServerState:
     banned_until: float = 0.0
     missing_since: float | None = None  # None while the latest lookup lists it
     caught_at: float = float("-inf")  # when it was last caught answering wrongly (`ban`)
+    vouched: bool = False  # one of its own replies was used (checked, where anything could check it)
 
     @property
     def measured(self) -> bool:
@@ -193,9 +194,10 @@ class StageBalancer:
         return finish * RELAYED_MARGIN if peer_id in self.relayed and not self.untried(peer_id) else finish
 
     def on_probation(self, peer_id: str) -> bool:
-        """Whether the server has yet to answer us successfully, ever or since its last failure."""
+        """Whether the server has yet to answer us successfully with a reply of its own (its answers as a
+        spot check's witness time it, but vouch for nothing), ever or since its last failure."""
         state = self.servers[peer_id]
-        return not state.measured or state.failures > 0
+        return not state.vouched or state.failures > 0
 
     def untried(self, peer_id: str) -> bool:
         """Whether the server has no estimate that counts: never answered us, or stale and idle."""
@@ -266,9 +268,10 @@ class StageBalancer:
 
     # --- how calls ended -------------------------------------------------------------------------
 
-    def report_success(self, ticket: Ticket, answered: float | None = None) -> None:
+    def report_success(self, ticket: Ticket, answered: float | None = None, vouch: bool = True) -> None:
         """The server answered (at `answered` on the balancer's clock, if that was before now: a reply
-        checked before it counts): update its estimates of the ticket's kind and lift any ban."""
+        checked before it counts): update its estimates of the ticket's kind and lift any ban. Unless
+        `vouch` is False (a witness's answer, which nothing checked), its reply ends its probation."""
         state = self._close(ticket)
         if state is None or ticket.sent <= state.caught_at:  # an answer from before it was caught clears nothing
             return
@@ -287,6 +290,7 @@ class StageBalancer:
             state.stale_at = done + max(self.reprobe_after, REPROBE_SPACING * (done - ticket.sent))
         state.failures = 0
         state.banned_until = 0.0
+        state.vouched = state.vouched or vouch
 
     def report_failure(self, ticket: Ticket, brief: bool = False) -> float:
         """Ban the server with exponential backoff (from `brief_ban_base` if `brief`); returns the ban's
@@ -318,6 +322,7 @@ class StageBalancer:
         state.banned_until = max(state.banned_until, state.caught_at + seconds)
         state.service.clear()
         state.latency.clear()
+        state.vouched = False
 
     def pardon(self, peer_id: str) -> None:
         """Take back one failure reported for the server, and its ban: the fault turned out to be ours.

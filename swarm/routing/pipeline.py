@@ -281,9 +281,11 @@ class RemotePipeline:
                             f"{message}")
 
     async def _attempt(self, stage: int, request: StageRequest, ticket: Ticket,
-                       refused: dict[str, str] | None = None, report: bool = True) -> StageReply | None:
-        """One call on the ticket's server: its reply (reported a success, if `report`) or None (reported a
-        failure); a server that calls the request bad is added to `refused`."""
+                       refused: dict[str, str] | None = None, report: bool = True,
+                       vouch: bool = True) -> StageReply | None:
+        """One call on the ticket's server: its reply (reported a success, if `report`; one that ends its
+        probation, if `vouch`) or None (reported a failure); a server that calls the request bad is added
+        to `refused`."""
         balancer, peer, kind = self.balancers[stage], ticket.peer_id, request.kind
         timeout = balancer.timeout(ticket, self.settings.timeout_multiplier, self.settings.timeout_floor,
                                    self.settings.request_timeout)
@@ -322,7 +324,7 @@ class RemotePipeline:
                         ban)
             return None
         if report:
-            balancer.report_success(ticket)
+            balancer.report_success(ticket, vouch=vouch)
         reply.server = peer
         return reply
 

@@ -174,7 +174,7 @@ class SpotCheck:
         return found if math.isfinite(found.slope) else None
 
 
-Attempt = Callable[..., Awaitable[StageReply | None]]  # (request, ticket, report=True): the pipeline's _attempt
+Attempt = Callable[..., Awaitable[StageReply | None]]  # (request, ticket, vouch=True): the pipeline's _attempt
 
 
 class Witnesses:
@@ -206,11 +206,10 @@ class Witnesses:
         peer = self.rng.choice(sorted(others))
         size = int(check.request.inputs.shape[0])
         tickets = [balancer.charge(peer, size, FORWARD) for _ in check.witness_requests]
-        # A newcomer's answers as a witness are not checked: they do not end its probation (only its own
+        # A witness's answers time it, but nothing checks them: they do not end its probation (only its own
         # checked replies do), else a liar picked as a witness early would have its lies trusted after.
-        report = not balancer.on_probation(peer)
         try:
-            replies = await asyncio.gather(*(self.attempt(r, t, report=report)
+            replies = await asyncio.gather(*(self.attempt(r, t, vouch=False)
                                              for r, t in zip(check.witness_requests, tickets)))
         finally:
             for ticket in tickets:

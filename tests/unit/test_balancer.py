@@ -413,6 +413,24 @@ def test_a_newcomer_takes_one_task_at_a_time_until_it_answers():
     assert b.choose(SIZE, FORWARD).peer_id == "new"  # measured as fast as a, and a is loaded: no longer one at a time
 
 
+def test_a_witness_answer_times_a_newcomer_but_does_not_end_its_probation():
+    """Spot checks ask a witness's forwards (swarm.routing.spot_checks): they measure its speed, so a slow newcomer
+    is not sent work as if untried, but only a reply of its own ends its probation (so it is checked); a server
+    caught answering wrongly is a newcomer again after its ban."""
+    clock = FakeClock()
+    b = balancer(clock, "a", "new")
+    witness = b.charge("new", SIZE, FORWARD)
+    clock.now += SIZE * 0.5
+    b.report_success(witness, vouch=False)
+    assert b.servers["new"].measured and not b.untried("new") and b.on_probation("new")
+    own = b.charge("new", SIZE, FORWARD)
+    b.report_success(own)
+    assert not b.on_probation("new")
+    b.ban("new", 1.0)
+    clock.now += 2
+    assert b.on_probation("new")
+
+
 def test_with_no_other_server_a_newcomer_still_takes_every_task():
     b = balancer(FakeClock(), "only")  # a run's start: every server unmeasured
     assert [b.choose(SIZE, FORWARD).peer_id for _ in range(4)] == ["only"] * 4

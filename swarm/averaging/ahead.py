@@ -62,11 +62,12 @@ class GroupsAhead:
         armed = self.armed
         return armed is not None and armed.step == step and armed.control.stage == AWAITING_TRIGGER
 
-    def stale(self, view: StageView) -> bool:
-        """Whether no group is forming, or one of another size than `view` calls for (a server of the stage
-        came or went): the next round's group is to form anew."""
+    def stale(self) -> bool:
+        """Whether no group is forming, or one of another size than the stage's view calls for now (a server
+        of the stage came or went): the next round's group is to form anew. (The view is read only if a
+        group is forming: this runs at every progress update.)"""
         armed = self.armed
-        return armed is None or armed.size != self.target(view)
+        return armed is None or armed.size != self.target(self.view())
 
     def target(self, view: StageView) -> int:
         return max(2, min(view.group_size, self.target_group_size))

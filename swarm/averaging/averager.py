@@ -510,7 +510,7 @@ class StageAverager:
 
     def _on_progress(self) -> None:
         self.check_process()
-        if self._job is None and self.groups.stale(self.view()):
+        if self._job is None and self.groups.stale():
             self.groups.arm_soon()  # (a server of the stage came or went: form the group of the next round anew)
         if self._request_step is None or (self._requested is not None and not self._requested.done()):
             return

@@ -135,10 +135,12 @@ class CatchUp:
                 if info.step < min_step:
                     host.metrics.downloads[FAILED].inc()
                     return False
+                accumulated = host.optimizer.samples  # (the load zeroes the accumulation)
                 host.state.load_state_dict(info, named)  # checks names, shapes, dtypes, finiteness first
-                dropped = host.ledger.state_replaced()  # (computed on the state just replaced)
+                dropped = accumulated + host.ledger.state_replaced()  # (computed on the state just replaced)
                 if dropped:
-                    log.info("stage %d: dropped %d held samples computed on the replaced state", host.stage, dropped)
+                    host.metrics.dropped_samples.inc(dropped)
+                    log.info("stage %d: dropped %d samples computed on the replaced state", host.stage, dropped)
                 host.params_changed()
         except StateRejected as e:
             raise self.intake.refuse(loaded, e) from None

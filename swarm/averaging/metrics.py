@@ -55,6 +55,10 @@ class AveragingMetrics:
             "swarm_averaging_late_samples", "Samples this server took while a round ran beside compute: their "
             "gradient, of the parameters before that round's step, counts towards the step after it (one step "
             "late)", ["stage"], registry=registry).labels(stage=label)
+        self.dropped_samples = Counter(
+            "swarm_averaging_dropped_samples", "Samples accumulated or held towards a step when a state downloaded "
+            "from a peer replaced this replica's: their gradient, of the replaced parameters, is dropped",
+            ["stage"], registry=registry).labels(stage=label)
         self.rejected_states = Counter(
             "swarm_averaging_rejected_states", "States a peer sent that failed their checks (shapes, dtypes, "
             "non-finite values, a step or parameters the stage's progress does not back); the peer is not asked "

@@ -210,6 +210,9 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
             states = [snapshot(s) for s in servers]
             left = [s.backend.call(lambda s=s: s.backend.optimizer.samples + s.averager.held_samples,
                                    BACKEND_CALL_TIMEOUT) for s in servers]
+            # samples a downloaded state replaced before they were stepped on (a replica apart at one step)
+            dropped = [s.registry.get_sample_value("swarm_averaging_dropped_samples_total",
+                                                   {"stage": str(s.stage)}) or 0.0 for s in servers]
     served = [samples_served(s) for s in servers]
     assert all(n > 0 for n in served), f"a server got no samples, so nothing was averaged: {served}"
 
@@ -230,11 +233,14 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         # micro-batches before the other's arrived
         assert max(on_time) <= BATCH + 2 * MICRO * (STAGES.count(stage) - 1), (samples_per_step, on_time)
         stage_left = sum(n for n, s in zip(left, STAGES) if s == stage)
-        # none lost; a backward whose reply was lost (a broken stream on loaded cores) or not used (a spot
+        # none lost but those a downloaded state replaced (swarm_averaging_dropped_samples_total; seen once,
+        # 4 samples); a backward whose reply was lost (a broken stream on loaded cores) or not used (a spot
         # check's dispute) and that was retried on the other replica counts twice, so at most a micro-batch
         # per failed or unused call more
         counted = sum(samples_per_step) + stage_left
-        assert STEPS * BATCH <= counted <= STEPS * BATCH + MICRO * failed_calls, (counted, failed_calls)
+        stage_dropped = sum(n for n, s in zip(dropped, STAGES) if s == stage)
+        assert STEPS * BATCH <= counted + stage_dropped and counted <= STEPS * BATCH + MICRO * failed_calls, \
+            (counted, stage_dropped, failed_calls)
 
     swarm_model = ReferenceTrainer(config)  # to chain the stages and evaluate them as the reference does
     initial_loss = swarm_model.evaluate()

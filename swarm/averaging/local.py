@@ -56,7 +56,7 @@ from swarm.averaging.feedback import ErrorFeedback
 from swarm.averaging.metrics import FAILED, LOCAL, SUCCEEDED
 from swarm.averaging.process import total_samples
 from swarm.averaging.progress import StageView, round_of
-from swarm.averaging.rounds import Apply, Phase, PlainRound, Round
+from swarm.averaging.rounds import Apply, Phase, Round
 from swarm.config import AveragingConfig
 from swarm.state import StageState
 
@@ -83,7 +83,6 @@ class OuterRound(Round):
         # this server's part of the samples of the stage's last round, and how many servers that round had
         self.share: tuple[float, int] | None = None
         self.last_drift = 0.0  # when this server last handed its weights to a round (swarm_averaging_replica_drift)
-        self._plain = PlainRound(host)  # (its buffers: the all-reduce averages pseudo-gradients the same way)
 
     def due(self, view: StageView) -> bool:
         """Whether the stage's servers have brought local_steps batches since the slow weights' step between them
@@ -124,10 +123,10 @@ class OuterRound(Round):
             try:
                 control = host.groups.take(view)
                 # the pseudo-gradient as sent (a weight of none: zeros); the all-reduce weighs it by `samples`
-                self._plain.load_buffers(sent, 1 if samples > 0 else 0)
+                self.load_buffers(sent, 1 if samples > 0 else 0)
                 gathered, _ = host.run_round(control, samples)
                 total, _ = total_samples(gathered, view.step, host.max_member_samples)
-                mean = self._plain.read_buffers()
+                mean = self.read_buffers()
             except AveragingError as e:
                 failure = e
         host.count_sent()

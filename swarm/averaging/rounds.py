@@ -159,6 +159,19 @@ class Round(ABC):
         """Whether the averaging process carries the round's data (else it only forms the group)."""
         return True
 
+    def load_buffers(self, grads: list[torch.Tensor | None], samples: int) -> None:
+        """Our mean into the averaging buffers (the sums over `samples`; zeros if we have none: weight 0)."""
+        with self.host.process.buffers() as buffers, torch.no_grad():
+            for grad, buffer in zip(grads, buffers):
+                if grad is None or samples == 0:
+                    buffer.zero_()
+                else:
+                    torch.div(grad, samples, out=buffer)
+
+    def read_buffers(self) -> list[torch.Tensor]:
+        with self.host.process.buffers() as buffers:
+            return [buffer.clone() for buffer in buffers]
+
     def due(self, view: StageView) -> bool:
         """Whether the stage's servers hold a batch between them (or one of them closed it)."""
         return view.closed or view.samples >= self.host.batch_size
@@ -260,16 +273,3 @@ class PlainRound(Round):
         host.after_step()
         return {**stats, "averaging": outcome, "group_size": len(members), "own_samples": own,
                 "own_late": host.ledger.own_late(own)}
-
-    def load_buffers(self, grads: list[torch.Tensor | None], samples: int) -> None:
-        """Our mean gradient into the averaging buffers (zeros if we have no samples: weight 0)."""
-        with self.host.process.buffers() as buffers, torch.no_grad():
-            for grad, buffer in zip(grads, buffers):
-                if grad is None or samples == 0:
-                    buffer.zero_()
-                else:
-                    torch.div(grad, samples, out=buffer)
-
-    def read_buffers(self) -> list[torch.Tensor]:
-        with self.host.process.buffers() as buffers:
-            return [buffer.clone() for buffer in buffers]

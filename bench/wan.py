@@ -6,7 +6,8 @@
 A coordinator, one server per stage (or --servers-per-stage) and one trainer, each on its own host
 of tests/netlab (as root;
 `make test-net` installs what the lab needs). Every link gets half the one-way latency asked for
-(a packet between two hosts crosses two links) and the rate (0: unlimited) both ways. For each
+(a packet between two hosts crosses two links) and the rate (0: unlimited) both ways (the trainer's
+link a rate of its own with --trainer-rate: servers on home uplinks, their trainer in a datacenter). For each
 latency and rate the trainer's samples/s is measured over one window after a warm-up, and printed
 against the same swarm at 0 ms and the same rate, with the micro-batches in flight the trainer chose
 (swarm_trainer_in_flight, `--in-flight auto`) and the share of backwards a stage ran one or more steps
@@ -77,7 +78,7 @@ def stale_share(samples: dict) -> float | None:
 def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixed: int | None, warmup: float,
             window: float, workdir: Path, per_stage: int = 1, nat_stage: int | None = None,
             nat_reachability: str = "auto", nat_trainer: bool = False, hub_ms: float | None = None,
-            queued: bool = False, transport: str = "tcp") -> dict:
+            queued: bool = False, transport: str = "tcp", trainer_rate: float | None = None) -> dict:
     procs = ProcSet(workdir)
     listen = ("--host-maddrs", *TRANSPORTS[transport])
     link = {"latency_ms": latency_ms / 2, "rate_mbit": rate or None, "queued": queued}
@@ -85,7 +86,8 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
         hub = lab.add_host("hub", **{**link, **({} if hub_ms is None else {"latency_ms": hub_ms})})
         servers = [(k, lab.add_host(f"s{k}r{j}", kind="nat" if k == nat_stage else "public", **link))
                    for k in range(stages) for j in range(per_stage)]
-        trainer_host = lab.add_host("trainer", kind="nat" if nat_trainer else "public", **link)
+        trainer_link = link if trainer_rate is None else {**link, "rate_mbit": trainer_rate or None}
+        trainer_host = lab.add_host("trainer", kind="nat" if nat_trainer else "public", **trainer_link)
         lab.start()
         try:
             coordinator = procs.start("swarm-coordinator", "--config", str(config_path), *listen, netns=hub.ns)
@@ -180,6 +182,9 @@ def main() -> None:
     p.add_argument("--nat-reachability", default="auto", choices=("auto", "private"),
                    help="--reachability of the servers behind NAT")
     p.add_argument("--nat-trainer", action="store_true", help="put the trainer behind NAT too (its own)")
+    p.add_argument("--trainer-rate", type=float,
+                   help="Mbit/s each way on the trainer's link alone, 0: unlimited (default: the point's rate): "
+                        "servers on home uplinks, their trainer in a datacenter")
     p.add_argument("--hub-latency", type=float, help="one-way ms on the coordinator's link alone (the relay's), "
                    "instead of half the latency asked for: a relayed call crosses it twice each way")
     p.add_argument("--delayer-control", action="store_true",
@@ -225,7 +230,8 @@ def main() -> None:
                 workdir.mkdir()
                 r = measure(config_paths[mode], config.stages.num_stages, latency, rate, fixed, args.warmup,
                             args.window, workdir, args.servers_per_stage, args.nat_stage,
-                            args.nat_reachability, args.nat_trainer, args.hub_latency, queued, transport)
+                            args.nat_reachability, args.nat_trainer, args.hub_latency, queued, transport,
+                            args.trainer_rate)
                 r["mode"] = mode
                 results.append(r)
 
@@ -237,11 +243,14 @@ def main() -> None:
                 if mode != "every_step" and len(results) > 1 and results[-2].get("mode") == "every_step":
                     ratio += f"; {r['samples_per_second'] / results[-2]['samples_per_second']:.2f} x every_step"
                 stale = "-" if r["stale_share"] is None else f"{100 * r['stale_share']:.0f}%"
+                trainer_link = "" if args.trainer_rate is None else \
+                    f" (the trainer: {f'{args.trainer_rate:g} Mbit/s' if args.trainer_rate else 'unlimited'})"
                 pieces = f" in {r['pieces']:.0f} pieces each" if r["pieces"] > 1 else ""
                 print(f"{config.run_id} batch {config.optimizer.batch_size}, {mode}, {transport}, "
                       f"{latency:g} ms one way"
                       f"{' (through the delayer)' if queued else ''}, "
-                      f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, in flight "
+                      f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}"
+                      f"{trainer_link}, in flight "
                       f"{'adaptive' if fixed is None else f'fixed {fixed}'}: {r['samples_per_second']:.1f} "
                       f"samples/s ({ratio}), {r['in_flight']:.0f} in flight at the end{pieces}, "
                       f"{stale} of backwards stale; all servers serving {r['joined_s']:.1f} s after the "

@@ -313,7 +313,8 @@ class Trainer:
         servers = await asyncio.to_thread(self.records.lookup_all_servers, n)
         self.pipeline.update_servers(
             {stage: [r.peer_id for r in online(records)] for stage, records in servers.items()},
-            relayed=[r.peer_id for records in servers.values() for r in records if r.reach == RELAYED])
+            relayed=[r.peer_id for records in servers.values() for r in records if r.reach == RELAYED],
+            claims={r.peer_id: r.throughput for records in servers.values() for r in online(records)})
         self.metrics.waiting.set(len(self.pipeline.stats.waiting_stages))
 
     async def _refresh_servers(self) -> None:

@@ -15,11 +15,19 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
   that estimate too low when tasks overlap, so a task is never expected back sooner than the server
   answered a task that had nothing of ours ahead of it.
 - A server not yet measured for a kind: its own estimate of the other kind scaled by the backward /
-  forward ratio, else as fast as the fastest known server (and it wins ties, so a newcomer is tried
-  at once), else a default.
+  forward ratio; else, if its record claims a throughput, that claim calibrated by what this trainer
+  measured of the other servers that claim one (the median of measured over claimed seconds: a
+  server's claim times its compute alone, a call also waits on the network and on other trainers);
+  else as fast as the fastest known server; else a default. It wins ties, so a newcomer is tried at
+  once. Without claims every newcomer is taken to be as fast as the fastest, and with 20 servers a
+  stage and speeds a tenfold apart a trainer spent most of its calls probing slow ones one by one
+  (bench/sim: 80% of what its choices lost against an oracle). A claim only sets where a server
+  stands until it is measured: a liar claiming speed is tried sooner (as every newcomer was before),
+  on probation, and then judged by its answers; one claiming slowness only loses work; the
+  calibration is a median, which a minority of claims does not move.
 - Probation: a server that has never answered us, or has failed since its last answer, takes one task
-  at a time (its probe) while another server can take the task. Being assumed as fast as the
-  fastest, it would otherwise win every choice however it answers: a server that refuses or fails
+  at a time (its probe) while another server can take the task. Assumed as fast as the fastest (or
+  as fast as it claims), it would otherwise win every choice however it answers: a server that refuses or fails
   everything costs one call per ban, not the trainer's throughput.
 - An idle server whose estimates no answer has refreshed for `reprobe_after` seconds (and for 50
   times its last answer's duration, so re-testing a slow one costs at most ~2% of the time) is
@@ -49,8 +57,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from swarm.protocol import BACKWARD, FORWARD
@@ -87,6 +96,7 @@ class ServerState:
     missing_since: float | None = None  # None while the latest lookup lists it
     caught_at: float = float("-inf")  # when it was last caught answering wrongly (`ban`)
     vouched: bool = False  # one of its own replies was used (checked, where anything could check it)
+    claim: float | None = None  # samples/s (forward and backward) its record announces, if any
 
     @property
     def measured(self) -> bool:
@@ -122,16 +132,24 @@ class StageBalancer:
         self.servers: dict[str, ServerState] = {}  # listed or recently missing
         self.relayed: set[str] = set()  # listed servers reached through a relay (their records say so)
         self._seq = itertools.count()
+        self._calibrated: dict[str, float] = {}  # kind -> _calibration's value, until an estimate or claim changes
 
     # --- which servers there are -----------------------------------------------------------------
 
-    def update_servers(self, peer_ids: Iterable[str], relayed: Iterable[str] = ()) -> None:
-        """Set the servers of the latest lookup (those `relayed` among them are reached through a relay);
-        the others are kept, unchosen, up to `forget_after`."""
+    def update_servers(self, peer_ids: Iterable[str], relayed: Iterable[str] = (),
+                       claims: Mapping[str, float] | None = None) -> None:
+        """Set the servers of the latest lookup (those `relayed` among them are reached through a relay;
+        `claims`: the samples/s their records announce); the others are kept, unchosen, up to
+        `forget_after`."""
         now, listed = self.clock(), set(peer_ids)
         self.relayed = set(relayed) & listed
+        claims = claims or {}
+        self._calibrated.clear()
         for peer_id in sorted(listed):
-            self.servers.setdefault(peer_id, ServerState(peer_id)).missing_since = None
+            state = self.servers.setdefault(peer_id, ServerState(peer_id))
+            state.missing_since = None
+            claim = claims.get(peer_id)
+            state.claim = claim if claim is not None and math.isfinite(claim) and claim > 0 else None
         for peer_id, state in list(self.servers.items()):
             if peer_id in listed:
                 continue
@@ -226,14 +244,30 @@ class StageBalancer:
         return task_size * self.expected_seconds_per_sample(peer_id, kind)
 
     def expected_seconds_per_sample(self, peer_id: str, kind: str) -> float:
-        own = self._own(self.servers[peer_id].service, kind)
+        state = self.servers[peer_id]
+        own = self._own(state.service, kind)
         if own is not None and not self.untried(peer_id):
             return own
+        if state.claim is not None:
+            return self._claimed(state.claim, kind) * self._calibration(kind)
         known = [e for s in self.servers.values() if (e := self._own(s.service, kind)) is not None]
         if known:
             return min(known)
         default = self.default_seconds_per_sample
         return default * self.backward_ratio if kind == BACKWARD else default
+
+    def _claimed(self, claim: float, kind: str) -> float:
+        """Seconds a sample of `kind` takes at a claimed throughput of forward and backward (samples/s)."""
+        share = self.backward_ratio if kind == BACKWARD else 1.0
+        return share / ((1.0 + self.backward_ratio) * claim)
+
+    def _calibration(self, kind: str) -> float:
+        """What this trainer measures of claimed servers, over what they claim: the median, 1 if none."""
+        if kind not in self._calibrated:
+            ratios = sorted(e / self._claimed(s.claim, kind) for s in self.servers.values()
+                            if s.claim is not None and (e := self._own(s.service, kind)) is not None)
+            self._calibrated[kind] = ratios[(len(ratios) - 1) // 2] if ratios else 1.0
+        return self._calibrated[kind]
 
     def _finish(self, peer_id: str, ahead: Iterable[Ticket], task_size: int, kind: str) -> float:
         # Tasks ahead are valued at today's estimates: once a slow newcomer is measured, the tasks it
@@ -279,6 +313,7 @@ class StageBalancer:
         size = max(ticket.size, 1)
         if ticket.sent >= state.stale_at:  # a re-test: the old estimates no longer count
             state.service.clear()
+            self._calibrated.clear()
             state.latency.clear()
         # First in first out: this task's service began when ours before it was answered, if later
         # than its sending.
@@ -323,6 +358,7 @@ class StageBalancer:
         state.service.clear()
         state.latency.clear()
         state.vouched = False
+        self._calibrated.clear()
 
     def pardon(self, peer_id: str) -> None:
         """Take back one failure reported for the server, and its ban: the fault turned out to be ours.
@@ -347,5 +383,6 @@ class StageBalancer:
         return state
 
     def _update(self, estimates: dict[str, float], kind: str, sample: float) -> None:
+        self._calibrated.clear()
         old = estimates.get(kind)
         estimates[kind] = sample if old is None else old + self.ema_alpha * (sample - old)

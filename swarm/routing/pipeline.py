@@ -37,7 +37,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -150,15 +150,17 @@ class RemotePipeline:
         self.stage_steps: dict[int, int] = {}  # the optimizer step each stage's server last replied with
         self._servers_changed = asyncio.Event()
 
-    def update_servers(self, peers_by_stage: dict[int, Sequence[str]], relayed: Iterable[str] = ()) -> None:
+    def update_servers(self, peers_by_stage: dict[int, Sequence[str]], relayed: Iterable[str] = (),
+                       claims: Mapping[str, float] | None = None) -> None:
         """Set the ONLINE servers of each stage (peer ids as strings), e.g. after a DHT lookup; those in
-        `relayed` are reached through a relay, and lose ties to direct ones (see StageBalancer).
+        `relayed` are reached through a relay, and lose ties to direct ones; `claims`: the samples/s their
+        records announce, taken for a server's speed until it is measured (see StageBalancer).
 
         A server missing from one lookup keeps what its balancer learned about it (see StageBalancer).
         """
         relayed = set(relayed)
         for stage, balancer in enumerate(self.balancers):
-            balancer.update_servers(peers_by_stage.get(stage, ()), relayed)
+            balancer.update_servers(peers_by_stage.get(stage, ()), relayed, claims)
         self._servers_changed.set()
 
     async def train(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:

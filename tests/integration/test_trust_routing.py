@@ -110,8 +110,10 @@ class StrangerServer:
         self._announcer.join(timeout=LOOP_CALL_TIMEOUT)
 
     def _announce(self) -> None:
+        # A stranger after work claims to be fast: trainers take an untried server to be as fast as it
+        # claims (StageBalancer), so this one is tried before any honest server, on probation.
         record = ServerRecord(peer_id=self.peer.peer_id, stage=self.stage, state=ServerState.ONLINE.value,
-                              throughput=1000.0, step=0)
+                              throughput=1e6, step=0)
         self.peer.records.announce_server(record, ttl=self.config.network.record_ttl)
 
     def _announce_forever(self) -> None:

@@ -155,6 +155,68 @@ def test_newcomer_is_tried_promptly_even_with_one_in_flight():
     assert b.choose(SIZE, FORWARD).peer_id == "z-new"
 
 
+def claims_of(servers: dict[str, Server], lie: dict[str, float] | None = None) -> dict[str, float]:
+    """What each server's record would claim: samples/s of a forward and backward at its compute speed
+    (a backward is BACKWARD_TO_FORWARD forwards), times `lie` where given."""
+    return {peer: (lie or {}).get(peer, 1.0) / ((1 + BACKWARD_TO_FORWARD) * server.seconds_per_sample)
+            for peer, server in servers.items()}
+
+
+def test_a_newcomer_is_taken_to_be_as_fast_as_it_claims_scaled_by_what_claims_turned_out_to_be():
+    clock = FakeClock()
+    servers = speeds(a=0.01, b=0.01)
+    b = StageBalancer(clock=clock)
+    b.update_servers(servers, claims=claims_of(servers, lie={"a": 3.0, "b": 3.0}))  # both claim 3x their speed
+    simulate(b, clock, servers, in_flight=2, tasks=40)
+    slow = {"z-slow": Server(0.1)}
+    overstated = claims_of(servers, lie={"a": 3.0, "b": 3.0})
+    b.update_servers([*servers, *slow], claims=overstated | claims_of(slow, {"z-slow": 3.0}))
+    # claimed 10x slower than a and b, and claims here overstate 3x: expected at its true speed
+    assert b.expected_seconds_per_sample("z-slow", FORWARD) == pytest.approx(0.1, rel=0.05)
+    assert b.expected_seconds_per_sample("z-slow", BACKWARD) == pytest.approx(0.1 * BACKWARD_TO_FORWARD, rel=0.05)
+    assert b.choose(SIZE, FORWARD).peer_id != "z-slow"  # not probed while faster servers are idle
+    fast = {"z-fast": Server(0.005)}
+    b.update_servers([*servers, *fast], claims=overstated | claims_of(fast, {"z-fast": 3.0}))
+    assert b.choose(SIZE, FORWARD).peer_id == "z-fast"  # one claiming more speed is tried at once
+
+
+def test_claims_spare_a_trainer_probing_every_slow_server():
+    """20 servers, speeds tenfold apart (bench/sim found probes of slow newcomers were most of what routing
+    lost): with the records' claims a trainer with one micro-batch in flight sends the slow ones nothing."""
+    def run(with_claims: bool) -> Run:
+        clock, servers = FakeClock(), {f"s{i:02d}": Server(0.01 if i < 2 else 0.1) for i in range(20)}
+        b = StageBalancer(clock=clock)
+        b.update_servers(servers, claims=claims_of(servers) if with_claims else None)
+        return simulate(b, clock, servers, in_flight=1, tasks=100)
+
+    blind, told = run(False), run(True)
+    slow = [f"s{i:02d}" for i in range(2, 20)]
+    assert sum(blind.samples[p] for p in slow) >= 17 * SIZE
+    assert sum(told.samples[p] for p in slow) == 0
+    assert told.speed > 2 * blind.speed
+
+
+def test_a_lone_liars_claim_moves_no_other_servers_estimate():
+    clock = FakeClock()
+    servers = speeds(a=0.01, b=0.01, c=0.01, liar=0.02)
+    claimed = claims_of(servers, lie={"liar": 1000.0})
+    b = StageBalancer(clock=clock)
+    b.update_servers(servers, claims=claimed)
+    simulate(b, clock, servers, in_flight=4, tasks=200)
+    assert b.servers["liar"].measured  # tried first, as its claim asks, then measured
+    b.update_servers([*servers, "new"], claims=claimed | {"new": claimed["a"]})
+    assert b.expected_seconds_per_sample("new", FORWARD) == pytest.approx(0.01, rel=0.05)
+
+
+@pytest.mark.parametrize("claim", [0.0, -5.0, float("nan"), float("inf")])
+def test_a_claim_that_is_no_speed_counts_as_none(claim: float):
+    clock = FakeClock()
+    b = balancer(clock, "a")
+    simulate(b, clock, speeds(a=0.01), in_flight=1, tasks=20)
+    b.update_servers(["a", "z-new"], claims={"z-new": claim})
+    assert b.expected_seconds_per_sample("z-new", FORWARD) == pytest.approx(0.01)  # as fast as the fastest
+
+
 def test_ties_between_equals_go_by_peer_id():
     b = balancer(FakeClock(), "b", "a", "c")
     assert [b.choose(SIZE, FORWARD).peer_id for _ in range(3)] == ["a", "b", "c"]

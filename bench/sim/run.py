@@ -43,6 +43,11 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--session", type=float, default=3600.0, help="mean server session, seconds (0: no churn)")
     p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--in-flight-cap", type=int,
+                   help="trainers adapt their micro-batches in flight from --in-flight up to this, as --in-flight "
+                        "auto does (swarm.routing.inflight.InFlightWindow)")
+    p.add_argument("--no-claims", action="store_true",
+                   help="trainers do not take servers' announced throughput for their speed before measuring it")
     p.add_argument("--seconds-per-sample", type=float, default=Scenario.seconds_per_sample,
                    help="one forward of one sample of a stage on a speed-1.0 server")
     p.add_argument("--wire-kb", type=float, default=Scenario.wire_bytes_per_sample / 1024,
@@ -53,7 +58,8 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true", help="print every window")
     args = p.parse_args()
     base = Scenario(stages=args.stages, servers=args.servers, trainers=args.trainers, session=args.session,
-                    in_flight=args.in_flight, seed=args.seed, seconds_per_sample=args.seconds_per_sample,
+                    in_flight=args.in_flight, in_flight_cap=args.in_flight_cap, claims=not args.no_claims,
+                    seed=args.seed, seconds_per_sample=args.seconds_per_sample,
                     wire_bytes_per_sample=int(args.wire_kb * 1024), micro_batch=args.micro_batch)
     print(f"{args.servers} servers, {args.trainers} trainers, {args.stages} stages, {args.minutes:.0f} min, "
           f"sessions of {args.session:.0f} s on average, seed {args.seed}")

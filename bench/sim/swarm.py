@@ -28,7 +28,9 @@ What is modelled, not run (the constants are the Scenario's):
 - a trainer gives a call up (and bans the server, as its balancer does) after the timeout RemotePipeline
   sets, from the same balancer; the server drops a forward given up before it started, and computes
   anything else (a backward is shared by its retries, as StageRequestHandler does).
-A trainer keeps `in_flight` micro-batches going: forward through stages 0..S-2, the last stage's
+A trainer keeps `in_flight` micro-batches going (or, with `in_flight_cap`, as many as the project's own
+swarm.routing.inflight.InFlightWindow allows from the trips it measures, between the two, as `--in-flight
+auto` does): forward through stages 0..S-2, the last stage's
 forward and backward in one call, then backward S-2..0, every call from the trainer and back.
 """
 
@@ -44,6 +46,7 @@ from bench.sim.engine import Sim
 from swarm.dht import ServerRecord
 from swarm.protocol import BACKWARD, FORWARD
 from swarm.routing.balancer import StageBalancer
+from swarm.routing.inflight import InFlightWindow
 from swarm.serving.placement import choose_stage
 from swarm.serving.rebalance import Move, Rebalancer
 
@@ -69,6 +72,7 @@ class Scenario:
     trainers: int = 100
     micro_batch: int = 64
     in_flight: int = 4  # micro-batches a trainer keeps going
+    in_flight_cap: int | None = None  # set: the trainer's InFlightWindow adapts from in_flight up to this
     seconds_per_sample: float = 0.01  # one forward of one sample of a stage on a speed-1.0 server
     wire_bytes_per_sample: int = 128 * 512 * 2  # hidden states of one sample (seq 128, d 512, bfloat16)
     stage_state_bytes: int = 400 * 2**20  # what a server downloads to join a stage
@@ -89,6 +93,8 @@ class Scenario:
     relay_detour: float = 0.04  # seconds a relayed message takes beyond the direct latency
     regions: Sequence[str] = REGIONS  # where peers are, drawn uniformly
     seed: int = 0
+    max_queue: int | None = None  # tasks a server queues; it refuses more as busy (NOT_READY), None: no limit
+    claims: bool = True  # trainers take a server's announced throughput for it until they measure it
 
 
 @dataclass(eq=False)
@@ -290,6 +296,9 @@ class Swarm:
         if not server.alive or server.state != "ONLINE":
             self.sim.after(0.0, fail)
             return None
+        if self.s.max_queue is not None and len(server.queue) >= self.s.max_queue:
+            self.sim.after(0.0, fail, True)
+            return None
         task = Task(seconds, done, fail)
         server.queue.append(task)
         if server.current is None:
@@ -322,22 +331,29 @@ class Trainer:
         # as swarm.trainer.Trainer's: ties broken by a hash of the trainer's id (its peer id there)
         self.balancers = [StageBalancer(clock=swarm.sim.clock, tie_salt=name) for _ in range(swarm.s.stages)]
         self.samples = 0
+        s = swarm.s
+        self.window = InFlightWindow(s.in_flight, s.in_flight_cap or s.in_flight, adaptive=s.in_flight_cap is not None)
+        self.active = 0  # micro-batches going
 
     def start(self) -> None:
         self.refresh()
-        for _ in range(self.swarm.s.in_flight):
+        for _ in range(self.window.limit):
+            self.active += 1
             self.swarm.sim.after(self.swarm.rng.uniform(0, 1.0), self.micro_batch)
 
     def refresh(self) -> None:
         for stage, balancer in enumerate(self.balancers):
             online = self.swarm.online(stage)
-            balancer.update_servers([s.peer_id for s in online], [s.peer_id for s in online if s.link.relayed])
+            balancer.update_servers([s.peer_id for s in online], [s.peer_id for s in online if s.link.relayed],
+                                    {s.peer_id: s.throughput(self.swarm.s) for s in online} if self.swarm.s.claims
+                                    else None)
         self.swarm.sim.after(self.swarm.s.lookup_period, self.refresh)
 
     def micro_batch(self) -> None:
-        self.call(0, FORWARD, forwards=[])
+        self.call(0, FORWARD, forwards=[], began=self.swarm.sim.now)
 
-    def call(self, stage: int, kind: str, forwards: list[str], tries: int = 0, exclude: tuple = ()) -> None:
+    def call(self, stage: int, kind: str, forwards: list[str], tries: int = 0, exclude: tuple = (),
+             began: float = 0.0) -> None:
         """One call of the micro-batch: a forward of `stage`, or its backward (after the forwards to the last
         stage, whose single call is forward and backward); `forwards`: the servers that ran its forwards."""
         s, sim = self.swarm.s, self.swarm.sim
@@ -346,7 +362,7 @@ class Trainer:
         prefer = forwards[stage] if kind == BACKWARD and not last and stage < len(forwards) else None
         ticket = self.balancers[stage].choose(n, kind, exclude=exclude, prefer=prefer)
         if ticket is None:  # nobody serves the stage now: look again shortly
-            sim.after(1.0, self.call, stage, kind, forwards, tries, ())
+            sim.after(1.0, self.call, stage, kind, forwards, tries, (), began)
             return
         server = self.swarm.servers[ticket.peer_id]
         payload = n * s.wire_bytes_per_sample
@@ -375,13 +391,13 @@ class Trainer:
 
         over = [False]  # answered, failed or timed out: whatever comes later is ignored
 
-        def fail() -> None:
+        def fail(brief: bool = False) -> None:
             if over[0]:
                 return
             over[0] = True
             self.swarm.failed_calls += 1
             latency = one_way(server.link.region, self.link.region)
-            sim.after(latency, self._failed, ticket, stage, kind, forwards, tries, exclude)
+            sim.after(latency, self._failed, ticket, stage, kind, forwards, tries, exclude, began, brief)
 
         def timed_out() -> None:  # as RemotePipeline: 5 x the expected finish, within [5 s, 60 s]
             if not over[0]:
@@ -389,14 +405,14 @@ class Trainer:
                 if kind == FORWARD and task[0] is not None:  # a cancelled forward that has not started is
                     task[0].cancelled = True  # dropped; a backward is shielded (retries share it) and runs
                 self.swarm.timed_out_calls += 1
-                self._failed(ticket, stage, kind, forwards, tries, exclude)
+                self._failed(ticket, stage, kind, forwards, tries, exclude, began)
 
         def answered() -> None:
             if over[0]:
                 return
             over[0] = True
             self.balancers[stage].report_success(ticket)
-            self._next(stage, kind, forwards + [ticket.peer_id] if kind == FORWARD else forwards)
+            self._next(stage, kind, forwards + [ticket.peer_id] if kind == FORWARD else forwards, began)
 
         def computed() -> None:
             self.swarm.net.send(server.link, self.link, down, answered)
@@ -410,20 +426,24 @@ class Trainer:
 
         self.swarm.net.send(self.link, server.link, up, arrived)
 
-    def _failed(self, ticket, stage, kind, forwards, tries, exclude) -> None:
-        self.balancers[stage].report_failure(ticket)
-        self.call(stage, kind, forwards, tries + 1, (*exclude, ticket.peer_id))
+    def _failed(self, ticket, stage, kind, forwards, tries, exclude, began, brief=False) -> None:
+        self.balancers[stage].report_failure(ticket, brief=brief)
+        self.call(stage, kind, forwards, tries + 1, (*exclude, ticket.peer_id), began)
 
-    def _next(self, stage: int, kind: str, forwards: list[str]) -> None:
+    def _next(self, stage: int, kind: str, forwards: list[str], began: float) -> None:
         last = self.swarm.s.stages - 1
         if kind == FORWARD:
-            self.call(stage + 1, BACKWARD if stage + 1 == last else FORWARD, forwards)
+            self.call(stage + 1, BACKWARD if stage + 1 == last else FORWARD, forwards, began=began)
         elif stage > 0:
-            self.call(stage - 1, BACKWARD, forwards)
+            self.call(stage - 1, BACKWARD, forwards, began=began)
         else:
             self.samples += self.swarm.s.micro_batch
             self.swarm.samples += self.swarm.s.micro_batch
-            self.micro_batch()
+            self.window.record(self.swarm.sim.now - began)
+            self.active -= 1
+            while self.active < self.window.limit:  # as the trainer's workers wait on InFlightWindow.acquire
+                self.active += 1
+                self.micro_batch()
 
 
 @dataclass

@@ -18,7 +18,8 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
   forward ratio; else, if its record claims a throughput, that claim calibrated by what this trainer
   measured of the other servers that claim one (the median of measured over claimed seconds: a
   server's claim times its compute alone, a call also waits on the network and on other trainers);
-  else as fast as the fastest known server; else a default. It wins ties, so a newcomer is tried at
+  CLAIM_OPTIMISM faster than that, so a claim that came out low on a busy machine does not keep a
+  newcomer untried; else as fast as the fastest known server; else a default. It wins ties, so a newcomer is tried at
   once. Without claims every newcomer is taken to be as fast as the fastest, and with 20 servers a
   stage and speeds a tenfold apart a trainer spent most of its calls probing slow ones one by one
   (bench/sim: 80% of what its choices lost against an oracle). A claim only sets where a server
@@ -68,6 +69,10 @@ from swarm.protocol import BACKWARD, FORWARD
 # forward); only until a server's own times are measured.
 BACKWARD_TO_FORWARD = 2.0
 REPROBE_SPACING = 50  # a server's estimates go stale no sooner than this many times its last answer's duration
+# An untried server is expected this much faster than its calibrated claim: a claim is measured once, at start,
+# on a machine that may have been busier then (twofold swings seen here), so a newcomer claiming about the speed
+# of a measured server is still tried; one claiming less than half of it is not, while the others have room
+CLAIM_OPTIMISM = 2.0
 RELAYED_MARGIN = 1.1  # a relayed server's expected finish counts this much longer when servers are compared
 
 
@@ -249,7 +254,7 @@ class StageBalancer:
         if own is not None and not self.untried(peer_id):
             return own
         if state.claim is not None:
-            return self._claimed(state.claim, kind) * self._calibration(kind)
+            return self._claimed(state.claim, kind) * self._calibration(kind) / CLAIM_OPTIMISM
         known = [e for s in self.servers.values() if (e := self._own(s.service, kind)) is not None]
         if known:
             return min(known)

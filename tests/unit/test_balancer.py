@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from swarm.protocol import BACKWARD, FORWARD
-from swarm.routing.balancer import BACKWARD_TO_FORWARD, StageBalancer
+from swarm.routing.balancer import BACKWARD_TO_FORWARD, CLAIM_OPTIMISM, StageBalancer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -171,9 +171,10 @@ def test_a_newcomer_is_taken_to_be_as_fast_as_it_claims_scaled_by_what_claims_tu
     slow = {"z-slow": Server(0.1)}
     overstated = claims_of(servers, lie={"a": 3.0, "b": 3.0})
     b.update_servers([*servers, *slow], claims=overstated | claims_of(slow, {"z-slow": 3.0}))
-    # claimed 10x slower than a and b, and claims here overstate 3x: expected at its true speed
-    assert b.expected_seconds_per_sample("z-slow", FORWARD) == pytest.approx(0.1, rel=0.05)
-    assert b.expected_seconds_per_sample("z-slow", BACKWARD) == pytest.approx(0.1 * BACKWARD_TO_FORWARD, rel=0.05)
+    # claimed 10x slower than a and b, and claims here overstate 3x: expected at its true speed (with the optimism)
+    assert b.expected_seconds_per_sample("z-slow", FORWARD) == pytest.approx(0.1 / CLAIM_OPTIMISM, rel=0.05)
+    assert b.expected_seconds_per_sample("z-slow", BACKWARD) == \
+        pytest.approx(0.1 * BACKWARD_TO_FORWARD / CLAIM_OPTIMISM, rel=0.05)
     assert b.choose(SIZE, FORWARD).peer_id != "z-slow"  # not probed while faster servers are idle
     fast = {"z-fast": Server(0.005)}
     b.update_servers([*servers, *fast], claims=overstated | claims_of(fast, {"z-fast": 3.0}))
@@ -205,7 +206,17 @@ def test_a_lone_liars_claim_moves_no_other_servers_estimate():
     simulate(b, clock, servers, in_flight=4, tasks=200)
     assert b.servers["liar"].measured  # tried first, as its claim asks, then measured
     b.update_servers([*servers, "new"], claims=claimed | {"new": claimed["a"]})
-    assert b.expected_seconds_per_sample("new", FORWARD) == pytest.approx(0.01, rel=0.05)
+    assert b.expected_seconds_per_sample("new", FORWARD) == pytest.approx(0.01 / CLAIM_OPTIMISM, rel=0.05)
+
+
+def test_a_newcomer_whose_claim_came_out_somewhat_low_is_still_tried():
+    clock = FakeClock()
+    servers = speeds(a=0.01)
+    b = StageBalancer(clock=clock)
+    b.update_servers(servers, claims=claims_of(servers))
+    simulate(b, clock, servers, in_flight=1, tasks=20)
+    b.update_servers(["a", "z-new"], claims=claims_of(servers) | {"z-new": 0.7 * claims_of(servers)["a"]})
+    assert b.choose(SIZE, FORWARD).peer_id == "z-new"
 
 
 @pytest.mark.parametrize("claim", [0.0, -5.0, float("nan"), float("inf")])

@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "more keeps stages busier but makes gradients staler). auto: from that up to a whole batch "
                    "while the round trips it measures leave the stages idle (for links with latency); at a "
                    "whole batch, each micro-batch then travels in pieces small enough for a stream's first window")
+    p.add_argument("--max-queue", type=positive_int, default=None, metavar="N",
+                   help="server, expert: tasks queued for compute before more are refused as busy, so callers go "
+                   "to another server (default: 64). In a large swarm whose trainers keep many micro-batches in "
+                   "flight, 1-2 spread the load (bench/sim: README, A simulator of a large swarm)")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
@@ -287,6 +291,8 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
                                 fresh=args.fresh and back_to is None, metrics_addr=metrics_addr,
                                 coordinator_peer_id=coordinator, reachability=reachability,
                                 choose_delay=random.uniform(0, JOIN_SPREAD))
+        if args.max_queue is not None:
+            options.max_queue = args.max_queue
         if args.activation_cache_mb is not None:
             options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
         if args.activation_cache_ttl is not None:
@@ -328,6 +334,8 @@ def run_expert(args, config, dht, records, loop, device, registry, stop, metrics
                             inject_delay=args.inject_delay, inject_failure_rate=args.inject_failure_rate,
                             metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir, reachability=reachability,
                             coordinator_peer_id=coordinator)
+    if args.max_queue is not None:
+        options.max_queue = args.max_queue
     serve_until(ExpertServer(config, dht, records, loop, options, registry), stop)
 
 

@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--in-flight-cap", type=int,
                    help="trainers adapt their micro-batches in flight from --in-flight up to this, as --in-flight "
                         "auto does (swarm.routing.inflight.InFlightWindow)")
+    p.add_argument("--max-queue", type=int,
+                   help="tasks a server queues before it refuses more as busy (swarm-peer's max_queue; default: none)")
     p.add_argument("--no-claims", action="store_true",
                    help="trainers do not take servers' announced throughput for their speed before measuring it")
     p.add_argument("--seconds-per-sample", type=float, default=Scenario.seconds_per_sample,
@@ -59,6 +61,7 @@ def main() -> None:
     args = p.parse_args()
     base = Scenario(stages=args.stages, servers=args.servers, trainers=args.trainers, session=args.session,
                     in_flight=args.in_flight, in_flight_cap=args.in_flight_cap, claims=not args.no_claims,
+                    max_queue=args.max_queue,
                     seed=args.seed, seconds_per_sample=args.seconds_per_sample,
                     wire_bytes_per_sample=int(args.wire_kb * 1024), micro_batch=args.micro_batch)
     print(f"{args.servers} servers, {args.trainers} trainers, {args.stages} stages, {args.minutes:.0f} min, "

@@ -59,6 +59,38 @@ def test_a_server_moves_to_a_stage_nobody_serves_and_the_swarm_trains():
     assert swarm.samples > before
 
 
+def test_a_server_queue_limit_refuses_work_that_then_goes_elsewhere():
+    # 4 trainers with 8 micro-batches each in flight over two equal servers a stage: with max_queue 1 a server
+    # holds at most one task waiting, refuses the rest as busy, and the refused calls are trained elsewhere
+    model.ONE_WAY_MS[("here", "here")] = 1
+    scenario = Scenario(stages=2, servers=4, trainers=4, micro_batch=4, in_flight=8, seconds_per_sample=0.01,
+                        max_queue=1, **QUIET)
+    swarm, windows = simulate(scenario, 120.0, window=120.0, warmup=30.0,
+                              pinned=[(0, 1.0), (0, 1.0), (1, 1.0), (1, 1.0)])
+    assert swarm.failed_calls > 100  # refused as busy (nobody leaves here)
+    assert swarm.timed_out_calls == 0
+    assert all(len(s.queue) <= 1 for s in swarm.servers.values())
+    bottleneck = 2 * 1.0 / (3 * 0.01)  # two servers of speed 1 a stage
+    # (a refusal bans the server for that trainer for a second: with both of a stage's servers refusing, it waits)
+    assert windows[0].samples_per_second >= 0.6 * bottleneck
+
+
+def test_an_adaptive_window_grows_while_the_trips_are_latency():
+    # one trainer, fast servers 50 ms away: a micro-batch's trip is round trips, not compute, so the trainer's
+    # InFlightWindow (as --in-flight auto) grows past its floor and trains faster than the floor fixed
+    model.ONE_WAY_MS[("here", "here")] = 50
+
+    def run(cap: int | None):
+        scenario = Scenario(stages=2, servers=2, trainers=1, micro_batch=4, in_flight=1, in_flight_cap=cap,
+                            seconds_per_sample=0.001, **QUIET)
+        return simulate(scenario, 120.0, window=120.0, warmup=30.0, pinned=[(0, 1.0), (1, 1.0)])
+
+    (fixed, [fixed_window]), (adaptive, [adaptive_window]) = run(None), run(8)
+    assert fixed.trainers[0].window.limit == 1
+    assert adaptive.trainers[0].window.limit > 1
+    assert adaptive_window.samples_per_second > 2 * fixed_window.samples_per_second
+
+
 def test_the_simulator_reproduces_a_real_swarm_it_was_given_within_15_percent():
     record = json.loads(Path(DEFAULT).read_text())
     assert record["runs"], "tests/data/sim_validation.json holds a measurement (bench/sim/measure.py)"

@@ -82,6 +82,13 @@ def non_negative(value: str) -> float:
     return x
 
 
+def at_least_one(value: str) -> float:
+    x = float(value)
+    if not 1 <= x < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {value}")
+    return x
+
+
 def positive_float(value: str) -> float:
     x = float(value)
     if not 0 < x < math.inf:
@@ -110,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=stage_arg, default=None, metavar="auto|K",
                    help="stage to serve (default auto: the one with the least throughput, and the server moves "
                    "to another stage when that raises the swarm's bottleneck; K pins it to stage K)")
+    p.add_argument("--movable", action="store_true",
+                   help="server with --stage K: start on stage K, and move later as a server with --stage auto does")
     p.add_argument("--no-rebalance", action="store_true",
                    help="server with --stage auto: stay on the stage chosen at joining")
     p.add_argument("--rebalance-period", type=positive_float, default=DEFAULT_REBALANCE_PERIOD, metavar="S",
@@ -145,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "flight, 1-2 spread the load (bench/sim: README, A simulator of a large swarm)")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
+    p.add_argument("--inject-slowdown", type=at_least_one, default=1.0, metavar="FACTOR",
+                   help="fault injection (tests, benches): a server computes FACTOR times as long and announces "
+                   "FACTOR times less throughput, as on hardware that much slower (--inject-delay only adds latency)")
     p.add_argument("--inject-failure-rate", type=fraction, default=0.0, metavar="P",
                    help="fault injection (tests, demos): a server fails this fraction of requests")
     p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
@@ -196,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     if args.no_checkpoints and args.checkpoint_dir is not None:
         sys.exit("swarm-peer: error: --checkpoint-dir and --no-checkpoints contradict each other: give one")
+    if args.movable and args.no_rebalance:
+        sys.exit("swarm-peer: error: --movable and --no-rebalance contradict each other: give one")
     from swarm.checkpoint.errors import CheckpointError
     from swarm.serving import StageStateMissing
 
@@ -279,7 +293,8 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
     from swarm.serving import ServerOptions, StageServer, StageStateMissing
     from swarm.serving.rebalance import Rebalancer
 
-    rebalancer = Rebalancer(args.rebalance_period) if args.stage is None and not args.no_rebalance else None
+    movable = (args.stage is None or args.movable) and not args.no_rebalance
+    rebalancer = Rebalancer(args.rebalance_period) if movable else None
     current = CurrentRegistry()
     registry.register(current)
     moves = Counter("swarm_server_moves_total", "Moves of this server to another stage, by why",
@@ -287,6 +302,7 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
     stage, back_to = args.stage, None
     while not stop.is_set():
         options = ServerOptions(stage=stage, device=device, inject_delay=args.inject_delay,
+                                inject_slowdown=args.inject_slowdown,
                                 inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_root(args),
                                 fresh=args.fresh and back_to is None, metrics_addr=metrics_addr,
                                 coordinator_peer_id=coordinator, reachability=reachability,
@@ -331,7 +347,8 @@ def run_expert(args, config, dht, records, loop, device, registry, stop, metrics
 
     checkpoint_dir = checkpoint_root(args)
     options = ExpertOptions(experts=args.experts, count=args.expert_count, device=device,
-                            inject_delay=args.inject_delay, inject_failure_rate=args.inject_failure_rate,
+                            inject_delay=args.inject_delay, inject_slowdown=args.inject_slowdown,
+                            inject_failure_rate=args.inject_failure_rate,
                             metrics_addr=metrics_addr, checkpoint_dir=checkpoint_dir, reachability=reachability,
                             coordinator_peer_id=coordinator)
     if args.max_queue is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -93,11 +94,19 @@ class BackwardResult:
 
 class Worker:
     """One worker thread that runs tasks in order, at most `max_queue` of them queued (more are refused
-    at once with Overloaded), and how busy it was: what a stage backend and an expert host share."""
+    at once with Overloaded), and how busy it was: what a stage backend and an expert host share.
 
-    def __init__(self, name: str, max_queue: int):
+    `slowdown` (fault injection, `swarm-peer --inject-slowdown`): each task holds the thread that many
+    times as long as it computed, as on hardware that much slower; unlike `--inject-delay`, which delays
+    each request but lets requests overlap, this takes throughput away.
+    """
+
+    def __init__(self, name: str, max_queue: int, slowdown: float = 1.0):
+        if not (math.isfinite(slowdown) and slowdown >= 1.0):
+            raise ValueError(f"slowdown must be a finite factor >= 1, got {slowdown}")
         self.name = name
         self.max_queue = max_queue
+        self.slowdown = slowdown
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=name.replace(" ", ""))
         self._lock = threading.Lock()
         self._queued = 0
@@ -128,6 +137,8 @@ class Worker:
         try:
             return fn(*args)
         finally:
+            if self.slowdown > 1.0:  # injected: the worker stays busy as slower hardware would
+                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
             self.busy_seconds += time.perf_counter() - started
             self.cpu_seconds += time.thread_time() - cpu
             self._mark_busy()
@@ -171,13 +182,14 @@ class StageBackend(Worker):
         stash_weights: bool = True,
         compute_dtype: str | torch.dtype = "auto",
         cache: ActivationCache | None = None,
+        slowdown: float = 1.0,
     ):
         self.device = torch.device(device)
         self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
         self.module = module.to(self.device)
         self.optimizer = optimizer
         self.stepper = optimizer if stepper is None else stepper  # decides when and how the stage steps
-        Worker.__init__(self, f"stage {module.index}", max_queue)
+        Worker.__init__(self, f"stage {module.index}", max_queue, slowdown)
         self.on_step = on_step
         self.samples_processed = 0
         # Weight stashing: a copy of the parameters from before the last step, so a micro-batch whose

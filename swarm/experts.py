@@ -34,7 +34,7 @@ class ExpertHost(Worker):
     """The experts `experts` (indices) of every MoE block of the run, on `device`."""
 
     def __init__(self, config: RunConfig, experts: Sequence[int], device: str | torch.device = "cpu",
-                 max_queue: int = 64, max_rows: int | None = None):
+                 max_queue: int = 64, max_rows: int | None = None, slowdown: float = 1.0):
         moe = config.model.moe
         if moe is None:
             raise ValueError("the run has no mixture of experts (model.moe): there is nothing to host")
@@ -56,7 +56,7 @@ class ExpertHost(Worker):
         self.owner = Owner("hosted experts")
         for optimizer in self.optimizers.values():
             optimizer.owner = self.owner
-        super().__init__("the expert server", max_queue)
+        super().__init__("the expert server", max_queue, slowdown)
         self.tokens = dict.fromkeys(self.modules, 0)  # rows each expert ran a backward on (its load)
         self.samples = 0  # samples of the backwards taken in, summed over blocks
 

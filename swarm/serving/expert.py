@@ -51,6 +51,7 @@ class ExpertOptions:
     device: str = "cpu"
     max_queue: int = 64
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
+    inject_slowdown: float = 1.0  # compute held this many times as long, throughput announced that much lower (same)
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT
     metrics_addr: str | None = None
@@ -97,7 +98,8 @@ class ExpertServer(ServerLifecycle):
         self.experts = sorted(set(experts))
         self.announce()
         self._join_p2p()
-        self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue)
+        self.host = ExpertHost(self.config, self.experts, self.options.device, self.options.max_queue,
+                               slowdown=self.options.inject_slowdown)
         self.states = {e: ExpertState(self.host, e) for e in self.experts}
         for e, state in self.states.items():
             self.replicas[e] = ExpertReplicas(state, self.dht, self.records, self.config.averaging,
@@ -116,7 +118,7 @@ class ExpertServer(ServerLifecycle):
                             for e, state in self.states.items()}
         self._take_states(seen)
         self.host.hand_over(self.host.owner, LOOP_CALL_TIMEOUT)  # only its worker thread changes the experts
-        self.throughput = expert_throughput(self.host, self.config)
+        self.throughput = expert_throughput(self.host, self.config) / self.options.inject_slowdown
         handler = with_faults(ExpertRequestHandler(self), self.options.inject_delay, self.options.inject_failure_rate)
         self._serve(serve(self._p2p, handler, experts_namespace(self.config.run_id), self.limits.expert,
                           self.options.receive_timeout, 2 * self.options.max_queue))

@@ -69,6 +69,7 @@ class ServerOptions:
     device: str = "cpu"
     max_queue: int = 64
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
+    inject_slowdown: float = 1.0  # compute held this many times as long, throughput announced that much lower (same)
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
     checkpoint_dir: Path | None = None  # where this server keeps its stage's checkpoints; None: none kept
     fresh: bool = False  # start the stage from fresh weights even though the run has progress elsewhere
@@ -138,7 +139,8 @@ class StageServer(ServerLifecycle):
         self.backend = StageBackend(module, optimizer, self.options.device, self.options.max_queue,
                                     on_step=self._on_step, stepper=self.averager,
                                     stash_weights=self.config.stages.stash_weights,
-                                    compute_dtype=self.config.stages.compute_dtype, cache=self._activation_cache())
+                                    compute_dtype=self.config.stages.compute_dtype, cache=self._activation_cache(),
+                                    slowdown=self.options.inject_slowdown)
         if self.options.checkpoint_dir is not None:
             trusted = [self.options.coordinator_peer_id] if self.options.coordinator_peer_id else []
             self.keeper = StageKeeper(self.stage_state, KeeperScope.of(self.config), self.config.checkpoint,
@@ -156,7 +158,7 @@ class StageServer(ServerLifecycle):
             self._resume()
         # The state is loaded: from now on only the compute thread changes it (others hand work to it)
         self.backend.hand_over(self.stage_state.owner, LOOP_CALL_TIMEOUT)
-        self.throughput = stage_throughput(self.backend, self.config)
+        self.throughput = stage_throughput(self.backend, self.config) / self.options.inject_slowdown
         self.metrics.throughput.set(self.throughput)
         self._reach_experts(module)
         handler = InFlight(with_faults(StageRequestHandler(self), self.options.inject_delay,

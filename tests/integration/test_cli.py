@@ -133,12 +133,20 @@ def test_in_flight_must_be_positive(procs: ProcSet, coordinator: Coordinator):
 @pytest.mark.parametrize(("flag", "value", "expected"), [
     ("--activation-cache-mb", "nan", "finite number"), ("--activation-cache-ttl", "0", "finite number"),
     ("--rebalance-period", "0", "finite number"), ("--rebalance-period", "inf", "finite number"),
-    ("--max-queue", "0", "at least 1"), ("--max-queue", "2.5", "whole number")])
+    ("--max-queue", "0", "at least 1"), ("--max-queue", "2.5", "whole number"),
+    ("--inject-slowdown", "0.5", ">= 1"), ("--inject-slowdown", "inf", ">= 1")])
 def test_server_flags_must_be_sane(procs: ProcSet, coordinator: Coordinator, flag: str, value: str, expected: str):
     proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "server", flag, value,
                      *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
     assert proc.returncode == 2, proc.describe()
     assert_clear_error(proc, "swarm-peer", flag, expected)
+
+
+def test_movable_and_no_rebalance_contradict(procs: ProcSet, coordinator: Coordinator):
+    proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "server", "--stage", "0",
+                     "--movable", "--no-rebalance", *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)
+    assert proc.returncode != 0, proc.describe()
+    assert_clear_error(proc, "swarm-peer", "--movable and --no-rebalance")
 
 
 def test_missing_config_is_a_clear_error(procs: ProcSet, tmp_path: Path):

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from swarm.backend import Overloaded, StageBackend
+from swarm.backend import Overloaded, StageBackend, Worker
 from swarm.config import RunConfig
 from swarm.model import build_stage, build_stages
 from swarm.optim import StageOptimizer
@@ -173,6 +173,28 @@ def test_utilization_is_the_share_of_wall_time_the_worker_computed():
         assert 0.5 < backend.utilization() <= 1.0
     finally:
         backend.shutdown()
+
+
+def test_an_injected_slowdown_holds_the_worker_that_many_times_as_long_as_a_task_computed():
+    worker = Worker("slow", 4, slowdown=3.0)
+    try:
+        def timed() -> tuple[float, float]:
+            began = time.perf_counter()
+            end = began + 0.05
+            while time.perf_counter() < end:
+                pass
+            return began, time.perf_counter()
+
+        first, second = worker.submit(timed), worker.submit(timed)
+        (began, ended), (next_began, _) = first.result(timeout=30), second.result(timeout=30)
+        # the next task waits out 2 more times what the first computed (at least: a loaded machine adds)
+        assert next_began - ended >= 2 * (ended - began)
+        assert worker.busy_seconds >= 3 * 2 * 0.05
+    finally:
+        worker.shutdown()
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="slowdown"):
+            Worker("bad", 4, slowdown=bad)
 
 
 def test_without_weight_stashing_a_backward_one_step_late_uses_the_parameters_of_now():

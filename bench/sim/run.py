@@ -1,7 +1,7 @@
 """The simulator's swarm with rebalancing and without, side by side, against an oracle's placement.
 
     .venv/bin/python bench/sim/run.py [--servers 900] [--trainers 100] [--stages 8] [--minutes 30]
-                                      [--session 3600] [--seed 0]
+                                      [--session 3600] [--seed 0] [--only rebalancing|static]
 
 The same peers (speeds, links, regions, NAT, sessions drawn from one seed) are simulated twice, with
 rebalancing (swarm-peer's default for a server without --stage) and with --no-rebalance, each for
@@ -57,6 +57,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=Scenario.micro_batch)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=float, default=60.0)
+    p.add_argument("--only", choices=("rebalancing", "static"),
+                   help="simulate one side only (static: --no-rebalance), e.g. where no server moves anyway")
     p.add_argument("--verbose", action="store_true", help="print every window")
     args = p.parse_args()
     base = Scenario(stages=args.stages, servers=args.servers, trainers=args.trainers, session=args.session,
@@ -67,7 +69,10 @@ def main() -> None:
     print(f"{args.servers} servers, {args.trainers} trainers, {args.stages} stages, {args.minutes:.0f} min, "
           f"sessions of {args.session:.0f} s on average, seed {args.seed}")
     rows = []
-    for name, rebalance in (("rebalancing", True), ("no rebalancing", False)):
+    sides = (("rebalancing", True), ("no rebalancing", False))
+    for name, rebalance in sides:
+        if args.only is not None and rebalance != (args.only == "rebalancing"):
+            continue
         began = time.monotonic()
 
         def show(w: Window, name=name) -> None:

@@ -1,0 +1,153 @@
+"""Servers move to a slow stage: a swarm's throughput with rebalancing / the best static placement found by trying.
+
+    .venv/bin/python bench/rebalance.py [--slowdown 3] [--window 60] [--minutes 5] [--rebalance-period 30]
+
+configs/tiny.yaml cut to 3 stages (6 blocks, a batch of 256 so that averaging rounds are rare), 6 servers and
+2 trainers on 127.0.0.1. Two of the servers are slowed `--slowdown` times (swarm-peer --inject-slowdown: each
+task holds their compute thread that many times as long, and they announce that much less throughput). Each
+phase is a fresh swarm:
+
+- static placements, every server pinned with --stage: the start (both slow servers on stage 0, 2 servers a
+  stage) and the placements that pair each slow server with a fast one; each measured over `--window` after
+  `--warmup`;
+- rebalancing: the start placement with every server `--movable` (start there, move as --stage auto does),
+  measured window by window for `--minutes`, with the moves each server made.
+
+It prints samples/s per static placement, and per window of the rebalancing phase that figure over the best
+static one, with where the servers were. On 2 shared cores the six servers and two trainers share the CPU,
+so the figures carry that noise; the slow servers' extra time is a wait, not CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from swarm.config import RunConfig  # noqa: E402
+from tests.procs import SERVING_LINE, ProcSet, metric, start_coordinator, start_peer  # noqa: E402
+
+SLOW, FAST = "S", "F"
+START = ((SLOW, SLOW), (FAST, FAST), (FAST, FAST))  # 2 a stage, both slow servers on stage 0
+CANDIDATES = (((SLOW, FAST), (SLOW, FAST), (FAST, FAST)), ((FAST, FAST), (SLOW, FAST), (SLOW, FAST)),
+              ((SLOW, FAST), (FAST, FAST), (SLOW, FAST)))
+POLL = 1.0
+
+
+def label(placement) -> str:
+    return " | ".join("".join(stage) for stage in placement)
+
+
+def make_config(path: Path) -> RunConfig:
+    config = RunConfig.load("configs/tiny.yaml")
+    config.run_id = "bench-rebalance"
+    config.model.n_layer = 6
+    config.stages.num_stages = 3
+    config.optimizer.batch_size = 256
+    config.optimizer.total_steps = 100_000  # no schedule end within the bench
+    config.validate()
+    config.save(path)
+    return config
+
+
+class Swarm:
+    """A coordinator, the servers of `placement` (pinned, or movable from there) and the trainers."""
+
+    def __init__(self, workdir: Path, config_path: Path, placement, slowdown: float, movable: bool,
+                 period: float, trainers: int, in_flight: int):
+        self.procs = ProcSet(workdir)
+        coordinator = start_coordinator(self.procs, config_path)
+        self.servers = []  # (kind, Peer)
+        for stage, kinds in enumerate(placement):
+            for kind in kinds:
+                args = ["--role", "server", "--stage", str(stage), "--no-checkpoints"]
+                if kind == SLOW:
+                    args += ["--inject-slowdown", str(slowdown)]
+                if movable:
+                    args += ["--movable", "--rebalance-period", str(period)]
+                self.servers.append((kind, start_peer(self.procs, coordinator, *args)))
+        for _, server in self.servers:
+            server.wait_serving()
+        self.trainers = [start_peer(self.procs, coordinator, "--role", "trainer", "--trainer-index", str(k),
+                                    "--in-flight", str(in_flight)) for k in range(trainers)]
+
+    def samples(self) -> float:
+        return sum(metric(t.metrics_port, "swarm_trainer_samples_total") or 0.0 for t in self.trainers)
+
+    def where(self) -> str:
+        """The servers' stages now, from the last 'serving stage K' each printed."""
+        stages: dict[int, list[str]] = {}
+        for kind, server in self.servers:
+            found = re.findall(SERVING_LINE, server.proc.stderr(), flags=re.MULTILINE)
+            stages.setdefault(int(found[-1][0]) if found else -1, []).append(kind)
+        return " | ".join("".join(sorted(stages.get(k, []), reverse=True)) or "-" for k in sorted(stages))
+
+    def moves(self) -> int:
+        return sum(int(metric(s.metrics_port, "swarm_server_moves_total") or 0) for _, s in self.servers)
+
+    def wait_training(self, samples: float, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.samples() < samples:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the swarm did not train {samples:.0f} samples within {timeout:.0f} s")
+            time.sleep(POLL)
+
+    def close(self) -> None:
+        self.procs.stop_all()
+
+
+def rate(swarm: Swarm, seconds: float) -> float:
+    began, before = time.monotonic(), swarm.samples()
+    while time.monotonic() - began < seconds:
+        time.sleep(POLL)
+    return (swarm.samples() - before) / (time.monotonic() - began)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--slowdown", type=float, default=3.0)
+    p.add_argument("--warmup", type=float, default=30.0)
+    p.add_argument("--window", type=float, default=60.0)
+    p.add_argument("--minutes", type=float, default=5.0, help="length of the rebalancing phase")
+    p.add_argument("--rebalance-period", type=float, default=30.0)
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--in-flight", type=int, default=8)
+    p.add_argument("--candidates", type=int, default=len(CANDIDATES), help="balanced static placements to try")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-rebalance-") as tmp:
+        config_path = Path(tmp) / "run.yaml"
+        config = make_config(config_path)
+        common = dict(slowdown=args.slowdown, period=args.rebalance_period, trainers=args.trainers,
+                      in_flight=args.in_flight)
+        static = {}
+        for placement in (START, *CANDIDATES[:args.candidates]):
+            swarm = Swarm(Path(tmp), config_path, placement, movable=False, **common)
+            try:
+                swarm.wait_training(config.optimizer.micro_batch_size, 300)
+                time.sleep(args.warmup)
+                static[label(placement)] = rate(swarm, args.window)
+            finally:
+                swarm.close()
+            print(f"static {label(placement):<12} {static[label(placement)]:7.1f} samples/s", flush=True)
+        best = max(static.values())
+        print(f"best static placement: {max(static, key=static.get)} ({best:.1f} samples/s); the start: "
+              f"{static[label(START)] / best:.3f} of it", flush=True)
+        swarm = Swarm(Path(tmp), config_path, START, movable=True, **common)
+        try:
+            swarm.wait_training(config.optimizer.micro_batch_size, 300)
+            began = time.monotonic()
+            while time.monotonic() - began < args.minutes * 60:
+                got = rate(swarm, args.window)
+                print(f"rebalancing t={time.monotonic() - began:5.0f}s {got:7.1f} samples/s, {got / best:.3f} of the "
+                      f"best static; servers {swarm.where()}; moves {swarm.moves()}", flush=True)
+        finally:
+            swarm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -299,10 +299,10 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
     registry.register(current)
     moves = Counter("swarm_server_moves_total", "Moves of this server to another stage, by why",
                     ["reason"], registry=registry)
-    stage, back_to = args.stage, None
+    stage, back_to, joining = args.stage, None, 0.0
     while not stop.is_set():
         options = ServerOptions(stage=stage, device=device, inject_delay=args.inject_delay,
-                                inject_slowdown=args.inject_slowdown,
+                                inject_slowdown=args.inject_slowdown, joining_throughput=joining,
                                 inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_root(args),
                                 fresh=args.fresh and back_to is None, metrics_addr=metrics_addr,
                                 coordinator_peer_id=coordinator, reachability=reachability,
@@ -322,12 +322,12 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
                 raise
             log.error("could not take the state of stage %s (%s): going back to stage %d", stage, e, back_to)
             rebalancer.avoid(stage)
-            stage, back_to = back_to, None
+            stage, back_to, joining = back_to, None, server.throughput
             continue
         if move is None:
             return
         moves.labels(reason=move.reason).inc()
-        stage, back_to = move.stage, server.stage
+        stage, back_to, joining = move.stage, server.stage, server.throughput
 
 
 class CurrentRegistry:
@@ -366,6 +366,8 @@ def serve_until(server, stop: threading.Event, rebalancer=None):
             if move is not None:
                 log.info("moving from stage %d to stage %d (%s): the swarm's bottleneck would go from %.1f to %.1f "
                          "samples/s", server.stage, move.stage, move.reason, move.before, move.after)
+                if not server.announce_move(move.stage):  # before OFFLINE here: it is always counted somewhere
+                    log.warning("could not announce joining stage %d before leaving (moving anyway)", move.stage)
                 return move
         log.info("stopping: announcing OFFLINE")
         return None

@@ -19,6 +19,11 @@ The rule (pure: `plan_move`), read from the servers' records, claims capped as p
   after a short random pause (`settle`), on records read then: two servers of one stage that confirmed
   together rarely also settle together, and the second sees the first leaving (OFFLINE) and stays. If both
   leave anyway, their stage is empty and the next checks of other servers fill it.
+- A server that moves stores a JOINING record on the stage it goes to, with the throughput it measured where
+  it was, before it goes OFFLINE (`StageServer.announce_move`): others count it there at once, not only
+  once it is ONLINE there (a joiner's record says 0 until it has measured itself), and do not follow it
+  to the same stage. bench/rebalance.py saw two servers of two other stages move to the slow stage together
+  before this. The record is a claim like any other (anyone can store one), counted capped as claims are.
 """
 
 from __future__ import annotations

@@ -70,6 +70,9 @@ class ServerOptions:
     max_queue: int = 64
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
     inject_slowdown: float = 1.0  # compute held this many times as long, throughput announced that much lower (same)
+    # what its JOINING record announces: a moving server's throughput as measured on the stage it left, so
+    # that others deciding whether to move count it where it is going (0: a newcomer, not measured yet)
+    joining_throughput: float = 0.0
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
     checkpoint_dir: Path | None = None  # where this server keeps its stage's checkpoints; None: none kept
     fresh: bool = False  # start the stage from fresh weights even though the run has progress elsewhere
@@ -110,7 +113,7 @@ class StageServer(ServerLifecycle):
         self.keeper: StageKeeper | None = None  # checkpoints on this server's disk (unless turned off)
         self.dispatcher: ExpertDispatcher | None = None  # reaches this stage's experts, if they live on expert servers
         self.service: StageService | None = None  # the stage RPCs it answers, once registered
-        self.throughput = 0.0
+        self.throughput = options.joining_throughput
         self.stepped_samples = 0  # the samples in the steps this server took since it started (its own and its peers')
         self.served_samples = 0  # the samples of the backwards it answered (swarm_server_samples_total)
         self.registry = registry or CollectorRegistry()
@@ -231,6 +234,15 @@ class StageServer(ServerLifecycle):
         if steps and max(steps) > 0:
             return f"the run's other stages are at step {max(steps)}"
         return None
+
+    def announce_move(self, stage: int) -> bool:
+        """Announce this server JOINING `stage`, with its throughput measured here, before it leaves this stage:
+        servers checking whether to move then count it there at once (rather than at 0 until it is ONLINE
+        there) and do not follow it to the same stage. A record like any other: anyone can store one."""
+        record = ServerRecord(peer_id=self.peer_id, stage=stage, state=ServerState.JOINING.value,
+                              throughput=float(self.throughput), metrics_addr=self.options.metrics_addr,
+                              reach=self.reach)
+        return self._store(record, ttl=self.config.network.record_ttl)
 
     def record(self) -> ServerRecord:
         step = self.backend.step if self.backend else 0

@@ -117,3 +117,17 @@ def test_the_last_check_before_leaving_reads_the_swarm_again():
     # b left for stage 1 meanwhile (OFFLINE here, JOINING there): a stays
     b_moved = {0: [rec("a", 0, 10.0), rec("b", 0, 10.0, "OFFLINE")], 1: [rec("b", 1, 10.0, "JOINING")]}
     assert not rebalancer.settle(move, b_moved, 2, "a")
+
+
+def test_a_server_counted_where_it_is_moving_is_not_followed_there():
+    # two slow servers on stage 0, two fast on each other stage; "c" of stage 1 moves to stage 0 first
+    slow_start = swarm([("a", 1.0), ("b", 1.0)], [("c", 3.0), ("d", 3.0)], [("e", 3.0), ("f", 3.0)])
+    assert plan_move(slow_start, 3, "c").stage == 0 and plan_move(slow_start, 3, "e").stage == 0
+    moving = swarm([("a", 1.0), ("b", 1.0)], [("d", 3.0)], [("e", 3.0), ("f", 3.0)])
+    moving[1].append(rec("c", 1, 3.0, "OFFLINE"))
+    # announced JOINING stage 0 at 0 (unmeasured there), "e" would follow it: stage 0 looks as weak as before
+    moving[0].append(rec("c", 0, 0.0, "JOINING"))
+    assert plan_move(moving, 3, "e").stage == 0
+    # announced with the throughput it measured where it was (StageServer.announce_move), "e" stays
+    moving[0][-1] = rec("c", 0, 3.0, "JOINING")
+    assert plan_move(moving, 3, "e") is None

@@ -1,0 +1,70 @@
+"""A server that moves announces itself JOINING where it goes, with its throughput, before it leaves (peer/cli.py
+serve_until, StageServer.announce_move): other servers' plans count it there and do not follow it."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from peer.cli import serve_until
+from swarm.dht import ServerState
+from swarm.serving.rebalance import Move
+from swarm.serving.stage import StageServer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeServer:
+    def __init__(self, announced: bool = True):
+        self.calls: list = []
+        self.announced = announced
+        self.config = SimpleNamespace(stages=SimpleNamespace(num_stages=3))
+        self.peer_id, self.stage = "me", 1
+        self.records = SimpleNamespace(lookup_all_servers=lambda n: {})
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def announce_move(self, stage: int) -> bool:
+        self.calls.append(("announce_move", stage))
+        return self.announced
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+class MoveAtOnce:
+    """A rebalancer whose first check plans a move to stage 0 and whose last check confirms it."""
+
+    def next_wait(self) -> float:
+        return 0.0
+
+    def settle_wait(self) -> float:
+        return 0.0
+
+    def check(self, servers, num_stages, me):
+        return Move(0, "bottleneck", 1.0, 2.0)
+
+    def settle(self, move, servers, num_stages, me) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_move_is_announced_where_it_goes_before_the_server_leaves(announced):
+    server = FakeServer(announced)  # a failed announcement does not stop the move
+    move = serve_until(server, threading.Event(), MoveAtOnce())
+    assert move.stage == 0
+    assert server.calls == ["start", ("announce_move", 0), "shutdown"]
+
+
+def test_the_announcement_is_a_joining_record_with_the_throughput_measured_here():
+    stored = []
+    me = SimpleNamespace(peer_id="me", throughput=12.5, reach="direct", options=SimpleNamespace(metrics_addr=None),
+                         config=SimpleNamespace(network=SimpleNamespace(record_ttl=30.0)),
+                         _store=lambda record, ttl: stored.append((record, ttl)) or True)
+    assert StageServer.announce_move(me, 2)
+    (record, ttl), = stored
+    assert (record.peer_id, record.stage, record.state, record.throughput, ttl) == (
+        "me", 2, ServerState.JOINING, 12.5, 30.0)

@@ -1,6 +1,7 @@
 """Servers move to a slow stage: a swarm's throughput with rebalancing / the best static placement found by trying.
 
-    .venv/bin/python bench/rebalance.py [--slowdown 3] [--window 60] [--minutes 5] [--rebalance-period 30]
+    .venv/bin/python bench/rebalance.py [--slowdown 3] [--base-slowdown 1] [--window 60] [--minutes 5]
+                                        [--rebalance-period 30]
 
 configs/tiny.yaml cut to 3 stages (6 blocks, a batch of 256 so that averaging rounds are rare), 6 servers and
 2 trainers on 127.0.0.1. Two of the servers are slowed `--slowdown` times (swarm-peer --inject-slowdown: each
@@ -15,7 +16,9 @@ phase is a fresh swarm:
 
 It prints samples/s per static placement, and per window of the rebalancing phase that figure over the best
 static one, with where the servers were. On 2 shared cores the six servers and two trainers share the CPU,
-so the figures carry that noise; the slow servers' extra time is a wait, not CPU.
+so the figures carry that noise; the slow servers' extra time is a wait, not CPU. `--base-slowdown B` slows
+every server B times more (the slow ones B x slowdown): the servers, not the shared CPU, then bound the
+swarm, as they would on machines of their own.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def make_config(path: Path) -> RunConfig:
 class Swarm:
     """A coordinator, the servers of `placement` (pinned, or movable from there) and the trainers."""
 
-    def __init__(self, workdir: Path, config_path: Path, placement, slowdown: float, movable: bool,
+    def __init__(self, workdir: Path, config_path: Path, placement, slowdown: float, base: float, movable: bool,
                  period: float, trainers: int, in_flight: int):
         self.procs = ProcSet(workdir)
         coordinator = start_coordinator(self.procs, config_path)
@@ -66,8 +69,9 @@ class Swarm:
         for stage, kinds in enumerate(placement):
             for kind in kinds:
                 args = ["--role", "server", "--stage", str(stage), "--no-checkpoints"]
-                if kind == SLOW:
-                    args += ["--inject-slowdown", str(slowdown)]
+                factor = base * (slowdown if kind == SLOW else 1.0)
+                if factor > 1.0:
+                    args += ["--inject-slowdown", str(factor)]
                 if movable:
                     args += ["--movable", "--rebalance-period", str(period)]
                 self.servers.append((kind, start_peer(self.procs, coordinator, *args)))
@@ -110,7 +114,8 @@ def rate(swarm: Swarm, seconds: float) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--slowdown", type=float, default=3.0)
+    p.add_argument("--slowdown", type=float, default=3.0, help="how much slower the two slow servers are")
+    p.add_argument("--base-slowdown", type=float, default=1.0, help="every server slowed this much besides")
     p.add_argument("--warmup", type=float, default=30.0)
     p.add_argument("--window", type=float, default=60.0)
     p.add_argument("--minutes", type=float, default=5.0, help="length of the rebalancing phase")
@@ -122,8 +127,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-rebalance-") as tmp:
         config_path = Path(tmp) / "run.yaml"
         config = make_config(config_path)
-        common = dict(slowdown=args.slowdown, period=args.rebalance_period, trainers=args.trainers,
-                      in_flight=args.in_flight)
+        common = dict(slowdown=args.slowdown, base=args.base_slowdown, period=args.rebalance_period,
+                      trainers=args.trainers, in_flight=args.in_flight)
         static = {}
         for placement in (START, *CANDIDATES[:args.candidates]):
             swarm = Swarm(Path(tmp), config_path, placement, movable=False, **common)

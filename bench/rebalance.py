@@ -66,17 +66,20 @@ class Swarm:
         self.procs = ProcSet(workdir)
         coordinator = start_coordinator(self.procs, config_path)
         self.servers = []  # (kind, Peer)
-        for stage, kinds in enumerate(placement):
-            for kind in kinds:
-                args = ["--role", "server", "--stage", str(stage), "--no-checkpoints"]
-                factor = base * (slowdown if kind == SLOW else 1.0)
-                if factor > 1.0:
-                    args += ["--inject-slowdown", str(factor)]
-                if movable:
-                    args += ["--movable", "--rebalance-period", str(period)]
-                self.servers.append((kind, start_peer(self.procs, coordinator, *args)))
-        for _, server in self.servers:
-            server.wait_serving()
+        # one server of each stage, then the second of each: a movable server alone on its stage stays, and
+        # once a stage has two no stage is empty (a movable server would fill an empty stage at once)
+        order = sorted(((k, stage, kind) for stage, kinds in enumerate(placement) for k, kind in enumerate(kinds)))
+        for _, stage, kind in order:
+            args = ["--role", "server", "--stage", str(stage), "--no-checkpoints"]
+            factor = base * (slowdown if kind == SLOW else 1.0)
+            if factor > 1.0:
+                args += ["--inject-slowdown", str(factor)]
+            if movable:
+                args += ["--movable", "--rebalance-period", str(period)]
+            # one at a time: each measures the speed it announces with the CPU to itself, as on a machine of
+            # its own (six measuring at once on 2 cores announced speeds 2-5x apart for the same factor)
+            self.servers.append((kind, start_peer(self.procs, coordinator, *args)))
+            self.servers[-1][1].wait_serving()
         self.trainers = [start_peer(self.procs, coordinator, "--role", "trainer", "--trainer-index", str(k),
                                     "--in-flight", str(in_flight)) for k in range(trainers)]
 

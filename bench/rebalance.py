@@ -64,6 +64,14 @@ class Swarm:
     def __init__(self, workdir: Path, config_path: Path, placement, slowdown: float, base: float, movable: bool,
                  period: float, trainers: int, in_flight: int):
         self.procs = ProcSet(workdir)
+        try:
+            self._start(config_path, placement, slowdown, base, movable, period, trainers, in_flight)
+        except BaseException:  # a server that never came up: stop what did
+            self.procs.stop_all()
+            raise
+
+    def _start(self, config_path: Path, placement, slowdown: float, base: float, movable: bool, period: float,
+               trainers: int, in_flight: int) -> None:
         coordinator = start_coordinator(self.procs, config_path)
         self.servers = []  # (kind, Peer)
         # one server of each stage, then the second of each: a movable server alone on its stage stays, and

@@ -21,9 +21,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, online, online_steps, peer_id
-from swarm.dht.schemas import RELAYED
+from swarm.dht.schemas import MAX_SERVED_LISTED, RELAYED, ServedWork
 from swarm.protocol import RequestLimits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
+from swarm.routing.balancer import most_served
 from swarm.routing.inflight import AUTO_IN_FLIGHT, InFlightWindow
 from swarm.routing.spot_checks import SPOT_CHECK_RATE
 
@@ -230,7 +231,7 @@ class Trainer:
             if not future.cancelled():
                 future.result()
         finally:
-            self._publish_metrics()
+            self._publish_metrics(self._served_work_from_loop())
 
     async def _main(self) -> None:
         refresher = asyncio.create_task(self._refresh_servers())
@@ -330,7 +331,8 @@ class Trainer:
             # Renewed like every record, so it never expires between two reports (record_ttl may be short):
             # the coordinator's /status and Prometheus discovery would lose the trainer meanwhile.
             await asyncio.sleep(min(self.options.metrics_period, self.config.network.announce_period))
-            await asyncio.to_thread(self._publish_metrics)
+            # read on the loop, which is where the balancers change; the DHT store then runs off it
+            await asyncio.to_thread(self._publish_metrics, self._served_work())
 
     def recent_stats(self, window: float = 10.0) -> tuple[float | None, float]:
         """Mean loss and samples per second over the last `window` seconds."""
@@ -342,14 +344,34 @@ class Trainer:
         span = max(now - recent[0][0], 1e-3) if len(recent) > 1 else window
         return loss, sum(n for *_, n in recent) / span
 
-    def _publish_metrics(self) -> None:
+    def _served_work(self) -> list[ServedWork] | None:
+        """What the servers this trainer used answered lately (StageBalancer.served), the most worked first."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return None
+        return [ServedWork(peer_id=peer_id, stage=stage, work=float(work))
+                for peer_id, stage, work in most_served(pipeline.balancers, MAX_SERVED_LISTED) if len(peer_id) <= 128]
+
+    def _served_work_from_loop(self) -> list[ServedWork] | None:
+        """_served_work read on the loop (where the balancers change), from another thread; None if it cannot."""
+        async def read() -> list[ServedWork] | None:
+            return self._served_work()
+
+        try:
+            return self.loop.run(read(), timeout=5.0)
+        except Exception as e:
+            log.debug("served work not read: %s", e)
+            return None
+
+    def _publish_metrics(self, served: list[ServedWork] | None = None) -> None:
         loss, speed = self.recent_stats()
         if loss is not None:
             self.metrics.loss.set(loss)
         self.metrics.speed.set(speed)
         record = PeerMetricsRecord(peer_id=self.peer_id, role="trainer", step=0, samples_per_second=float(speed),
                                    samples=int(self.samples_done), time=time.time(), loss=loss,
-                                   initial_loss=self.initial_loss, metrics_addr=self.options.metrics_addr)
+                                   initial_loss=self.initial_loss, metrics_addr=self.options.metrics_addr,
+                                   served=served)
         try:
             self.records.publish_metrics(record, ttl=self.config.network.record_ttl)
         except Exception as e:

@@ -34,6 +34,7 @@ MetricsAddress = constr(strict=True, max_length=MAX_METRICS_ADDRESS, regex=METRI
 MAX_STAGES = 256  # stages a run may have; keys.py enumerates this many stage keys in the schema
 MAX_HELD_CHECKPOINTS = 16  # checkpoints one holder lists per stage (servers keep a few, default 3)
 MAX_HOSTED_EXPERTS = 256  # expert indices one expert host may list; bounds the record's size
+MAX_SERVED_LISTED = 32  # servers one trainer's metrics record lists the work of (the most worked first)
 
 RecordT = TypeVar("RecordT", bound="WireRecord")
 
@@ -158,6 +159,15 @@ class RunConfigRecord(WireRecord):
     version: StrictStr = __version__
 
 
+class ServedWork(WireRecord):
+    """The work (forward samples' worth, a backward counting two) one trainer got answered by one server of one
+    stage over the last SERVED_WINDOW seconds (swarm.routing.balancer), in replies it used."""
+
+    peer_id: constr(strict=True, max_length=128)
+    stage: conint(strict=True, ge=0, lt=MAX_STAGES)
+    work: NonNegativeFloat
+
+
 class PeerMetricsRecord(WireRecord):
     """Training progress of one peer, read by the coordinator for swarm-wide gauges (DHT key ``metrics``)."""
 
@@ -170,6 +180,9 @@ class PeerMetricsRecord(WireRecord):
     stage: NonNegativeInt | None = None  # None for trainers, which touch every stage
     loss: confloat(strict=True) | None = None
     metrics_addr: MetricsAddress | None = None  # its /metrics, for the coordinator's Prometheus discovery
+    # a trainer's: what the servers it used answered lately; a stage server weighs its stage-mates by these
+    # (several trainers' word, never one's) when it decides whether to leave (swarm.serving.rebalance)
+    served: conlist(ServedWork, max_items=MAX_SERVED_LISTED) | None = None
 
     _port = pydantic.validator("metrics_addr", allow_reuse=True)(lambda v: _check_port(v))
 

@@ -45,6 +45,10 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
 - Relayed servers (behind NAT, reached through another peer's relay, as their records say) lose ties:
   once measured, one is chosen only where it should finish sooner than every direct server by
   RELAYED_MARGIN, since its relay also carries other peers' traffic and may go away.
+- Work served: each server's answered work (samples, a backward counting `backward_ratio` forwards) over
+  the last SERVED_WINDOW seconds (`served`), as the trainer saw it: only replies it used, none from before
+  a server was caught. The trainer publishes it so that a stage server deciding whether to leave can weigh
+  its stage-mates by what trainers really got from them, not by what they claim (swarm/serving/rebalance.py).
 - Ties between equal servers (at start every server is untried, so all are equal) go by peer id, or, with
   a `tie_salt` (a trainer gives its own peer id), by a hash of the salt and the peer id: many trainers
   starting together then spread their first calls instead of all sending them to the same server
@@ -60,6 +64,7 @@ import hashlib
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -73,6 +78,7 @@ REPROBE_SPACING = 50  # a server's estimates go stale no sooner than this many t
 # on a machine that may have been busier then (twofold swings seen here), so a newcomer claiming about the speed
 # of a measured server is still tried; one claiming less than half of it is not, while the others have room
 CLAIM_OPTIMISM = 2.0
+SERVED_WINDOW = 120.0  # seconds of answered work `served` counts
 RELAYED_MARGIN = 1.1  # a relayed server's expected finish counts this much longer when servers are compared
 
 
@@ -102,6 +108,7 @@ class ServerState:
     caught_at: float = float("-inf")  # when it was last caught answering wrongly (`ban`)
     vouched: bool = False  # one of its own replies was used (checked, where anything could check it)
     claim: float | None = None  # samples/s (forward and backward) its record announces, if any
+    served: deque = field(default_factory=deque)  # (when answered, work): replies used, the last SERVED_WINDOW s
 
     @property
     def measured(self) -> bool:
@@ -331,6 +338,24 @@ class StageBalancer:
         state.failures = 0
         state.banned_until = 0.0
         state.vouched = state.vouched or vouch
+        if vouch:
+            state.served.append((done, size * (self.backward_ratio if ticket.kind == BACKWARD else 1.0)))
+            self._forget_served(state, done)
+
+    def served(self) -> dict[str, float]:
+        """Work (forward samples' worth) each server answered in the last SERVED_WINDOW seconds, in replies this
+        trainer used; servers with none are left out."""
+        now, work = self.clock(), {}
+        for peer_id, state in self.servers.items():
+            self._forget_served(state, now)
+            if state.served:
+                work[peer_id] = sum(w for _, w in state.served)
+        return work
+
+    @staticmethod
+    def _forget_served(state: ServerState, now: float) -> None:
+        while state.served and state.served[0][0] < now - SERVED_WINDOW:
+            state.served.popleft()
 
     def report_failure(self, ticket: Ticket, brief: bool = False) -> float:
         """Ban the server with exponential backoff (from `brief_ban_base` if `brief`); returns the ban's
@@ -362,6 +387,7 @@ class StageBalancer:
         state.banned_until = max(state.banned_until, state.caught_at + seconds)
         state.service.clear()
         state.latency.clear()
+        state.served.clear()  # what it answered before it was caught counts for nothing
         state.vouched = False
         self._calibrated.clear()
 
@@ -391,3 +417,12 @@ class StageBalancer:
         self._calibrated.clear()
         old = estimates.get(kind)
         estimates[kind] = sample if old is None else old + self.ema_alpha * (sample - old)
+
+
+def most_served(balancers: Iterable[StageBalancer], limit: int) -> list[tuple[str, int, float]]:
+    """(server, stage, work) of the `limit` servers that answered the most work lately (StageBalancer.served), one
+    balancer a stage, the most worked first: what a trainer publishes of them."""
+    served = [(peer_id, stage, work) for stage, balancer in enumerate(balancers)
+              for peer_id, work in balancer.served().items() if math.isfinite(work)]
+    served.sort(key=lambda item: -item[2])
+    return served[:limit]

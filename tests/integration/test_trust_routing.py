@@ -202,6 +202,7 @@ def test_a_server_answering_at_once_with_a_zero_gradient_is_caught_and_never_use
             training.join(LOOP_CALL_TIMEOUT)
             stranger.stop()
         calls = stranger.handler.calls
+        published = [r for r in trainer_peer.records.lookup_metrics() if r.peer_id == trainer_peer.peer_id]
     losses = [loss for _, loss, _ in trainer.recent]
     stats = trainer.pipeline.stats
     summary = (f"the stranger answered {calls} calls; {stats.spot_checks} spot checks, {stats.disputes} disputes, "
@@ -217,3 +218,9 @@ def test_a_server_answering_at_once_with_a_zero_gradient_is_caught_and_never_use
     assert stranger_peer.peer_id not in trainer.pipeline.balancers[1].available(), summary
     assert any(stranger_peer.peer_id in r.getMessage() and "answered wrongly" in r.getMessage()
                for r in caplog.records), summary
+    # what the trainer publishes of the work its servers answered (stage servers weigh stage-mates by it when
+    # they decide whether to leave): the honest servers', and nothing of the stranger's
+    served = {(s.peer_id, s.stage): s.work for s in published[0].served}
+    assert (servers[0].peer_id, 0) in served and {(servers[1].peer_id, 1), (servers[2].peer_id, 1)} & served.keys()
+    assert all(work > 0 for work in served.values()), served
+    assert stranger_peer.peer_id not in {peer_id for peer_id, _ in served}, served

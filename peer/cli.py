@@ -378,23 +378,31 @@ def serve_until(server, stop: threading.Event, rebalancer=None):
 def planned_move(server, rebalancer, stop: threading.Event):
     """One check of the rebalancer on records read now and, for a move it confirms, its last check after a
     pause on records read again: the Move to make, or None."""
+    from swarm.serving.rebalance import served_on
+
     num_stages = server.config.stages.num_stages
 
     def read():
         try:
-            return server.records.lookup_all_servers(num_stages)
+            servers = server.records.lookup_all_servers(num_stages)
         except Exception as e:  # a DHT hiccup: no move this time
             log.warning("could not read the stages' servers to check whether to move: %s", e)
-            return None
+            return None, ()
+        try:  # what trainers got from this stage's servers: without it, stage-mates count at most as this one
+            served = served_on(server.records.lookup_metrics(), server.stage)
+        except Exception as e:
+            log.warning("could not read the trainers' served work: %s", e)
+            served = ()
+        return servers, served
 
-    servers = read()
-    move = None if servers is None else rebalancer.check(servers, num_stages, server.peer_id)
+    servers, served = read()
+    move = None if servers is None else rebalancer.check(servers, num_stages, server.peer_id, served)
     if move is None or stop.wait(rebalancer.settle_wait()):
         return None
-    servers = read()
+    servers, served = read()
     if servers is None:
         return None
-    if not rebalancer.settle(move, servers, num_stages, server.peer_id):
+    if not rebalancer.settle(move, servers, num_stages, server.peer_id, served):
         log.info("not moving to stage %d after all: the swarm changed meanwhile", move.stage)
         return None
     return move

@@ -44,12 +44,14 @@ from dataclasses import dataclass, field
 
 from bench.sim.engine import Sim
 from swarm.dht import ServerRecord
+from swarm.dht.schemas import MAX_SERVED_LISTED
 from swarm.protocol import BACKWARD, FORWARD
-from swarm.routing.balancer import StageBalancer
+from swarm.routing.balancer import StageBalancer, most_served
 from swarm.routing.inflight import InFlightWindow
 from swarm.serving.placement import choose_stage
 from swarm.serving.rebalance import Move, Rebalancer
 
+METRICS_PERIOD = 5.0  # seconds between a trainer's metrics records (swarm.trainer's default)
 REGIONS = ("na-east", "na-west", "europe", "asia")
 # one-way milliseconds between regions (assumed, of the order of public cloud figures; design/internet.md)
 ONE_WAY_MS = {
@@ -162,6 +164,7 @@ class Swarm:
         self._rebalance_rng = random.Random(scenario.seed + 1)  # (the peers drawn are the same either way)
         self.servers: dict[str, Server] = {}
         self.trainers: list[Trainer] = []
+        self._served: tuple[int, list] = (-1, [])  # (period, what each trainer published then): served_on
         self.samples = 0  # samples whose micro-batch finished, all trainers
         self.failed_calls = 0  # calls a server failed (it left, or was not serving)
         self.timed_out_calls = 0  # calls the trainer gave up on (the server computes them anyway)
@@ -245,16 +248,31 @@ class Swarm:
         if server.state != "ONLINE":  # (joining a stage it moved to: it checks again once there)
             self.sim.after(server.rebalancer.next_wait(), self._check, server)
             return
-        move = server.rebalancer.check(self.records(), self.s.stages, server.peer_id)
+        move = server.rebalancer.check(self.records(), self.s.stages, server.peer_id, self.served_on(server.stage))
         if move is not None:
             self.sim.after(server.rebalancer.settle_wait(), self._settle, server, move)
         else:
             self.sim.after(server.rebalancer.next_wait(), self._check, server)
 
+    def served_on(self, stage: int) -> list[dict[str, float]]:
+        """What each trainer would publish of the work `stage`'s servers answered it (as swarm.trainer does, once
+        every METRICS_PERIOD simulated seconds)."""
+        period = int(self.sim.clock() // METRICS_PERIOD)
+        if self._served[0] != period:
+            published = [most_served(trainer.balancers, MAX_SERVED_LISTED) for trainer in self.trainers]
+            self._served = (period, published)
+        found = []
+        for listed in self._served[1]:
+            work = {peer: w for peer, k, w in listed if k == stage and w > 0}
+            if work:
+                found.append(work)
+        return found
+
     def _settle(self, server: Server, move: Move) -> None:
         if not server.alive:
             return
-        if server.state == "ONLINE" and server.rebalancer.settle(move, self.records(), self.s.stages, server.peer_id):
+        if server.state == "ONLINE" and server.rebalancer.settle(move, self.records(), self.s.stages, server.peer_id,
+                                                                 self.served_on(server.stage)):
             server.moves += 1
             server.state = "OFFLINE"  # leaving: its queued work fails back to the trainers
             self._fail_tasks(server)

@@ -6,10 +6,20 @@ The rule (pure: `plan_move`), read from the servers' records, claims capped as p
   counts, and is never the one that moves);
 - the others of its own stage count at most what it measured itself (its own claim, which it knows is true):
   a stranger announcing a huge throughput there cannot make its stage look served enough to pull honest
-  servers off it (elsewhere claims count capped, as placement counts them);
+  servers off it (elsewhere claims count capped, as placement counts them). Unless trainers say otherwise:
+  each trainer publishes the work each server answered it lately (`served`, swarm.routing.balancer), and
+  when at least MIN_WITNESSES trainers that used this stage say how a stage-mate's work compares with this
+  server's, the mate counts at this server's throughput times the lower median of those ratios (and never
+  above its capped claim). Work counts only if it was answered and used (spot-checked now and then), so a
+  stranger that serves nothing counts for nothing, one that serves three times as much counts three times,
+  and a lone lying trainer can only lower a ratio (a lower median of two or more). Without that, a slow
+  server never left a stage whose other servers were faster, and the best placement can need exactly that
+  (bench/rebalance.py);
 - it moves to the stage where the swarm's bottleneck (the least stage throughput) would be highest after
   the move, if that fills a stage nobody serves, or raises the bottleneck to at least MOVE_GAIN times what
-  it is (Petals moves at ~1.33x; below that, moves cost more than they win);
+  it is (below that, moves cost more than they win; Petals moves at ~1.33x of a fully rebalanced swarm,
+  but one move at a time can need exactly 1.33x: two slow and one fast server on one stage, one fast on
+  the next, 5 | 3, move a slow one: 4 | 4);
 - `Rebalancer` acts on a plan only when two consecutive checks, a random period apart (around the
   mean period), both name the same stage: one stale read, or one record that lies, does not move anyone,
   and servers that could move at once check at different moments. A stage nobody serves cannot wait two
@@ -28,17 +38,19 @@ The rule (pure: `plan_move`), read from the servers' records, claims capped as p
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from swarm.dht import ServerRecord
+from swarm.dht import PeerMetricsRecord, ServerRecord
 
 from .placement import SERVING_STATES, counted_claims
 
 EMPTY = "empty stage"  # a move's reason when it fills a stage nobody serves
-MOVE_GAIN = 1.33  # the least gain in the swarm's bottleneck throughput a move must bring
+MOVE_GAIN = 1.2  # the least gain in the swarm's bottleneck throughput a move must bring
+MIN_WITNESSES = 2  # trainers whose served work must speak for a stage-mate before it counts above this server
 AVOID_PERIODS = 10  # periods no move goes to a stage whose state a move there could not get
 PERIOD_SPREAD = 0.5  # a check comes after the mean period times a uniform factor in [1 - spread, 1 + spread]
 SETTLE_MAX = 10.0  # seconds, at most, between a confirmed move and its last check
@@ -52,8 +64,39 @@ class Move:
     after: float  # ... and after the move
 
 
-def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str) -> Move | None:
-    """Where the server `me` should move now, by the rule of the module docstring (None: stay)."""
+Served = Sequence[Mapping[str, float]]  # per trainer: server peer id -> work it answered lately, of one stage
+
+
+def served_on(trainers: Sequence[PeerMetricsRecord], stage: int) -> list[dict[str, float]]:
+    """Per trainer that lists any work on `stage`, the work each server of that stage answered it lately."""
+    found = []
+    for record in trainers:
+        work = {s.peer_id: s.work for s in record.served or () if s.stage == stage and s.work > 0}
+        if work and record.role == "trainer":
+            found.append(work)
+    return found
+
+
+def witnessed(mate: str, me: str, served: Served) -> float | None:
+    """How many times this server's throughput the trainers' served work puts `mate` at (the lower median over
+    trainers that got work from either; inf where one got work from the mate only), or None if fewer than
+    MIN_WITNESSES trainers can say."""
+    ratios = []
+    for work in served:
+        mine, theirs = work.get(me, 0.0), work.get(mate, 0.0)
+        if mine > 0:
+            ratios.append(theirs / mine)
+        elif theirs > 0:
+            ratios.append(math.inf)
+    if len(ratios) < MIN_WITNESSES:
+        return None
+    return sorted(ratios)[(len(ratios) - 1) // 2]
+
+
+def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str,
+              served: Served = ()) -> Move | None:
+    """Where the server `me` should move now, by the rule of the module docstring (None: stay). `served`: what
+    trainers got answered lately by the servers of `me`'s stage (served_on)."""
     serving = {stage: [r for r in records if r.state in SERVING_STATES]
                for stage, records in servers.items() if 0 <= stage < num_stages}
     counted = counted_claims(serving)
@@ -61,8 +104,14 @@ def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me
     if here is None or len(serving[here]) < 2:
         return None
     mine = counted[me]
-    for r in serving[here]:  # see the module docstring: what it leaves behind, it counts by its own measure
-        counted[r.peer_id] = min(counted[r.peer_id], mine)
+    for r in serving[here]:  # see the module docstring: what it leaves behind, it counts by its own measure,
+        if r.peer_id == me:  # or by several trainers' word
+            continue
+        ratio = witnessed(r.peer_id, me, served)
+        if ratio is None:
+            counted[r.peer_id] = min(counted[r.peer_id], mine)
+        elif not math.isinf(ratio):
+            counted[r.peer_id] = min(counted[r.peer_id], mine * ratio)
     totals = [sum(counted[r.peer_id] for r in serving.get(stage, ())) for stage in range(num_stages)]
     empty = sum(1 for stage in range(num_stages) if not serving.get(stage))
     best: tuple[float, int] | None = None
@@ -108,14 +157,16 @@ class Rebalancer:
         """The pause before a confirmed move's last check."""
         return self._rng.uniform(0, min(SETTLE_MAX, self.period / 2))
 
-    def settle(self, move: Move, servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str) -> bool:
+    def settle(self, move: Move, servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str,
+               served: Served = ()) -> bool:
         """Whether `move` still holds on records read after settle_wait (the last check before leaving)."""
-        plan = plan_move(servers, num_stages, me)
+        plan = plan_move(servers, num_stages, me, served)
         return plan is not None and plan.stage == move.stage
 
-    def check(self, servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str) -> Move | None:
+    def check(self, servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str,
+              served: Served = ()) -> Move | None:
         """The move to make now, if this check and the one before it both plan it."""
-        plan = plan_move(servers, num_stages, me)
+        plan = plan_move(servers, num_stages, me, served)
         if plan is not None and self._avoided.get(plan.stage, 0.0) > self._clock():
             plan = None
         if plan is not None and plan.reason == EMPTY:  # urgent: the settle check is the second read

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from peer.cli import serve_until
-from swarm.dht import ServerState
+from swarm.dht import PeerMetricsRecord, ServedWork, ServerState
 from swarm.serving.rebalance import Move
 from swarm.serving.stage import StageServer
 
@@ -22,7 +22,10 @@ class FakeServer:
         self.announced = announced
         self.config = SimpleNamespace(stages=SimpleNamespace(num_stages=3))
         self.peer_id, self.stage = "me", 1
-        self.records = SimpleNamespace(lookup_all_servers=lambda n: {})
+        trainer = PeerMetricsRecord(peer_id="t", role="trainer", step=0, samples_per_second=1.0, samples=1, time=0.0,
+                                    served=[ServedWork(peer_id="me", stage=1, work=5.0),
+                                            ServedWork(peer_id="other", stage=0, work=9.0)])
+        self.records = SimpleNamespace(lookup_all_servers=lambda n: {}, lookup_metrics=lambda: [trainer])
 
     def start(self) -> None:
         self.calls.append("start")
@@ -44,18 +47,25 @@ class MoveAtOnce:
     def settle_wait(self) -> float:
         return 0.0
 
-    def check(self, servers, num_stages, me):
+    def __init__(self):
+        self.served = []  # what each check was given of the trainers' served work
+
+    def check(self, servers, num_stages, me, served):
+        self.served.append(served)
         return Move(0, "bottleneck", 1.0, 2.0)
 
-    def settle(self, move, servers, num_stages, me) -> bool:
+    def settle(self, move, servers, num_stages, me, served) -> bool:
+        self.served.append(served)
         return True
 
 
 @pytest.mark.parametrize("announced", [True, False])
 def test_a_move_is_announced_where_it_goes_before_the_server_leaves(announced):
     server = FakeServer(announced)  # a failed announcement does not stop the move
-    move = serve_until(server, threading.Event(), MoveAtOnce())
+    rebalancer = MoveAtOnce()
+    move = serve_until(server, threading.Event(), rebalancer)
     assert move.stage == 0
+    assert rebalancer.served == [[{"me": 5.0}]] * 2  # each check read the trainers' work on its own stage (1)
     assert server.calls == ["start", ("announce_move", 0), "shutdown"]
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from swarm.dht import ServerRecord
-from swarm.serving.rebalance import AVOID_PERIODS, MOVE_GAIN, Rebalancer, plan_move
+from swarm.dht import PeerMetricsRecord, ServedWork, ServerRecord
+from swarm.serving.rebalance import AVOID_PERIODS, MIN_WITNESSES, MOVE_GAIN, Rebalancer, plan_move, served_on, witnessed
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,12 +46,11 @@ def test_a_move_must_raise_the_bottleneck_by_the_gain():
     assert (move.stage, move.reason, move.before, move.after) == (1, "bottleneck", 10.0, 20.0)
     # 3 against 2: the bottleneck would go from 20 to 20 (the stage left behind): no move
     assert plan_move(swarm([("a", 10.0), ("b", 10.0), ("c", 10.0)], [("d", 10.0), ("e", 10.0)]), 2, "a") is None
-    # five of 10 against one of 30: moving one makes the bottleneck 40, 1.333 x 30: enough (MOVE_GAIN 1.33)
+    # five of 10 against one of f (30 <= f < 50): moving one makes the bottleneck 40, 40 / f times what it was
     five = [(peer, 10.0) for peer in "abcde"]
-    assert MOVE_GAIN <= 40.0 / 30.0
-    assert plan_move(swarm(five, [("f", 30.0)]), 2, "a").stage == 1
-    # against one of 31: 40 is 1.29 x 31, not enough
-    assert plan_move(swarm(five, [("f", 31.0)]), 2, "a") is None
+    assert 1.0 < MOVE_GAIN <= 40.0 / 30.0  # the 5 | 3 -> 4 | 4 move of bench/rebalance.py is one it makes
+    assert plan_move(swarm(five, [("f", 0.99 * 40.0 / MOVE_GAIN)]), 2, "a").stage == 1
+    assert plan_move(swarm(five, [("f", 1.01 * 40.0 / MOVE_GAIN)]), 2, "a") is None  # just short of the gain
 
 
 def test_the_move_goes_where_the_bottleneck_ends_highest():
@@ -131,3 +130,62 @@ def test_a_server_counted_where_it_is_moving_is_not_followed_there():
     # announced with the throughput it measured where it was (StageServer.announce_move), "e" stays
     moving[0][-1] = rec("c", 0, 3.0, "JOINING")
     assert plan_move(moving, 3, "e") is None
+
+
+# the bench/rebalance.py case: two slow servers and a three times faster one on stage 0, one fast on stage 1
+SLOW_HERE = swarm([("s1", 1.0), ("s2", 1.0), ("f0", 3.0)], [("f1", 3.0)], [("f2", 3.0), ("f3", 3.0)])
+
+
+def test_trainers_served_work_lets_a_slow_server_count_a_faster_stage_mate_and_leave():
+    # by its own measure, s1 counts f0 as slow as itself: 3 | 3 | 6, and leaving makes stage 0 2: it stays
+    assert plan_move(SLOW_HERE, 3, "s1") is None
+    # two trainers got three times as much from f0 as from s1: 5 | 3 | 6 -> 4 | 4 | 6 by moving to stage 1
+    served = [{"s1": 10.0, "s2": 10.0, "f0": 30.0}, {"s1": 10.0, "s2": 11.0, "f0": 32.0}]
+    move = plan_move(SLOW_HERE, 3, "s1", served)
+    assert (move.stage, move.reason, move.before, move.after) == (1, "bottleneck", 3.0, 4.0)
+    # never above a mate's (capped) claim: f0 served 10x as much, it still counts 3
+    assert plan_move(SLOW_HERE, 3, "s1", [{"s1": 1.0, "s2": 1.0, "f0": 10.0}] * 2).after == 4.0
+    # the trainers' word counts only for the stage-mates: f0's own view of where it is does not change
+    assert plan_move(SLOW_HERE, 3, "f0", served) is None
+
+
+def test_one_trainers_word_is_not_enough_and_a_liar_among_several_can_only_lower_a_mate():
+    assert MIN_WITNESSES == 2
+    honest = {"s1": 10.0, "s2": 10.0, "f0": 30.0}
+    assert plan_move(SLOW_HERE, 3, "s1", [honest]) is None  # one trainer alone: mates count as s1 at most
+    assert witnessed("f0", "s1", [honest]) is None
+    # a lying trainer (f0's friend) says f0 served everything: the lower median of the two is the honest 3
+    liar = {"s1": 0.001, "f0": 1e9}
+    assert witnessed("f0", "s1", [honest, liar]) == 3.0
+    # one saying f0 served nothing: the lower median is 0, f0 counts nothing, and s1 stays
+    assert witnessed("f0", "s1", [honest, {"s1": 10.0}]) == 0.0
+    assert plan_move(SLOW_HERE, 3, "s1", [honest, {"s1": 10.0, "s2": 10.0}]) is None
+    # a trainer that got work from the mate only: as much as the mate claims (inf, then capped by the claim)
+    assert witnessed("f0", "s1", [{"f0": 5.0}, {"f0": 6.0}]) == float("inf")
+    assert witnessed("f0", "s1", [{"s2": 5.0}, {"s2": 6.0}]) is None  # neither got work from either
+
+
+def test_a_stranger_that_serves_nothing_no_longer_keeps_a_stage_served():
+    # a claims 10 like b and the stranger; by claims stage 0 keeps 20 without a, and a would move (10 -> 20)
+    servers = swarm([("a", 10.0), ("b", 10.0), ("idle", 10.0)], [("c", 10.0)])
+    assert plan_move(servers, 2, "a").stage == 1
+    # two trainers got work from a and b and nothing from the stranger: leaving keeps 10, not worth it
+    served = [{"a": 50.0, "b": 50.0}, {"a": 40.0, "b": 45.0}]
+    assert plan_move(servers, 2, "a", served) is None
+
+
+def test_served_work_is_read_from_trainers_records_of_the_stage():
+    def metrics(peer, role, served):
+        return PeerMetricsRecord(peer_id=peer, role=role, step=0, samples_per_second=1.0, samples=1, time=0.0,
+                                 served=[ServedWork(peer_id=p, stage=k, work=w) for p, k, w in served])
+
+    records = [metrics("t1", "trainer", [("a", 0, 5.0), ("b", 0, 0.0), ("c", 1, 7.0)]),
+               metrics("t2", "trainer", [("c", 1, 3.0)]),  # nothing on stage 0: not a witness there
+               metrics("srv", "server", [("a", 0, 99.0)]),  # only trainers' records count
+               PeerMetricsRecord(peer_id="t3", role="trainer", step=0, samples_per_second=1.0, samples=1, time=0.0)]
+    assert served_on(records, 0) == [{"a": 5.0}]
+    assert served_on(records, 1) == [{"c": 7.0}, {"c": 3.0}]
+    with pytest.raises(ValueError):  # a record lists at most MAX_SERVED_LISTED servers
+        metrics("t4", "trainer", [(f"p{i}", 0, 1.0) for i in range(33)])
+    with pytest.raises(ValueError):
+        ServedWork(peer_id="a", stage=0, work=float("inf"))

@@ -1,7 +1,7 @@
 """Servers move to a slow stage: a swarm's throughput with rebalancing / the best static placement found by trying.
 
     .venv/bin/python bench/rebalance.py [--slowdown 3] [--base-slowdown 1] [--window 60] [--minutes 5]
-                                        [--rebalance-period 30]
+                                        [--rebalance-period 30] [--static-minutes M]
 
 configs/tiny.yaml cut to 3 stages (6 blocks, a batch of 256 so that averaging rounds are rare), 6 servers and
 2 trainers on 127.0.0.1. Two of the servers are slowed `--slowdown` times (swarm-peer --inject-slowdown: each
@@ -10,12 +10,15 @@ phase is a fresh swarm:
 
 - static placements, every server pinned with --stage: the start (both slow servers on stage 0, 2 servers a
   stage) and the placements that pair each slow server with a fast one; each measured over `--window` after
-  `--warmup`;
+  `--warmup`, or, with `--static-minutes M`, window by window for M minutes from its first micro-batch, as the
+  rebalancing phase is (a swarm here speeds up over its first minutes, by a fifth or more, whatever its
+  placement: one window of a static swarm against the rebalancing phase's later windows flatters rebalancing);
 - rebalancing: the start placement with every server `--movable` (start there, move as --stage auto does),
   measured window by window for `--minutes`, with the moves each server made.
 
 It prints samples/s per static placement, and per window of the rebalancing phase that figure over the best
-static one, with where the servers were. On 2 shared cores the six servers and two trainers share the CPU,
+static one (with `--static-minutes`: over the best static placement's own window of the same index, where it
+has one), with where the servers were. On 2 shared cores the six servers and two trainers share the CPU,
 so the figures carry that noise; the slow servers' extra time is a wait, not CPU. `--base-slowdown B` slows
 every server B times more (the slow ones B x slowdown): the servers, not the shared CPU, then bound the
 swarm, as they would on machines of their own.
@@ -123,6 +126,17 @@ def rate(swarm: Swarm, seconds: float) -> float:
     return (swarm.samples() - before) / (time.monotonic() - began)
 
 
+def windows(swarm: Swarm, minutes: float, window: float) -> list[float]:
+    began, got = time.monotonic(), []
+    while time.monotonic() - began < minutes * 60:
+        got.append(rate(swarm, window))
+    return got
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slowdown", type=float, default=3.0, help="how much slower the two slow servers are")
@@ -130,6 +144,8 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=30.0)
     p.add_argument("--window", type=float, default=60.0)
     p.add_argument("--minutes", type=float, default=5.0, help="length of the rebalancing phase")
+    p.add_argument("--static-minutes", type=float, default=0.0,
+                   help="measure each static placement window by window this long (0: one window after --warmup)")
     p.add_argument("--rebalance-period", type=float, default=30.0)
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--in-flight", type=int, default=8)
@@ -140,27 +156,36 @@ def main() -> None:
         config = make_config(config_path)
         common = dict(slowdown=args.slowdown, base=args.base_slowdown, period=args.rebalance_period,
                       trainers=args.trainers, in_flight=args.in_flight)
-        static = {}
+        static: dict[str, list[float]] = {}  # placement -> samples/s, window by window
         for placement in (START, *CANDIDATES[:args.candidates]):
             swarm = Swarm(Path(tmp), config_path, placement, movable=False, **common)
             try:
                 swarm.wait_training(config.optimizer.micro_batch_size, 300)
-                time.sleep(args.warmup)
-                static[label(placement)] = rate(swarm, args.window)
+                if args.static_minutes > 0:
+                    static[label(placement)] = windows(swarm, args.static_minutes, args.window)
+                else:
+                    time.sleep(args.warmup)
+                    static[label(placement)] = [rate(swarm, args.window)]
             finally:
                 swarm.close()
-            print(f"static {label(placement):<12} {static[label(placement)]:7.1f} samples/s", flush=True)
-        best = max(static.values())
-        print(f"best static placement: {max(static, key=static.get)} ({best:.1f} samples/s); the start: "
-              f"{static[label(START)] / best:.3f} of it", flush=True)
+            got = static[label(placement)]
+            print(f"static {label(placement):<12} {mean(got):7.1f} samples/s"
+                  + (f" (windows: {', '.join(f'{x:.1f}' for x in got)})" if len(got) > 1 else ""), flush=True)
+        best_label = max(static, key=lambda k: mean(static[k]))
+        best = static[best_label]
+        print(f"best static placement: {best_label} ({mean(best):.1f} samples/s); the start: "
+              f"{mean(static[label(START)]) / mean(best):.3f} of it", flush=True)
         swarm = Swarm(Path(tmp), config_path, START, movable=True, **common)
         try:
             swarm.wait_training(config.optimizer.micro_batch_size, 300)
-            began = time.monotonic()
+            began, k = time.monotonic(), 0
             while time.monotonic() - began < args.minutes * 60:
                 got = rate(swarm, args.window)
-                print(f"rebalancing t={time.monotonic() - began:5.0f}s {got:7.1f} samples/s, {got / best:.3f} of the "
-                      f"best static; servers {swarm.where()}; moves {swarm.moves()}", flush=True)
+                against = best[k] if k < len(best) else mean(best)
+                same = f" in its window {k + 1}" if k < len(best) and len(best) > 1 else ""
+                print(f"rebalancing t={time.monotonic() - began:5.0f}s {got:7.1f} samples/s, {got / against:.3f} of "
+                      f"the best static{same}; servers {swarm.where()}; moves {swarm.moves()}", flush=True)
+                k += 1
         finally:
             swarm.close()
 

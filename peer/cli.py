@@ -378,7 +378,7 @@ def serve_until(server, stop: threading.Event, rebalancer=None):
 def planned_move(server, rebalancer, stop: threading.Event):
     """One check of the rebalancer on records read now and, for a move it confirms, its last check after a
     pause on records read again: the Move to make, or None."""
-    from swarm.serving.rebalance import served_on
+    from swarm.serving.rebalance import describe, served_on
 
     num_stages = server.config.stages.num_stages
 
@@ -397,6 +397,8 @@ def planned_move(server, rebalancer, stop: threading.Event):
 
     servers, served = read()
     move = None if servers is None else rebalancer.check(servers, num_stages, server.peer_id, served)
+    if servers is not None:
+        log.info("rebalancing check: %s", describe(rebalancer.view))
     if move is None or stop.wait(rebalancer.settle_wait()):
         return None
     servers, served = read()

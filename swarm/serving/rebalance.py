@@ -94,9 +94,10 @@ def witnessed(mate: str, me: str, served: Served) -> float | None:
 
 
 def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str,
-              served: Served = ()) -> Move | None:
+              served: Served = (), view: dict | None = None) -> Move | None:
     """Where the server `me` should move now, by the rule of the module docstring (None: stay). `served`: what
-    trainers got answered lately by the servers of `me`'s stage (served_on)."""
+    trainers got answered lately by the servers of `me`'s stage (served_on). A `view` dict is filled with what
+    the plan was made of (describe() says it in a line)."""
     serving = {stage: [r for r in records if r.state in SERVING_STATES]
                for stage, records in servers.items() if 0 <= stage < num_stages}
     counted = counted_claims(serving)
@@ -112,6 +113,8 @@ def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me
             counted[r.peer_id] = min(counted[r.peer_id], mine)
         elif not math.isinf(ratio):
             counted[r.peer_id] = min(counted[r.peer_id], mine * ratio)
+        if view is not None:
+            view.setdefault("mates", {})[r.peer_id] = (counted[r.peer_id], ratio)
     totals = [sum(counted[r.peer_id] for r in serving.get(stage, ())) for stage in range(num_stages)]
     empty = sum(1 for stage in range(num_stages) if not serving.get(stage))
     best: tuple[float, int] | None = None
@@ -127,11 +130,26 @@ def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me
         return None
     before = min(totals)
     after_min, stage = best
+    if view is not None:
+        view.update(here=here, mine=mine, totals=totals, best=(stage, after_min), witnesses=len(served))
     if empty and not serving.get(stage):
         return Move(stage, EMPTY, before, after_min)
     if before > 0 and after_min >= MOVE_GAIN * before:
         return Move(stage, "bottleneck", before, after_min)
     return None
+
+
+def describe(view: Mapping) -> str:
+    """A plan's view (plan_move's `view`) in one line, for the log."""
+    if "totals" not in view:
+        return "nothing to plan (alone on its stage, or not serving)"
+    mates = ", ".join(f"{peer[-6:]} {counted:.1f}" + (" (capped at its own)" if ratio is None else f" (x{ratio:.2f})")
+                      for peer, (counted, ratio) in sorted(view.get("mates", {}).items()))
+    stage, after = view["best"]
+    totals = " | ".join(f"{t:.1f}" for t in view["totals"])
+    return (f"stages at {totals} samples/s (this one {view['mine']:.1f} on stage {view['here']}; its stage-mates "
+            f"counted {mates}, by {view['witnesses']} trainers' work); the best move, to stage {stage}, makes the "
+            f"bottleneck {after:.1f} from {min(view['totals']):.1f}")
 
 
 class Rebalancer:
@@ -143,6 +161,7 @@ class Rebalancer:
         self._rng = rng or random.Random()
         self._clock = clock
         self._last: Move | None = None
+        self.view: dict = {}  # what the last check's plan was made of (describe)
         self._avoided: dict[int, float] = {}  # stage -> until when no move goes there
 
     def avoid(self, stage: int) -> None:
@@ -166,7 +185,8 @@ class Rebalancer:
     def check(self, servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me: str,
               served: Served = ()) -> Move | None:
         """The move to make now, if this check and the one before it both plan it."""
-        plan = plan_move(servers, num_stages, me, served)
+        self.view = {}
+        plan = plan_move(servers, num_stages, me, served, self.view)
         if plan is not None and self._avoided.get(plan.stage, 0.0) > self._clock():
             plan = None
         if plan is not None and plan.reason == EMPTY:  # urgent: the settle check is the second read

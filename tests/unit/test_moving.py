@@ -49,6 +49,7 @@ class MoveAtOnce:
 
     def __init__(self):
         self.served = []  # what each check was given of the trainers' served work
+        self.view = {}  # what the last check's plan was made of: nothing, here
 
     def check(self, servers, num_stages, me, served):
         self.served.append(served)

@@ -7,7 +7,16 @@ import random
 import pytest
 
 from swarm.dht import PeerMetricsRecord, ServedWork, ServerRecord
-from swarm.serving.rebalance import AVOID_PERIODS, MIN_WITNESSES, MOVE_GAIN, Rebalancer, plan_move, served_on, witnessed
+from swarm.serving.rebalance import (
+    AVOID_PERIODS,
+    MIN_WITNESSES,
+    MOVE_GAIN,
+    Rebalancer,
+    describe,
+    plan_move,
+    served_on,
+    witnessed,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -189,3 +198,15 @@ def test_served_work_is_read_from_trainers_records_of_the_stage():
         metrics("t4", "trainer", [(f"p{i}", 0, 1.0) for i in range(33)])
     with pytest.raises(ValueError):
         ServedWork(peer_id="a", stage=0, work=float("inf"))
+
+
+def test_each_check_says_in_a_line_what_its_plan_was_made_of():
+    rebalancer = Rebalancer(60.0)
+    assert rebalancer.check(SLOW_HERE, 3, "s1", [{"s1": 10.0, "s2": 10.0, "f0": 30.0}]) is None
+    line = describe(rebalancer.view)
+    assert "stages at 3.0 | 3.0 | 6.0 samples/s" in line and "capped at its own" in line  # one trainer: not enough
+    assert "to stage 1, makes the bottleneck 2.0 from 3.0" in line
+    rebalancer.check(SLOW_HERE, 3, "s1", [{"s1": 10.0, "s2": 10.0, "f0": 30.0}] * 2)
+    assert "stages at 5.0 | 3.0 | 6.0" in describe(rebalancer.view) and "3.0 (x3.00)" in describe(rebalancer.view)
+    rebalancer.check(swarm([("s1", 1.0)], [("f1", 3.0)]), 2, "s1")
+    assert describe(rebalancer.view).startswith("nothing to plan")

@@ -6,15 +6,16 @@ The rule (pure: `plan_move`), read from the servers' records, claims capped as p
   counts, and is never the one that moves);
 - the others of its own stage count at most what it measured itself (its own claim, which it knows is true):
   a stranger announcing a huge throughput there cannot make its stage look served enough to pull honest
-  servers off it (elsewhere claims count capped, as placement counts them). Unless trainers say otherwise:
+  servers off it (elsewhere claims count capped, as placement counts them). Unless trainers say more:
   each trainer publishes the work each server answered it lately (`served`, swarm.routing.balancer), and
   when at least MIN_WITNESSES trainers that used this stage say how a stage-mate's work compares with this
-  server's, the mate counts at this server's throughput times the lower median of those ratios (and never
-  above its capped claim). Work counts only if it was answered and used (spot-checked now and then), so a
-  stranger that serves nothing counts for nothing, one that serves three times as much counts three times,
-  and a lone lying trainer can only lower a ratio (a lower median of two or more). Without that, a slow
-  server never left a stage whose other servers were faster, and the best placement can need exactly that
-  (bench/rebalance.py);
+  server's, a mate that served more counts at this server's throughput times the lower median of those
+  ratios (never above its capped claim). Work counts only if it was answered and used (spot-checked now and
+  then), so it is measured, not claimed; a lone lying trainer can only lower a ratio (a lower median of two
+  or more). A ratio below 1 lowers nothing: on a stage with room to spare trainers give the fastest idle
+  server nearly everything, and two equal servers came out 50x apart (bench/rebalance.py), so served work
+  says who is faster, not by how much less the other is. Without this, a slow server never left a stage
+  whose other servers were faster, and the best placement can need exactly that (bench/rebalance.py);
 - it moves to the stage where the swarm's bottleneck (the least stage throughput) would be highest after
   the move, if that fills a stage nobody serves, or raises the bottleneck to at least MOVE_GAIN times what
   it is (below that, moves cost more than they win; Petals moves at ~1.33x of a fully rebalanced swarm,
@@ -109,7 +110,7 @@ def plan_move(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int, me
         if r.peer_id == me:  # or by several trainers' word
             continue
         ratio = witnessed(r.peer_id, me, served)
-        if ratio is None:
+        if ratio is None or ratio <= 1.0:
             counted[r.peer_id] = min(counted[r.peer_id], mine)
         elif not math.isinf(ratio):
             counted[r.peer_id] = min(counted[r.peer_id], mine * ratio)

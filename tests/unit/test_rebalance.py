@@ -158,7 +158,7 @@ def test_trainers_served_work_lets_a_slow_server_count_a_faster_stage_mate_and_l
     assert plan_move(SLOW_HERE, 3, "f0", served) is None
 
 
-def test_one_trainers_word_is_not_enough_and_a_liar_among_several_can_only_lower_a_mate():
+def test_one_trainers_word_is_not_enough_and_a_liar_among_several_cannot_raise_a_mate():
     assert MIN_WITNESSES == 2
     honest = {"s1": 10.0, "s2": 10.0, "f0": 30.0}
     assert plan_move(SLOW_HERE, 3, "s1", [honest]) is None  # one trainer alone: mates count as s1 at most
@@ -166,7 +166,7 @@ def test_one_trainers_word_is_not_enough_and_a_liar_among_several_can_only_lower
     # a lying trainer (f0's friend) says f0 served everything: the lower median of the two is the honest 3
     liar = {"s1": 0.001, "f0": 1e9}
     assert witnessed("f0", "s1", [honest, liar]) == 3.0
-    # one saying f0 served nothing: the lower median is 0, f0 counts nothing, and s1 stays
+    # one saying f0 served nothing: the lower median is 0, and f0 counts as s1 at most, as with no trainers
     assert witnessed("f0", "s1", [honest, {"s1": 10.0}]) == 0.0
     assert plan_move(SLOW_HERE, 3, "s1", [honest, {"s1": 10.0, "s2": 10.0}]) is None
     # a trainer that got work from the mate only: as much as the mate claims (inf, then capped by the claim)
@@ -174,13 +174,14 @@ def test_one_trainers_word_is_not_enough_and_a_liar_among_several_can_only_lower
     assert witnessed("f0", "s1", [{"s2": 5.0}, {"s2": 6.0}]) is None  # neither got work from either
 
 
-def test_a_stranger_that_serves_nothing_no_longer_keeps_a_stage_served():
-    # a claims 10 like b and the stranger; by claims stage 0 keeps 20 without a, and a would move (10 -> 20)
-    servers = swarm([("a", 10.0), ("b", 10.0), ("idle", 10.0)], [("c", 10.0)])
-    assert plan_move(servers, 2, "a").stage == 1
-    # two trainers got work from a and b and nothing from the stranger: leaving keeps 10, not worth it
-    served = [{"a": 50.0, "b": 50.0}, {"a": 40.0, "b": 45.0}]
-    assert plan_move(servers, 2, "a", served) is None
+def test_a_mate_that_served_less_counts_as_this_server_not_less():
+    # stage 1 has room to spare: trainers gave f1 nearly everything and its equal f2 next to nothing
+    # (bench/rebalance.py saw 50x). Counted by that, f2 would be worth 0.1 and f1 would never move to stage 0,
+    # which needs it; a ratio below 1 says who is faster, not by how much less the other is
+    servers = swarm([("s1", 1.0), ("s2", 1.0)], [("f1", 3.0), ("f2", 3.0)])
+    served = [{"f1": 100.0, "f2": 2.0}, {"f1": 90.0, "f2": 3.0}]
+    move = plan_move(servers, 2, "f1", served)
+    assert (move.stage, move.before, move.after) == (0, 2.0, 3.0)
 
 
 def test_served_work_is_read_from_trainers_records_of_the_stage():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -299,11 +300,12 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
     registry.register(current)
     moves = Counter("swarm_server_moves_total", "Moves of this server to another stage, by why",
                     ["reason"], registry=registry)
-    stage, back_to, joining = args.stage, None, 0.0
+    stage, back_to, joining, scale = args.stage, None, 0.0, 1.0
     while not stop.is_set():
         options = ServerOptions(stage=stage, device=device, inject_delay=args.inject_delay,
                                 inject_slowdown=args.inject_slowdown, joining_throughput=joining,
-                                inject_failure_rate=args.inject_failure_rate, checkpoint_dir=checkpoint_root(args),
+                                throughput_scale=scale, inject_failure_rate=args.inject_failure_rate,
+                                checkpoint_dir=checkpoint_root(args),
                                 fresh=args.fresh and back_to is None, metrics_addr=metrics_addr,
                                 coordinator_peer_id=coordinator, reachability=reachability,
                                 choose_delay=random.uniform(0, JOIN_SPREAD))
@@ -327,7 +329,7 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
         if move is None:
             return
         moves.labels(reason=move.reason).inc()
-        stage, back_to, joining = move.stage, server.stage, server.throughput
+        stage, back_to, joining, scale = move.stage, server.stage, server.throughput, move.scale
 
 
 class CurrentRegistry:
@@ -368,11 +370,25 @@ def serve_until(server, stop: threading.Event, rebalancer=None):
                          "samples/s", server.stage, move.stage, move.reason, move.before, move.after)
                 if not server.announce_move(move.stage):  # before OFFLINE here: it is always counted somewhere
                     log.warning("could not announce joining stage %d before leaving (moving anyway)", move.stage)
-                return move
+                return dataclasses.replace(move, scale=load_scale(server))
         log.info("stopping: announcing OFFLINE")
         return None
     finally:
         server.shutdown()
+
+
+def load_scale(server) -> float:
+    """What the stage it moves to should multiply its measurements by (ServerOptions.throughput_scale): its
+    announced throughput over the same measure taken now, on the load of the moment (bounded to 1/4..4; 1 if
+    the measure fails)."""
+    try:
+        now = server.measure_now()
+    except Exception as e:
+        log.warning("could not time this stage before leaving it (%s): the next stage's measure counts as it is", e)
+        return 1.0
+    if not (now > 0 and math.isfinite(now) and server.throughput > 0):
+        return 1.0
+    return min(max(server.throughput / now, 0.25), 4.0)
 
 
 def planned_move(server, rebalancer, stop: threading.Event):

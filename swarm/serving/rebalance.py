@@ -63,6 +63,7 @@ class Move:
     reason: str  # said in the log and the move counter's label: "empty stage" or "bottleneck"
     before: float  # the swarm's bottleneck throughput now
     after: float  # ... and after the move
+    scale: float = 1.0  # set as the server leaves: its announced over its measured-now throughput (ServerOptions)
 
 
 Served = Sequence[Mapping[str, float]]  # per trainer: server peer id -> work it answered lately, of one stage

@@ -73,6 +73,10 @@ class ServerOptions:
     # what its JOINING record announces: a moving server's throughput as measured on the stage it left, so
     # that others deciding whether to move count it where it is going (0: a newcomer, not measured yet)
     joining_throughput: float = 0.0
+    # what it measures here is multiplied by this: a moving server's first measurement over the same measure of
+    # the stage it left, taken just before it left (StageServer.measure_now), so that load on the machine at the
+    # moment of the move (its old stage's work, other processes) does not make it announce itself slower
+    throughput_scale: float = 1.0
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
     checkpoint_dir: Path | None = None  # where this server keeps its stage's checkpoints; None: none kept
     fresh: bool = False  # start the stage from fresh weights even though the run has progress elsewhere
@@ -161,7 +165,7 @@ class StageServer(ServerLifecycle):
             self._resume()
         # The state is loaded: from now on only the compute thread changes it (others hand work to it)
         self.backend.hand_over(self.stage_state.owner, LOOP_CALL_TIMEOUT)
-        self.throughput = stage_throughput(self.backend, self.config) / self.options.inject_slowdown
+        self.throughput = self.measure_now() * self.options.throughput_scale
         self.metrics.throughput.set(self.throughput)
         self._reach_experts(module)
         handler = InFlight(with_faults(StageRequestHandler(self), self.options.inject_delay,
@@ -234,6 +238,10 @@ class StageServer(ServerLifecycle):
         if steps and max(steps) > 0:
             return f"the run's other stages are at step {max(steps)}"
         return None
+
+    def measure_now(self) -> float:
+        """The stage's throughput (samples/s) timed now, on whatever else the machine is doing."""
+        return stage_throughput(self.backend, self.config) / self.options.inject_slowdown
 
     def announce_move(self, stage: int) -> bool:
         """Announce this server JOINING `stage`, with its throughput measured here, before it leaves this stage:

@@ -30,9 +30,15 @@ class FakeServer:
     def start(self) -> None:
         self.calls.append("start")
 
+    throughput = 30.0  # as measured when it started
+
     def announce_move(self, stage: int) -> bool:
         self.calls.append(("announce_move", stage))
         return self.announced
+
+    def measure_now(self) -> float:  # timed again as it leaves, on a busier machine
+        self.calls.append("measure_now")
+        return 10.0
 
     def shutdown(self) -> None:
         self.calls.append("shutdown")
@@ -67,7 +73,9 @@ def test_a_move_is_announced_where_it_goes_before_the_server_leaves(announced):
     move = serve_until(server, threading.Event(), rebalancer)
     assert move.stage == 0
     assert rebalancer.served == [[{"me": 5.0}]] * 2  # each check read the trainers' work on its own stage (1)
-    assert server.calls == ["start", ("announce_move", 0), "shutdown"]
+    # the load of the moment makes it time itself 3x slower: the next stage's measure is scaled back by that
+    assert move.scale == 3.0
+    assert server.calls == ["start", ("announce_move", 0), "measure_now", "shutdown"]
 
 
 def test_the_announcement_is_a_joining_record_with_the_throughput_measured_here():

@@ -90,6 +90,22 @@ class BackwardResult:
     staleness: int | None = None  # steps the stage took between the micro-batch's forward and this backward
     stashed: bool = False  # the gradient was computed on the parameters the forward used, kept from before a step
     cached: bool = False  # the forward's graph was kept: no recomputation
+    ahead: bool = False  # computed on predicted parameters (look-ahead), not those of `step`: see Forwarded
+
+
+class Forwarded(tuple):
+    """What forward_at returns: (output, step), and `ahead`: whether the output was computed on a prediction
+    of the next step's parameters (a forward ahead, or any forward while a round runs on look-ahead ones),
+    not on those of `step`. Replicas at the same step predict from different shares of the batch, so early in a
+    run their outputs can differ by more than a spot check tolerates: the reply says so (swarm.routing.spot_checks
+    then treats the two as answers of different moments)."""
+
+    ahead: bool
+
+    def __new__(cls, output: torch.Tensor, step: int, ahead: bool = False) -> Forwarded:
+        made = super().__new__(cls, (output, step))
+        made.ahead = ahead
+        return made
 
 
 class Worker:
@@ -210,6 +226,9 @@ class StageBackend(Worker):
         self._predicted: dict[int, list[torch.Tensor]] = {}  # step t: the parameters step t+1 is predicted at
         self._ahead_of: OrderedDict[Hashable, int] = OrderedDict()  # key of a forward ahead: its step t
         self.forwards_ahead = 0
+        # Whether the module's parameters are look-ahead ones now (a round under way, optimizer.lookahead): set by
+        # the server that owns the stage's state (StageState.lookahead_base); replies say so (Forwarded)
+        self.in_look_ahead: Callable[[], bool] = lambda: False
         # Forward graphs kept for their backward (never for the last stage: it runs both in one call)
         # ... nor for a stage with MoE blocks: their aux loss is a second root of the backward, which a
         # kept graph does not hold (the backward recomputes the forward instead).
@@ -236,7 +255,7 @@ class StageBackend(Worker):
 
     def forward_at(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: Hashable | None = None,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> Forwarded:
         """forward(), and the step whose parameters it used (what a trainer sends back with the backward).
 
         With `keep` (the caller's key for this micro-batch), the graph is kept in the activation
@@ -263,7 +282,8 @@ class StageBackend(Worker):
             with torch.no_grad(), self._autocast():
                 out = module(x, targets)
         self.samples_processed += x.shape[0]
-        return self._to_host(out.detach().float() if out.dim() == 0 else out.detach()), self.step
+        return Forwarded(self._to_host(out.detach().float() if out.dim() == 0 else out.detach()), self.step,
+                         ahead=predicted is not None or self.in_look_ahead())
 
     def backward(
         self, x: torch.Tensor, grad_output: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -296,6 +316,7 @@ class StageBackend(Worker):
             if ahead_step is not None and ahead_step == forward_step:
                 predicted = self._predicted.get(ahead_step)
         n = x.shape[0]
+        look_ahead = self.in_look_ahead()  # (read before stepping: a step here ends any look-ahead)
         x = self._to_device(x)
         targets = self._to_device(targets)
         if not module.is_first:
@@ -338,7 +359,8 @@ class StageBackend(Worker):
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if grad_input is None else self._to_host(grad_input)
-        return BackwardResult(grad_input, loss, self.step, stats, staleness, stashed, cached)
+        return BackwardResult(grad_input, loss, self.step, stats, staleness, stashed, cached,
+                              ahead=predicted is not None or look_ahead)
 
     def _usable(self, entry: CachedForward, x: torch.Tensor, forward_step: int | None) -> bool:
         """Whether a kept graph gives this backward's gradient: same parameters, same input."""

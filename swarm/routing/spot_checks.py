@@ -18,6 +18,13 @@ of the stage chosen at random (speed would pick an instant liar), for evidence i
   cover a step taken in between (early in a run of configs/tiny.yaml one step moves the derivative
   by up to 0.44x and the loss by 9%).
 
+A reply computed on predicted parameters (look-ahead: a forward ahead, or any call while the server's round
+runs on the step it predicts) says so (`ahead` in its metadata), and counts as an answer of a moment of its
+own, between its step and the next: replicas at one step predict from different shares of the batch, and
+early in a run their outputs differed by more than OUTPUT_TOLERANCE, which banned honest servers as liars
+(bench/rebalance.py). A server saying `ahead` where others do not is excused as one at another step is: a
+strike, not a ban, until STRIKES.
+
 A witness whose two forwards straddle its own optimizer step, or whose call fails, says nothing that
 compares: another is asked (`WITNESS_ATTEMPTS` in all) rather than let the reply pass unchecked.
 When the witness disagrees a second one decides: the one of the three the other two agree against
@@ -69,10 +76,22 @@ class Finding:
     """What one server says about the quantity a check compares, and at which optimizer step."""
 
     peer: str
-    step: int | None = None
+    step: int | None = None  # the moment it answered at (`moment`): its step, or between it and the next
     output: torch.Tensor | None = None  # forward: the stage's output
     loss: float | None = None  # last stage: the micro-batch's mean loss
     slope: float | None = None  # backward: the derivative of the objective along the probe direction
+
+
+def moment(reply: StageReply) -> int | None:
+    """When a reply was computed, as a Finding's step: 2 x its step, plus 1 if on that step's predicted
+    successor (`ahead`); None if it says no step."""
+    if reply.server_step is None:
+        return None
+    return 2 * reply.server_step + (1 if reply.info.get("ahead") is True else 0)
+
+
+def moment_label(value: int | None) -> str:
+    return "unknown" if value is None else f"{value // 2}" + (" ahead" if value % 2 else "")
 
 
 def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -132,7 +151,7 @@ class SpotCheck:
         if "moe_lost" in reply.info:
             return None
         if self.outputs:
-            return Finding(peer, reply.server_step, output=reply.tensors[0])
+            return Finding(peer, moment(reply), output=reply.tensors[0])
         h, grad = self.request.inputs.detach().float(), reply.tensors[0].detach().float()
         norm = float(grad.norm())
         if norm < TINY:  # a zero gradient claims a zero derivative in every direction: try any one
@@ -145,7 +164,7 @@ class SpotCheck:
             return None
         self.witness_requests = [self._forward(h + self.eps * direction), self._forward(h - self.eps * direction)]
         loss = float(reply.info["loss"]) if self.last else None
-        return Finding(peer, reply.server_step, loss=loss, slope=norm)
+        return Finding(peer, moment(reply), loss=loss, slope=norm)
 
     def _forward(self, inputs: torch.Tensor) -> StageRequest:
         r = self.request
@@ -157,8 +176,8 @@ class SpotCheck:
         """What a witness's replies say; None if they cannot be compared (experts lost, steps apart)."""
         if any("moe_lost" in reply.info for reply in replies):
             return None
-        steps = {reply.server_step for reply in replies}
-        if len(steps) > 1:  # it stepped between its two forwards
+        steps = {moment(reply) for reply in replies}
+        if len(steps) > 1:  # it stepped (or entered or left a look-ahead) between its two forwards
             return None
         step = steps.pop()
         if self.outputs:
@@ -256,7 +275,7 @@ class Witnesses:
             (log.info if apart else log.warning)(
                 "spot check of stage %d %s on %s: witness %s disagrees and no third server settles it%s", self.stage,
                 check.request.kind, claim.peer, first.peer,
-                f" (they answered at steps {claim.step} and {first.step})" if apart else "")
+                f" (they answered at steps {moment_label(claim.step)} and {moment_label(first.step)})" if apart else "")
             return False
         others = [f for f in (claim, first, second) if f is not wrong]
         for f in others:

@@ -165,6 +165,8 @@ class StageServer(ServerLifecycle):
             self._resume()
         # The state is loaded: from now on only the compute thread changes it (others hand work to it)
         self.backend.hand_over(self.stage_state.owner, LOOP_CALL_TIMEOUT)
+        state = self.stage_state
+        self.backend.in_look_ahead = lambda: state.lookahead_base is not None
         self.throughput = self.measure_now() * self.options.throughput_scale
         self.metrics.throughput.set(self.throughput)
         self._reach_experts(module)
@@ -362,11 +364,14 @@ class StageRequestHandler(CountingHandler):
             self._forwarded[keep] = None
             while len(self._forwarded) > FORWARDS_REMEMBERED:
                 self._forwarded.popitem(last=False)
-        (out, step), lost = await self._run(request, _in_call(backend.forward_at), request.inputs, request.targets,
-                                            keep)
+        forwarded, lost = await self._run(request, _in_call(backend.forward_at), request.inputs, request.targets,
+                                          keep)
+        out, step = forwarded
         self._done(request, started)
         # The experts this forward went without: the trainer sends them back with the backward.
         info = {"moe_lost": sorted(lost.items())} if lost else {}
+        if forwarded.ahead:  # on predicted parameters, not step's: spot checks compare it with its like only
+            info["ahead"] = True
         return StageReply([out], server_step=step, info=info)
 
     async def backward(self, request: StageRequest) -> StageReply:
@@ -398,6 +403,8 @@ class StageRequestHandler(CountingHandler):
         self._done(request, started)
         tensors = [] if result.grad_input is None else [result.grad_input]
         info = {} if result.loss is None else {"loss": result.loss}
+        if result.ahead:
+            info["ahead"] = True
         return StageReply(tensors, server_step=result.step, info=info)
 
     def _weight(self, key: tuple) -> float:

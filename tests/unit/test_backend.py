@@ -242,9 +242,10 @@ def test_a_forward_whose_backward_comes_after_the_step_runs_on_the_predicted_par
     first.forward_at(xa, keep="a")
     first.backward(xa, grad_output=grad, forward_step=0, key="a")
     predicted = first.optimizer.preview([p.grad.clone() for p in first.optimizer.params], 2)
-    first.forward_at(xa, keep="b")  # the same samples as a: the step's mean gradient is a's, as predicted
-    _, step = first.forward_at(xc, keep="c")
-    assert first.forwards_ahead == 1 and step == 0
+    assert not first.forward_at(xa, keep="b").ahead  # the same samples as a: the step's mean gradient is a's
+    forwarded = first.forward_at(xc, keep="c")
+    _, step = forwarded
+    assert first.forwards_ahead == 1 and step == 0 and forwarded.ahead  # its reply says: on a prediction
     result_b = first.backward(xa, grad_output=grad, forward_step=0, key="b")
     assert result_b.step_stats is not None and not result_b.stashed
     for param, expected in zip(first.optimizer.params, predicted):  # the prediction was the step
@@ -290,7 +291,7 @@ def test_on_the_last_stage_a_backward_while_the_batch_is_due_runs_on_the_predict
     predicted = optimizer.preview([p.grad.clone() for p in optimizer.params], 2)
     optimizer.due = True  # the other replica filled the batch: these samples count towards the step after
     result = last.backward(hc, targets=yc)
-    assert last.forwards_ahead == 1 and not result.stashed
+    assert last.forwards_ahead == 1 and not result.stashed and result.ahead
 
     at_prediction = copy.deepcopy(stage)
     with torch.no_grad():
@@ -325,3 +326,16 @@ def test_a_weighted_backward_counts_as_that_share_of_its_samples(weight):
             assert p.grad is None or not p.grad.any()
         else:
             torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+
+
+def test_while_its_round_runs_on_look_ahead_parameters_every_reply_says_ahead():
+    config = tiny_config()
+    backends = make_backends(config)
+    x, y = batch(1)
+    h = backends[0].forward_at(x)
+    assert not h.ahead and not backends[1].backward(h[0], targets=y).ahead
+    for backend in backends:  # as StageServer wires it to its StageState (lookahead_base set during a round)
+        backend.in_look_ahead = lambda: True
+    assert backends[0].forward_at(x).ahead and backends[1].backward(h[0], targets=y).ahead
+    for backend in backends:
+        backend.shutdown()

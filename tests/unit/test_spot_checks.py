@@ -234,6 +234,30 @@ def test_a_witness_a_step_apart_gets_a_strike_not_a_ban():
     assert not pipeline.stats.caught and witnesses.strikes("c", FORWARD) <= 1
 
 
+def test_a_reply_on_predicted_parameters_is_a_moment_of_its_own_and_gets_a_strike_not_a_ban():
+    """A server whose round runs on look-ahead parameters answers at its step but on a prediction of the next
+    one (its reply says `ahead`): its output differs from its replicas' at the same step, early in a run by more
+    than the tolerance. Compared as an answer of another moment, it is struck, not banned as a liar; the same
+    output without `ahead` is a lie at their step and banned."""
+    for ahead, banned in ((True, False), (False, True)):
+        servers = {0: ["a", "b", "c"], 1: ["h"], 2: ["h"]}
+        swarm = Swarm(servers)
+        answered_before(swarm, 0, "a", "b", "c")
+        swarm.trip(0)
+        pipeline, witnesses = swarm.pipeline, swarm.pipeline.witnesses[0]
+        pipeline.rng = random.Random(1)
+        info = {"ahead": True} if ahead else {}
+        swarm.once["c"] = lambda r, info=info: StageReply([r.tensors[0] * 3], STEP, {**r.info, **info})
+        seed = 1
+        while "c" in swarm.once and seed < 30:  # until c was a witness (or answered a call), and lost
+            swarm.trip(seed)
+            seed += 1
+        assert pipeline.stats.disputes == 1
+        assert (pipeline.stats.caught == {0: 1}) == banned, pipeline.stats.caught
+        assert ("c" in pipeline.balancers[0].available()) != banned
+        assert witnesses.strikes("c", FORWARD) == (0 if banned else 1)
+
+
 def test_two_servers_alone_cannot_settle_a_dispute(caplog):
     swarm = Swarm({0: ["h"], 1: ["h1", "liar"], 2: ["h"]}, "flipped gradient")
     answered_before(swarm, 1, "h1", "liar")  # the liar lies only once past its probes

@@ -186,6 +186,10 @@ def main() -> None:
                 print(f"rebalancing t={time.monotonic() - began:5.0f}s {got:7.1f} samples/s, {got / against:.3f} of "
                       f"the best static{same}; servers {swarm.where()}; moves {swarm.moves()}", flush=True)
                 k += 1
+            for kind, server in swarm.servers:  # why each stayed (or went) at its last check
+                checks = re.findall(r"rebalancing check: (.*)$", server.proc.stderr(), flags=re.MULTILINE)
+                print(f"last check of a {'slow' if kind == SLOW else 'fast'} server: "
+                      f"{checks[-1] if checks else 'none yet'}", flush=True)
         finally:
             swarm.close()
 

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, load_tokenizer, load_tokens, sampler_seed
 from swarm.dht import BackgroundLoop, PeerMetricsRecord, SwarmRecords, online, online_steps, peer_id
-from swarm.dht.schemas import MAX_SERVED_LISTED, RELAYED, ServedWork
+from swarm.dht.schemas import MAX_PEER_ID, MAX_SERVED_LISTED, RELAYED, ServedWork
 from swarm.protocol import RequestLimits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
 from swarm.routing.balancer import most_served
@@ -350,7 +350,8 @@ class Trainer:
         if pipeline is None:
             return None
         return [ServedWork(peer_id=peer_id, stage=stage, work=float(work))
-                for peer_id, stage, work in most_served(pipeline.balancers, MAX_SERVED_LISTED) if len(peer_id) <= 128]
+                for peer_id, stage, work in most_served(pipeline.balancers, MAX_SERVED_LISTED)
+                if len(peer_id) <= MAX_PEER_ID]
 
     def _served_work_from_loop(self) -> list[ServedWork] | None:
         """_served_work read on the loop (where the balancers change), from another thread; None if it cannot."""

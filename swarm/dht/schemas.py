@@ -34,6 +34,7 @@ MetricsAddress = constr(strict=True, max_length=MAX_METRICS_ADDRESS, regex=METRI
 MAX_STAGES = 256  # stages a run may have; keys.py enumerates this many stage keys in the schema
 MAX_HELD_CHECKPOINTS = 16  # checkpoints one holder lists per stage (servers keep a few, default 3)
 MAX_HOSTED_EXPERTS = 256  # expert indices one expert host may list; bounds the record's size
+MAX_PEER_ID = 128  # characters of a peer id a ServedWork names (a base58 libp2p id is ~46-53)
 MAX_SERVED_LISTED = 32  # servers one trainer's metrics record lists the work of (the most worked first)
 
 RecordT = TypeVar("RecordT", bound="WireRecord")
@@ -163,7 +164,7 @@ class ServedWork(WireRecord):
     """The work (forward samples' worth, a backward counting two) one trainer got answered by one server of one
     stage over the last SERVED_WINDOW seconds (swarm.routing.balancer), in replies it used."""
 
-    peer_id: constr(strict=True, max_length=128)
+    peer_id: constr(strict=True, max_length=MAX_PEER_ID)
     stage: conint(strict=True, ge=0, lt=MAX_STAGES)
     work: NonNegativeFloat
 

@@ -22,6 +22,7 @@ from swarm.routing.spot_checks import (
     STRIKES,
     Finding,
     SpotCheck,
+    Witnesses,
     agree,
     minority,
     relative_distance,
@@ -98,6 +99,9 @@ LIES: dict[str, Callable[[StageRequest, StageReply], StageReply]] = {  # what a 
                                                                       r.server_step + 1, r.info)),
     "flipped gradient, another step": lie_on(BACKWARD, lambda r: StageReply([-t for t in r.tensors],
                                                                             r.server_step + 5, r.info)),
+    # "on a prediction" every time, so that no witness is ever at the moment it claims
+    "noise output, always ahead": lie_on(FORWARD, lambda r: StageReply([torch.randn_like(r.tensors[0])],
+                                                                        r.server_step, {**r.info, "ahead": True})),
     "made-up loss": lie_on(BACKWARD, lambda r: StageReply(r.tensors, r.server_step, {**r.info, "loss": 3.0})
                            if "loss" in r.info else r),
 }
@@ -212,15 +216,19 @@ def test_honest_servers_in_float32_and_bfloat16_never_disagree():
     assert stats.spot_checks >= 100 and stats.disputes == 0 and not stats.caught, stats
 
 
+def three_replicas_of_stage_0() -> tuple[Swarm, FakePipeline, Witnesses]:
+    """Servers a, b and c of stage 0, all off probation, after one trip; witnesses drawn with a fixed seed."""
+    swarm = Swarm({0: ["a", "b", "c"], 1: ["h"], 2: ["h"]})
+    answered_before(swarm, 0, "a", "b", "c")
+    swarm.trip(0)
+    swarm.pipeline.rng = random.Random(1)
+    return swarm, swarm.pipeline, swarm.pipeline.witnesses[0]
+
+
 def test_a_witness_a_step_apart_gets_a_strike_not_a_ban():
     """Replicas apply a step milliseconds apart: a witness that answered just before (its output one step
     behind, so unlike the others') is not banned for it; an agreeing check clears its strike."""
-    servers = {0: ["a", "b", "c"], 1: ["h"], 2: ["h"]}
-    swarm = Swarm(servers)
-    answered_before(swarm, 0, "a", "b", "c")
-    swarm.trip(0)
-    pipeline, witnesses = swarm.pipeline, swarm.pipeline.witnesses[0]
-    pipeline.rng = random.Random(1)
+    swarm, pipeline, witnesses = three_replicas_of_stage_0()
     swarm.once["c"] = lambda r: StageReply([r.tensors[0] * 3], STEP - 1, r.info)  # answered before its step
     seed = 1
     while "c" in swarm.once and seed < 30:  # until c was a witness (or answered a call), and lost
@@ -240,12 +248,7 @@ def test_a_reply_on_predicted_parameters_is_a_moment_of_its_own_and_gets_a_strik
     than the tolerance. Compared as an answer of another moment, it is struck, not banned as a liar; the same
     output without `ahead` is a lie at their step and banned."""
     for ahead, banned in ((True, False), (False, True)):
-        servers = {0: ["a", "b", "c"], 1: ["h"], 2: ["h"]}
-        swarm = Swarm(servers)
-        answered_before(swarm, 0, "a", "b", "c")
-        swarm.trip(0)
-        pipeline, witnesses = swarm.pipeline, swarm.pipeline.witnesses[0]
-        pipeline.rng = random.Random(1)
+        swarm, pipeline, witnesses = three_replicas_of_stage_0()
         info = {"ahead": True} if ahead else {}
         swarm.once["c"] = lambda r, info=info: StageReply([r.tensors[0] * 3], STEP, {**r.info, **info})
         seed = 1

@@ -1,17 +1,19 @@
 """The simulator's swarm with rebalancing and without, side by side, against an oracle's placement.
 
     .venv/bin/python bench/sim/run.py [--servers 900] [--trainers 100] [--stages 8] [--minutes 30]
-                                      [--session 3600] [--seed 0] [--only rebalancing|static]
+                                      [--session 3600] [--seed 0] [--only rebalancing|static|oracle]
 
-The same peers (speeds, links, regions, NAT, sessions drawn from one seed) are simulated twice, with
-rebalancing (swarm-peer's default for a server without --stage) and with --no-rebalance, each for
-`--minutes` after a two-minute warm-up. Per window and over the run: the samples/s the trainers
-finished, the bottleneck of the ONLINE servers where they are, and the oracle's bottleneck for the
-same alive servers (placed fastest first, each on the weakest stage so far) with the bound no
-placement passes (their total over the stages); and routing: the finish each call would get on the server
-the trainer chose, over the best finish among the stage's servers, knowing every queue (1.0: the oracle's
-choice every time). bench/sim/swarm.py says what is the project's own code
-and what is modelled.
+The same peers (speeds, links, regions, NAT, sessions drawn from one seed) are simulated three times:
+with rebalancing (swarm-peer's default for a server without --stage), with --no-rebalance, and placed
+by an oracle that knows every server's speed (joiners to the weakest stage, and servers moved free of
+cost after every join and leave while that raises the bottleneck), each for `--minutes` after a
+two-minute warm-up; the trainers and their routing are the same in all three. Per window and over the
+run: the samples/s the trainers finished (and, beside the oracle's placement, their ratio), the
+bottleneck of the ONLINE servers where they are, and the oracle's bottleneck for the same alive servers
+(placed fastest first, each on the weakest stage so far) with the bound no placement passes (their total
+over the stages); and routing: the finish each call would get on the server the trainer chose, over the
+best finish among the stage's servers, knowing every queue (1.0: the oracle's choice every time).
+bench/sim/swarm.py says what is the project's own code and what is modelled.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.sim.swarm import Scenario, Window, simulate  # noqa: E402
+
+ONLY = {"rebalancing": "rebalancing", "static": "no rebalancing", "oracle": "oracle placement"}
 
 
 def summary(name: str, windows: list[Window], took: float, events: int) -> str:
@@ -57,8 +61,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=Scenario.micro_batch)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=float, default=60.0)
-    p.add_argument("--only", choices=("rebalancing", "static"),
-                   help="simulate one side only (static: --no-rebalance), e.g. where no server moves anyway")
+    p.add_argument("--only", choices=("rebalancing", "static", "oracle"),
+                   help="simulate one side only (static: --no-rebalance; oracle: servers placed by the oracle, free "
+                        "moves included)")
     p.add_argument("--verbose", action="store_true", help="print every window")
     args = p.parse_args()
     base = Scenario(stages=args.stages, servers=args.servers, trainers=args.trainers, session=args.session,
@@ -68,10 +73,11 @@ def main() -> None:
                     wire_bytes_per_sample=int(args.wire_kb * 1024), micro_batch=args.micro_batch)
     print(f"{args.servers} servers, {args.trainers} trainers, {args.stages} stages, {args.minutes:.0f} min, "
           f"sessions of {args.session:.0f} s on average, seed {args.seed}")
-    rows = []
-    sides = (("rebalancing", True), ("no rebalancing", False))
-    for name, rebalance in sides:
-        if args.only is not None and rebalance != (args.only == "rebalancing"):
+    results = []
+    sides = (("rebalancing", dict(rebalance=True)), ("no rebalancing", dict(rebalance=False)),
+             ("oracle placement", dict(oracle_placement=True)))
+    for name, change in sides:
+        if args.only is not None and name != ONLY[args.only]:
             continue
         began = time.monotonic()
 
@@ -80,13 +86,18 @@ def main() -> None:
                 print(f"  {name} t={w.start:.0f}s: {w.samples_per_second:.1f} samples/s, bottleneck "
                       f"{w.bottleneck:.1f}, oracle {w.oracle:.1f}, moves {w.moves}", flush=True)
 
-        swarm, windows = simulate(replace(base, rebalance=rebalance), args.minutes * 60, args.window, progress=show)
-        rows.append(summary(name, windows, time.monotonic() - began, swarm.sim.events))
+        swarm, windows = simulate(replace(base, **change), args.minutes * 60, args.window, progress=show)
+        results.append((name, windows, time.monotonic() - began, swarm.sim.events))
     print(f"{'':<16} {'samples/s':>9} {'bottleneck':>10} {'oracle':>8} {'bound':>8} {'/ oracle':>11} "
           f"{'bn / oracle':>11} {'routing':>8} {'moves':>6} {'took':>7} {'events':>7}")
-    for row in rows:
-        print(row)
-
+    for result in results:
+        print(summary(*result))
+    placed = {name: sum(w.samples_per_second for w in windows) / len(windows) for name, windows, _, _ in results}
+    if "oracle placement" in placed:
+        for name in ("rebalancing", "no rebalancing"):
+            if name in placed:
+                print(f"{name} / oracle placement, samples/s the trainers finished: "
+                      f"{placed[name] / max(placed['oracle placement'], 1e-9):.3f}")
 
 if __name__ == "__main__":
     main()

@@ -61,6 +61,13 @@ ONE_WAY_MS = {
 }
 
 
+# Each call opens a fresh libp2p stream, whose yamux flow-control window starts at 256 KiB (go-yamux's initial
+# stream window): a message past it waits a round trip for the receiver's window update (bench/stream_probe.py
+# saw a call moving 1.2 MB at 100 ms one way take about five round trips). A message's framing and metadata
+# beside its tensors: a few hundred bytes, assumed.
+STREAM_WINDOW, MESSAGE_OVERHEAD = 256 * 1024, 512
+
+
 def one_way(a: str, b: str) -> float:
     return ONE_WAY_MS.get((a, b), ONE_WAY_MS.get((b, a), 100)) / 1000
 
@@ -77,6 +84,11 @@ class Scenario:
     in_flight_cap: int | None = None  # set: the trainer's InFlightWindow adapts from in_flight up to this
     seconds_per_sample: float = 0.01  # one forward of one sample of a stage on a speed-1.0 server
     wire_bytes_per_sample: int = 128 * 512 * 2  # hidden states of one sample (seq 128, d 512, bfloat16)
+    token_bytes_per_sample: int = 128 * 8  # stage 0's inputs and the last stage's targets: token ids (int64)
+    # seconds a call takes beyond compute and the network: serializing, the p2p daemons' hops, the trainer's own
+    # handling (configs/tiny.yaml on loopback at one micro-batch in flight, 2026-12-06: a trip took 79 ms where
+    # compute and the network made 61 ms, three calls)
+    call_overhead: float = 0.006
     stage_state_bytes: int = 400 * 2**20  # what a server downloads to join a stage
     join_overhead: float = 10.0  # seconds a join takes besides the download
     choose_spread: float = 5.0  # a joiner's random pause before choosing (swarm-peer's JOIN_SPREAD)
@@ -97,6 +109,9 @@ class Scenario:
     seed: int = 0
     max_queue: int | None = None  # tasks a server queues; it refuses more as busy (NOT_READY), None: no limit
     claims: bool = True  # trainers take a server's announced throughput for it until they measure it
+    # servers placed by an oracle instead (Swarm._oracle_place): joiners to the stage weakest by every server's
+    # true speed, and whenever one joins, comes ONLINE or leaves, servers moved free of cost while that helps
+    oracle_placement: bool = False
 
 
 @dataclass(eq=False)
@@ -143,12 +158,30 @@ class Network:
     def __init__(self, sim: Sim, relay_detour: float):
         self.sim, self.relay_detour = sim, relay_detour
 
+    def latency(self, src: Endpoint, dst: Endpoint) -> float:
+        return one_way(src.region, dst.region) + (self.relay_detour if src.relayed or dst.relayed else 0.0)
+
+    def transit(self, src: Endpoint, dst: Endpoint, nbytes: float) -> tuple[float, float]:
+        """(seconds the sender's uplink is busy, seconds until the message arrives), from when it starts sending: it
+        moves at the lesser of the two rates, and on a fresh stream one STREAM_WINDOW at a time, each after the
+        receiver's window update for the one before (a round trip) where the bytes went out sooner than that."""
+        rate = min(src.up, dst.down)
+        latency = self.latency(src, dst)
+        windows = max(1, math.ceil((nbytes + MESSAGE_OVERHEAD) / STREAM_WINDOW))
+        took = nbytes / rate
+        stalled = (windows - 1) * max(0.0, 2 * latency - STREAM_WINDOW / rate)  # waiting on updates, link idle
+        return took, took + stalled + latency
+
+    def delivery(self, src: Endpoint, dst: Endpoint, nbytes: float, after: float = 0.0) -> tuple[float, float]:
+        """(when the sender's uplink is free again, when the message arrives) for a message sent `after` seconds
+        from now, behind what the uplink already has queued."""
+        start = max(self.sim.now + after, src.up_free)
+        busy, arrives = self.transit(src, dst, nbytes)
+        return start + busy, start + arrives
+
     def send(self, src: Endpoint, dst: Endpoint, nbytes: float, then: Callable[[], None]) -> None:
-        start = max(self.sim.now, src.up_free)
-        took = nbytes / min(src.up, dst.down)
-        src.up_free = start + took
-        latency = one_way(src.region, dst.region) + (self.relay_detour if src.relayed or dst.relayed else 0.0)
-        self.sim.at(start + took + latency, then)
+        src.up_free, arrives = self.delivery(src, dst, nbytes)
+        self.sim.at(arrives, then)
 
 
 # a trainer's call timeout, as swarm.config.NetworkConfig's defaults: 5 x its expected finish, within [5 s, 60 s]
@@ -203,7 +236,13 @@ class Swarm:
         return server
 
     def _choose(self, server: Server) -> None:
-        if server.alive:
+        if not server.alive:
+            return
+        if self.s.oracle_placement:
+            totals = self._true_totals()
+            self._join(server, totals.index(min(totals)))
+            self._oracle_place()
+        else:
             self._join(server, choose_stage(self.records(), self.s.stages))
 
     def _join(self, server: Server, stage: int) -> None:
@@ -217,7 +256,9 @@ class Swarm:
             return
         self._version += 1
         server.state = "ONLINE"
-        if self.s.rebalance and not server.pinned and server.rebalancer is None:
+        if self.s.oracle_placement:  # (it could not move the server while it joined)
+            self._oracle_place()
+        if self.s.rebalance and not self.s.oracle_placement and not server.pinned and server.rebalancer is None:
             server.rebalancer = Rebalancer(self.s.rebalance_period, random.Random(self._rebalance_rng.random()),
                                            clock=self.sim.clock)
             self.sim.after(server.rebalancer.next_wait(), self._check, server)
@@ -228,6 +269,8 @@ class Swarm:
         self._version += 1
         server.alive, server.state = False, "OFFLINE"
         self._fail_tasks(server)
+        if self.s.oracle_placement:
+            self._oracle_place()
         if self.s.session > 0:  # a newcomer arrives in its place, an exponential delay later
             self.sim.after(self.rng.expovariate(1 / self.s.arrival_delay), self.add_server)
 
@@ -240,6 +283,38 @@ class Swarm:
         server.current = None
         for task in failed:
             task.fail()
+
+    # --- the oracle's placement ---------------------------------------------------------------------
+    def _true_totals(self) -> list[float]:
+        """Each stage's samples/s by every alive server's true speed, joining ones counted where they go."""
+        totals = [0.0] * self.s.stages
+        for server in self.servers.values():
+            if server.alive and server.stage is not None:
+                totals[server.stage] += server.throughput(self.s)
+        return totals
+
+    def _oracle_place(self) -> None:
+        """Move ONLINE servers to the weakest stage while that raises it and leaves the stage the server comes
+        from above what the weakest was: each time the move that leaves the weaker of the two strongest. The
+        moves are free (no download, ONLINE at once; a moved server's queued work fails back to its trainers,
+        as on a real move): an upper bound on what moving servers can do."""
+        totals = self._true_totals()
+        for _ in range(4 * self.s.stages):
+            low = totals.index(min(totals))
+            movable = [s for s in self.servers.values()  # (a joining one goes on to where it chose)
+                       if s.state == "ONLINE" and s.stage != low and not s.pinned
+                       and s.throughput(self.s) < totals[s.stage] - totals[low]]
+            if not movable:
+                return
+            server = max(movable, key=lambda s: (min(totals[low] + s.throughput(self.s),
+                                                     totals[s.stage] - s.throughput(self.s)), s.peer_id))
+            speed = server.throughput(self.s)
+            totals[server.stage] -= speed
+            totals[low] += speed
+            self._version += 1
+            server.moves += 1
+            self._fail_tasks(server)
+            server.stage = low
 
     # --- rebalancing --------------------------------------------------------------------------------
     def _check(self, server: Server) -> None:
@@ -383,8 +458,12 @@ class Trainer:
             sim.after(1.0, self.call, stage, kind, forwards, tries, (), began)
             return
         server = self.swarm.servers[ticket.peer_id]
-        payload = n * s.wire_bytes_per_sample
-        up = payload * (2 if kind == BACKWARD and not last else 1)  # a backward carries inputs and gradients
+        payload = n * s.wire_bytes_per_sample  # hidden states, or their gradients
+        tokens = n * s.token_bytes_per_sample
+        # a call carries its inputs (token ids into stage 0), a backward the gradients too, and the last stage's
+        # call the targets; back come the outputs of a forward, or the inputs' gradients (none for token ids)
+        up = (tokens if stage == 0 else payload) + (payload if kind == BACKWARD and not last else 0)
+        up += tokens if last else 0
         down = payload if stage > 0 or kind == FORWARD else 0
 
         def work(peer: str) -> float:
@@ -395,11 +474,9 @@ class Trainer:
         def finish(candidate: Server) -> float:
             """When the call would be answered on `candidate`, knowing every queue and speed now."""
             seconds = n * s.seconds_per_sample * work(candidate.peer_id) / candidate.speed
-            there = max(self.swarm.sim.now, self.link.up_free) + up / min(self.link.up, candidate.link.down)
-            there += one_way(self.link.region, candidate.link.region)
+            _, there = self.swarm.net.delivery(self.link, candidate.link, up, after=s.call_overhead)
             done = max(there, self.swarm.sim.now + candidate.backlog()) + seconds
-            return done + down / min(candidate.link.up, self.link.down) + one_way(candidate.link.region,
-                                                                                 self.link.region)
+            return done + self.swarm.net.transit(candidate.link, self.link, down)[1]  # (its uplink taken as free)
 
         if self.swarm.measure_routing:  # the oracle's choice among the stage's ONLINE servers, beside ours
             chosen = finish(server)
@@ -414,7 +491,7 @@ class Trainer:
                 return
             over[0] = True
             self.swarm.failed_calls += 1
-            latency = one_way(server.link.region, self.link.region)
+            latency = self.swarm.net.latency(server.link, self.link)
             sim.after(latency, self._failed, ticket, stage, kind, forwards, tries, exclude, began, brief)
 
         def timed_out() -> None:  # as RemotePipeline: 5 x the expected finish, within [5 s, 60 s]
@@ -442,7 +519,7 @@ class Trainer:
         def arrived() -> None:
             task[0] = self.swarm.submit(server, seconds, computed, fail)
 
-        self.swarm.net.send(self.link, server.link, up, arrived)
+        sim.after(s.call_overhead, self.swarm.net.send, self.link, server.link, up, arrived)
 
     def _failed(self, ticket, stage, kind, forwards, tries, exclude, began, brief=False) -> None:
         self.balancers[stage].report_failure(ticket, brief=brief)

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/rebalance.py [--slowdown 3] [--base-slowdown 1] [--window 60] [--minutes 5]
                                         [--rebalance-period 30] [--static-minutes M]
+    .venv/bin/python bench/rebalance.py --kill-stage 1 [--rebalance-period 60]
 
 configs/tiny.yaml cut to 3 stages (6 blocks, a batch of 256 so that averaging rounds are rare), 6 servers and
 2 trainers on 127.0.0.1. Two of the servers are slowed `--slowdown` times (swarm-peer --inject-slowdown: each
@@ -15,6 +16,11 @@ phase is a fresh swarm:
   placement: one window of a static swarm against the rebalancing phase's later windows flatters rebalancing);
 - rebalancing: the start placement with every server `--movable` (start there, move as --stage auto does),
   measured window by window for `--minutes`, with the moves each server made.
+
+With `--kill-stage K` instead: the 6 servers all at one speed, 2 a stage, every one movable, the coordinator
+keeping the run's checkpoints; once it holds one of stage K, both servers of stage K are SIGKILLed. Printed:
+when a server of another stage decided to move there and when it served it (in rebalancing periods), when
+stage K stepped again, and samples/s in a window before the kill and in one after.
 
 It prints samples/s per static placement, and per window of the rebalancing phase that figure over the best
 static one (with `--static-minutes`: over the best static placement's own window of the same index, where it
@@ -43,14 +49,20 @@ START = ((SLOW, SLOW), (FAST, FAST), (FAST, FAST))  # 2 a stage, both slow serve
 CANDIDATES = (((SLOW, FAST), (SLOW, FAST), (FAST, FAST)), ((FAST, FAST), (SLOW, FAST), (SLOW, FAST)),
               ((SLOW, FAST), (FAST, FAST), (SLOW, FAST)))
 POLL = 1.0
+BALANCED = ((FAST, FAST), (FAST, FAST), (FAST, FAST))
+MOVING = r"moving from stage (\d+) to stage (\d+) \(([a-z ]+)\)"
+PULLED = "pulled the checkpoint of stage {stage} at step"
 
 
 def label(placement) -> str:
     return " | ".join("".join(stage) for stage in placement)
 
 
-def make_config(path: Path) -> RunConfig:
+def make_config(path: Path, checkpoint_every: int | None = None) -> RunConfig:
     config = RunConfig.load("configs/tiny.yaml")
+    if checkpoint_every is not None:
+        config.checkpoint.every_steps = checkpoint_every
+        config.checkpoint.every_seconds = 3600.0
     config.run_id = "bench-rebalance"
     config.model.n_layer = 6
     config.stages.num_stages = 3
@@ -65,23 +77,27 @@ class Swarm:
     """A coordinator, the servers of `placement` (pinned, or movable from there) and the trainers."""
 
     def __init__(self, workdir: Path, config_path: Path, placement, slowdown: float, base: float, movable: bool,
-                 period: float, trainers: int, in_flight: int):
+                 period: float, trainers: int, in_flight: int, checkpoints: Path | None = None):
         self.procs = ProcSet(workdir)
         try:
-            self._start(config_path, placement, slowdown, base, movable, period, trainers, in_flight)
+            self._start(config_path, placement, slowdown, base, movable, period, trainers, in_flight, checkpoints)
         except BaseException:  # a server that never came up: stop what did
             self.procs.stop_all()
             raise
 
     def _start(self, config_path: Path, placement, slowdown: float, base: float, movable: bool, period: float,
-               trainers: int, in_flight: int) -> None:
-        coordinator = start_coordinator(self.procs, config_path)
+               trainers: int, in_flight: int, checkpoints: Path | None) -> None:
+        # with `checkpoints`, the coordinator keeps the run's checkpoints there (the state of a stage whose
+        # servers all died) and each server writes its own; else nobody writes any
+        self.coordinator = coordinator = start_coordinator(
+            self.procs, config_path, *(("--checkpoint-dir", str(checkpoints / "coordinator")) if checkpoints else ()))
         self.servers = []  # (kind, Peer)
         # one server of each stage, then the second of each: a movable server alone on its stage stays, and
         # once a stage has two no stage is empty (a movable server would fill an empty stage at once)
         order = sorted(((k, stage, kind) for stage, kinds in enumerate(placement) for k, kind in enumerate(kinds)))
-        for _, stage, kind in order:
-            args = ["--role", "server", "--stage", str(stage), "--no-checkpoints"]
+        for n, (_, stage, kind) in enumerate(order):
+            args = ["--role", "server", "--stage", str(stage),
+                    *(("--checkpoint-dir", str(checkpoints / f"server{n}")) if checkpoints else ("--no-checkpoints",))]
             factor = base * (slowdown if kind == SLOW else 1.0)
             if factor > 1.0:
                 args += ["--inject-slowdown", str(factor)]
@@ -98,11 +114,11 @@ class Swarm:
         return sum(metric(t.metrics_port, "swarm_trainer_samples_total") or 0.0 for t in self.trainers)
 
     def where(self) -> str:
-        """The servers' stages now, from the last 'serving stage K' each printed."""
-        stages: dict[int, list[str]] = {}
+        """The live servers' stages now, from the last 'serving stage K' each printed."""
+        stages: dict[int, list[str]] = {k: [] for k in range(len(START))}
         for kind, server in self.servers:
-            found = re.findall(SERVING_LINE, server.proc.stderr(), flags=re.MULTILINE)
-            stages.setdefault(int(found[-1][0]) if found else -1, []).append(kind)
+            if server.proc.popen.poll() is None:
+                stages.setdefault(stage_of(server), []).append(kind)
         return " | ".join("".join(sorted(stages.get(k, []), reverse=True)) or "-" for k in sorted(stages))
 
     def moves(self) -> int:
@@ -117,6 +133,12 @@ class Swarm:
 
     def close(self) -> None:
         self.procs.stop_all()
+
+
+def stage_of(server) -> int:
+    """The stage the server said it serves last (-1: none yet)."""
+    found = re.findall(SERVING_LINE, server.proc.stderr(), flags=re.MULTILINE)
+    return int(found[-1][0]) if found else -1
 
 
 def rate(swarm: Swarm, seconds: float) -> float:
@@ -137,6 +159,58 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def kill_stage(args, tmp: Path) -> None:
+    """A balanced swarm of movable servers loses both servers of one stage: when does another take it, and does
+    the run go on?"""
+    config_path = Path(tmp) / "run.yaml"
+    config = make_config(config_path, checkpoint_every=2)
+    victim, period = args.kill_stage, args.rebalance_period
+    swarm = Swarm(Path(tmp), config_path, BALANCED, slowdown=1.0, base=args.base_slowdown, movable=True,
+                  period=period, trainers=args.trainers, in_flight=args.in_flight, checkpoints=Path(tmp) / "ckpt")
+    try:
+        swarm.wait_training(config.optimizer.micro_batch_size, 300)
+        swarm.coordinator.proc.wait_until(lambda: PULLED.format(stage=victim) in swarm.coordinator.proc.stderr(),
+                                          300, f"the coordinator pulling a checkpoint of stage {victim}")
+        before = rate(swarm, args.window)
+        dead = [server for _, server in swarm.servers if stage_of(server) == victim]
+        alive = [server for _, server in swarm.servers if stage_of(server) != victim]
+        moved_before = {id(s): len(re.findall(MOVING, s.proc.stderr())) for s in alive}
+        steps = {id(s): s.metric("swarm_server_step") or 0.0 for s in alive}
+        placed = swarm.where()
+        for server in dead:
+            server.proc.kill()
+        killed = time.monotonic()
+        print(f"before: {before:.1f} samples/s, servers {placed}; killed both servers of stage {victim}", flush=True)
+        decided = serving = None
+        mover = None
+        while time.monotonic() - killed < args.minutes * 60 and serving is None:
+            for server in alive:
+                found = re.findall(MOVING, server.proc.stderr())[moved_before[id(server)]:]
+                if decided is None and any(int(target) == victim for _, target, _ in found):
+                    decided, mover = time.monotonic() - killed, server
+            if mover is not None and stage_of(mover) == victim:
+                serving = time.monotonic() - killed
+            time.sleep(POLL)
+        if serving is None:
+            raise SystemExit(f"no server took stage {victim} within {args.minutes:g} minutes; servers {swarm.where()}")
+        source, _, reason = re.findall(MOVING, mover.proc.stderr())[-1]
+        print(f"a server of stage {source} moved to stage {victim} ({reason}): decided {decided:.0f} s after the kill, "
+              f"serving at {serving:.0f} s = {serving / period:.2f} rebalancing periods of {period:g} s "
+              f"(the dead servers' records live {config.network.record_ttl:g} s)", flush=True)
+        resumed = mover.metric("swarm_server_step") or 0.0
+        mover.proc.wait_until(lambda: (mover.metric("swarm_server_step") or 0.0) >= resumed + 2, 300,
+                              f"stage {victim} stepping again")
+        stepped = time.monotonic() - killed
+        after = rate(swarm, args.window)
+        others = ", ".join(f"{steps[id(s)]:.0f} -> {s.metric('swarm_server_step') or 0.0:.0f}"
+                           for s in alive if s is not mover)
+        print(f"stage {victim} stepping again {stepped:.0f} s after the kill (from step {resumed:.0f}); the other "
+              f"servers' steps since the kill {others}; after: {after:.1f} samples/s ({after / before:.2f} of before), "
+              f"servers {swarm.where()}", flush=True)
+    finally:
+        swarm.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slowdown", type=float, default=3.0, help="how much slower the two slow servers are")
@@ -150,7 +224,15 @@ def main() -> None:
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--in-flight", type=int, default=8)
     p.add_argument("--candidates", type=int, default=len(CANDIDATES), help="balanced static placements to try")
+    p.add_argument("--kill-stage", type=int, choices=(0, 1, 2),
+                   help="instead: a balanced swarm of 6 movable servers loses both servers of this stage (SIGKILL); "
+                        "how long until another server serves it, and the run stepping again (--minutes: how long "
+                        "to wait for the move)")
     args = p.parse_args()
+    if args.kill_stage is not None:
+        with tempfile.TemporaryDirectory(prefix="bench-rebalance-") as tmp:
+            kill_stage(args, Path(tmp))
+        return
     with tempfile.TemporaryDirectory(prefix="bench-rebalance-") as tmp:
         config_path = Path(tmp) / "run.yaml"
         config = make_config(config_path)

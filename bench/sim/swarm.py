@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 
 from bench.sim.engine import Sim
 from swarm.dht import ServerRecord
-from swarm.dht.schemas import MAX_SERVED_LISTED
+from swarm.dht.schemas import MAX_SERVED_LISTED, PeerMetricsRecord, ServedWork
 from swarm.protocol import BACKWARD, FORWARD
 from swarm.routing.balancer import StageBalancer, most_served
 from swarm.routing.inflight import InFlightWindow
 from swarm.serving.placement import choose_stage
-from swarm.serving.rebalance import Move, Rebalancer
+from swarm.serving.rebalance import Move, Rebalancer, served_on
 
 METRICS_PERIOD = 5.0  # seconds between a trainer's metrics records (swarm.trainer's default)
 REGIONS = ("na-east", "na-west", "europe", "asia")
@@ -330,18 +330,18 @@ class Swarm:
             self.sim.after(server.rebalancer.next_wait(), self._check, server)
 
     def served_on(self, stage: int) -> list[dict[str, float]]:
-        """What each trainer would publish of the work `stage`'s servers answered it (as swarm.trainer does, once
-        every METRICS_PERIOD simulated seconds)."""
+        """What each trainer published of the work `stage`'s servers answered it (a metrics record with the servers
+        it used most, as swarm.trainer does once every METRICS_PERIOD simulated seconds), read as a stage server
+        reads it (swarm.serving.rebalance.served_on)."""
         period = int(self.sim.clock() // METRICS_PERIOD)
         if self._served[0] != period:
-            published = [most_served(trainer.balancers, MAX_SERVED_LISTED) for trainer in self.trainers]
+            published = [PeerMetricsRecord(peer_id=trainer.name, role="trainer", step=0, samples_per_second=0.0,
+                                           samples=0, time=self.sim.clock(),
+                                           served=[ServedWork(peer_id=peer, stage=k, work=float(work)) for peer, k, work
+                                                   in most_served(trainer.balancers, MAX_SERVED_LISTED)])
+                         for trainer in self.trainers]
             self._served = (period, published)
-        found = []
-        for listed in self._served[1]:
-            work = {peer: w for peer, k, w in listed if k == stage and w > 0}
-            if work:
-                found.append(work)
-        return found
+        return served_on(self._served[1], stage)
 
     def _settle(self, server: Server, move: Move) -> None:
         if not server.alive:

@@ -267,7 +267,9 @@ def test_joining_server_gets_the_stage_state_before_online_then_averages(pair):
         states = [snapshot(s) for s in (a, b, c)]
         assert_same_state(states[0], states[1])
         assert_same_state(states[0], states[2])
-        assert rounds(c, "succeeded") == whole
+        # the whole round was one of c's successes (averaged_round says so); an earlier attempt that lost a member
+        # partway may have failed on c too (CI saw c fail attempt 1 with "received 99.8% results"), or not
+        assert 1 <= rounds(c, "succeeded") <= whole
         assert c.registry.get_sample_value("swarm_averaging_group_size", {"stage": str(STAGE)}) == 3
 
 

@@ -15,7 +15,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.dht import SwarmDHTError, gate, load_swarm_key, write_initial_peers
 from swarm.dht.node import REACHABILITY_CHOICES, NatOptions
 from swarm.envflags import apply_env_defaults
-from swarm.logs import setup_logging
+from swarm.logs import setup_logging, stop_on_signals
 
 from .discovery import parse_networks
 from .node import Coordinator
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("private swarm: peers need a copy of %s (--swarm-key) to join run %s", args.swarm_key, config.run_id)
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     # The DHT process is forked: with these handlers it would ignore DHT.shutdown()'s SIGTERM fallback (hang at exit).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     try:

@@ -14,7 +14,7 @@ from swarm.config import ConfigError, RunConfig
 from swarm.data import DataError
 from swarm.dht import SwarmDHTError
 from swarm.envflags import apply_env_defaults, positive_int
-from swarm.logs import setup_logging
+from swarm.logs import setup_logging, stop_on_signals
 
 from .progress import ProgressLine
 
@@ -70,7 +70,7 @@ def run_swarm(args: argparse.Namespace, config: RunConfig) -> dict:
     S, R, T = config.stages.num_stages, args.servers_per_stage, args.trainers
     print(f"local swarm: {config.run_id}, {S} stages x {R} server(s), {T} trainer(s), {args.steps} steps", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop_on_signals(stop, (signal.SIGTERM,))
     moe = config.model.moe
     remote = moe is not None and moe.expert_servers
     experts = (DEFAULT_EXPERT_SERVERS if args.expert_servers is None else args.expert_servers) if remote else 0

@@ -33,7 +33,7 @@ from swarm.dht import (
 from swarm.dht.node import REACHABILITY_CHOICES, NatOptions
 from swarm.dht.reachability import Reachability, behind_nat, serve_dial_back, start_check
 from swarm.envflags import apply_env_defaults, positive_int
-from swarm.logs import setup_logging
+from swarm.logs import setup_logging, stop_on_signals
 from swarm.metrics import MetricsServer, metrics_address
 from swarm.routing.inflight import AUTO_IN_FLIGHT
 from swarm.traffic import TrafficCollector
@@ -203,8 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     # The DHT process is forked: with these handlers it would ignore DHT.shutdown()'s SIGTERM fallback (hang at exit).
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     if args.no_checkpoints and args.checkpoint_dir is not None:

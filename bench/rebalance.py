@@ -180,7 +180,8 @@ def kill_stage(args, tmp: Path) -> None:
         for server in dead:
             server.proc.kill()
         killed = time.monotonic()
-        print(f"before: {before:.1f} samples/s, servers {placed}; killed both servers of stage {victim}", flush=True)
+        print(f"before: {before:.1f} samples/s, servers {placed}; killed the {len(dead)} servers of stage {victim}",
+              flush=True)
         decided = serving = None
         mover = None
         while time.monotonic() - killed < args.minutes * 60 and serving is None:

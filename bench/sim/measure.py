@@ -61,6 +61,10 @@ def measure(config_path: Path, config: RunConfig, in_flight: int, warmup: float,
     server and the trainer on hosts of their own in tests/netlab, each link carrying half the latency."""
     stages = config.stages.num_stages
     with tempfile.TemporaryDirectory(prefix="bench-sim-measure-") as work, contextlib.ExitStack() as stack:
+        if lab is not None:
+            from tests.netlab import Lab
+
+            network = stack.enter_context(Lab())  # (removed after the programs in it stopped)
         procs = ProcSet(Path(work))
         stack.callback(procs.stop_all)
         if lab is None:
@@ -69,10 +73,7 @@ def measure(config_path: Path, config: RunConfig, in_flight: int, warmup: float,
             servers = [Place(None, free_port()) for _ in range(stages)]
             trainer = Place(None, free_port())
         else:
-            from tests.netlab import Lab
-
             one_way_ms, rate = lab
-            network = stack.enter_context(Lab())
             link = {"latency_ms": one_way_ms / 2, "rate_mbit": rate}
             hub = network.add_host("hub", **link)
             servers = [Place(h.ns, LAB_PORT, h) for h in (network.add_host(f"s{k}", **link) for k in range(stages))]

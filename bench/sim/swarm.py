@@ -15,13 +15,18 @@ What is modelled, not run (the constants are the Scenario's):
   forward and backward in one call or a backward that recomputes its forward) / the server's speed;
 - the network: a message waits for its sender's uplink (each uplink sends one message at a time, first
   come first served: busy whenever it has bytes, as a fair share is), moves at the lesser of that uplink
-  and the receiver's downlink (downlinks are not shared), and arrives one region-to-region latency
-  later; a relayed server (behind NAT, not hole-punched) adds a relay detour to each of its messages;
+  and the receiver's downlink (downlinks are not shared), a STREAM_WINDOW at a time (each window past the
+  first waits for the receiver's update, a round trip, where its bytes went out sooner), and arrives one
+  region-to-region latency later; a relayed server (behind NAT, not hole-punched) adds a relay detour to
+  each of its messages; a call carries token ids into stage 0 and hidden states elsewhere, and costs
+  `call_overhead` besides (serializing, the p2p daemons' hops);
 - records: what a peer reads of the others' records is what they are at that moment (no DHT delay);
 - churn: server sessions are exponential (mean Scenario.session); for each server that leaves a newcomer
   arrives an exponential delay later (mean Scenario.arrival_delay), so the population stays near its
   size; a server that leaves fails its queued and running tasks at once (the trainer learns after one
   latency) and its trainers' balancers ban it as usual;
+- an oracle's placement, with `oracle_placement`: servers placed and moved, free of cost, by one who knows every
+  speed (Swarm._oracle_place), instead of by choose_stage and Rebalancer;
 - routing against an oracle: at each call, the finish the chosen server would give it (its queue, speed
   and links as they are then) against the best of the stage's ONLINE servers (Window.routing, a ratio of
   sums);

@@ -99,5 +99,6 @@ def main() -> None:
                 print(f"{name} / oracle placement, samples/s the trainers finished: "
                       f"{placed[name] / max(placed['oracle placement'], 1e-9):.3f}")
 
+
 if __name__ == "__main__":
     main()

@@ -12,7 +12,10 @@ run: the samples/s the trainers finished (and, beside the oracle's placement, th
 bottleneck of the ONLINE servers where they are, and the oracle's bottleneck for the same alive servers
 (placed fastest first, each on the weakest stage so far) with the bound no placement passes (their total
 over the stages); and routing: the finish each call would get on the server the trainer chose, over the
-best finish among the stage's servers, knowing every queue (1.0: the oracle's choice every time).
+best finish among the stage's servers, knowing every queue (1.0: the oracle's choice every time); and answered:
+how long each call took to be answered, from the trainer's first choice through any refusals, failures and
+retries, over the oracle's best expected finish at that first choice (what the trainer got, where routing is
+what it chose).
 bench/sim/swarm.py says what is the project's own code and what is modelled.
 """
 
@@ -36,7 +39,8 @@ def summary(name: str, windows: list[Window], took: float, events: int) -> str:
     oracle = mean("oracle")
     return (f"{name:<16} {mean('samples_per_second'):>9.1f} {mean('bottleneck'):>10.1f} {oracle:>8.1f} "
             f"{mean('bound'):>8.1f} {mean('samples_per_second') / oracle:>11.3f} {mean('bottleneck') / oracle:>11.3f} "
-            f"{mean('routing'):>8.3f} {sum(w.moves for w in windows):>6} {took:>6.0f}s {events / 1e6:>6.1f}M")
+            f"{mean('routing'):>8.3f} {mean('answered'):>8.3f} {sum(w.moves for w in windows):>6} {took:>6.0f}s "
+            f"{events / 1e6:>6.1f}M")
 
 
 def main() -> None:
@@ -89,7 +93,7 @@ def main() -> None:
         swarm, windows = simulate(replace(base, **change), args.minutes * 60, args.window, progress=show)
         results.append((name, windows, time.monotonic() - began, swarm.sim.events))
     print(f"{'':<16} {'samples/s':>9} {'bottleneck':>10} {'oracle':>8} {'bound':>8} {'/ oracle':>11} "
-          f"{'bn / oracle':>11} {'routing':>8} {'moves':>6} {'took':>7} {'events':>7}")
+          f"{'bn / oracle':>11} {'routing':>8} {'answered':>8} {'moves':>6} {'took':>7} {'events':>7}")
     for result in results:
         print(summary(*result))
     placed = {name: sum(w.samples_per_second for w in windows) / len(windows) for name, windows, _, _ in results}

@@ -27,9 +27,11 @@ What is modelled, not run (the constants are the Scenario's):
   latency) and its trainers' balancers ban it as usual;
 - an oracle's placement, with `oracle_placement`: servers placed and moved, free of cost, by one who knows every
   speed (Swarm._oracle_place), instead of by choose_stage and Rebalancer;
-- routing against an oracle: at each call, the finish the chosen server would give it (its queue, speed
-  and links as they are then) against the best of the stage's ONLINE servers (Window.routing, a ratio of
-  sums);
+- routing against an oracle: at each call, the finish the chosen server would give it (its queue, what its
+  running task has left, its speed and links as they are then) against the best of the stage's ONLINE servers
+  (Window.routing, a ratio of sums); and what the trainer got: how long each call took to be answered, from
+  its first choice through any refusals, failures and retries, against the oracle's best finish at that first
+  choice among the servers that would take it (Window.answered);
 - a trainer gives a call up (and bans the server, as its balancer does) after the timeout RemotePipeline
   sets, from the same balancer; the server drops a forward given up before it started, and computes
   anything else (a backward is shared by its retries, as StageRequestHandler does).
@@ -134,6 +136,7 @@ class Task:
     done: Callable[[], None]
     fail: Callable[[], None]
     cancelled: bool = False  # its caller gave up before it started: it is skipped
+    ends: float | None = None  # when it is done, once it has started
 
 
 @dataclass(eq=False)
@@ -150,9 +153,10 @@ class Server:
     rebalancer: Rebalancer | None = None
     moves: int = 0
 
-    def backlog(self) -> float:
-        """Seconds of work queued (the one computing counted whole)."""
-        return sum(t.seconds for t in self.queue if not t.cancelled) + (self.current.seconds if self.current else 0)
+    def backlog(self, now: float) -> float:
+        """Seconds of work queued, and what the one computing has left."""
+        left = max(0.0, self.current.ends - now) if self.current is not None else 0.0
+        return sum(t.seconds for t in self.queue if not t.cancelled) + left
 
     def throughput(self, scenario: Scenario) -> float:
         """Samples/s of a forward and backward, as the server announces (its own measure)."""
@@ -208,6 +212,9 @@ class Swarm:
         self.timed_out_calls = 0  # calls the trainer gave up on (the server computes them anyway)
         self.measure_routing = False  # then each call adds (its expected finish, the oracle's best) to routing
         self.routing: list[tuple[float, float]] = []
+        # ... and each call answered (how long it took, from its first choice through any refusals, failures and
+        # retries, the oracle's best expected finish at that first choice) to `answered`
+        self.answered: list[tuple[float, float]] = []
         self._ids = 0
         self._records: tuple[int, dict] | None = None  # (version, records) while no server changes state
         self._version = 0  # bumped whenever a server's stage or state changes
@@ -408,6 +415,7 @@ class Swarm:
             task = server.queue.popleft()
             if not task.cancelled:
                 server.current = task
+                task.ends = self.sim.now + task.seconds
                 self.sim.after(task.seconds, self._finish, server, task)
                 return
         server.current = None
@@ -451,16 +459,17 @@ class Trainer:
         self.call(0, FORWARD, forwards=[], began=self.swarm.sim.now)
 
     def call(self, stage: int, kind: str, forwards: list[str], tries: int = 0, exclude: tuple = (),
-             began: float = 0.0) -> None:
+             began: float = 0.0, first: tuple[float, float] | None = None) -> None:
         """One call of the micro-batch: a forward of `stage`, or its backward (after the forwards to the last
-        stage, whose single call is forward and backward); `forwards`: the servers that ran its forwards."""
+        stage, whose single call is forward and backward); `forwards`: the servers that ran its forwards;
+        `first`: when the call was first chosen and the oracle's best expected finish then (measure_routing)."""
         s, sim = self.swarm.s, self.swarm.sim
         n = s.micro_batch
         last = stage == s.stages - 1
         prefer = forwards[stage] if kind == BACKWARD and not last and stage < len(forwards) else None
         ticket = self.balancers[stage].choose(n, kind, exclude=exclude, prefer=prefer)
         if ticket is None:  # nobody serves the stage now: look again shortly
-            sim.after(1.0, self.call, stage, kind, forwards, tries, (), began)
+            sim.after(1.0, self.call, stage, kind, forwards, tries, (), began, first)
             return
         server = self.swarm.servers[ticket.peer_id]
         payload = n * s.wire_bytes_per_sample  # hidden states, or their gradients
@@ -480,13 +489,16 @@ class Trainer:
             """When the call would be answered on `candidate`, knowing every queue and speed now."""
             seconds = n * s.seconds_per_sample * work(candidate.peer_id) / candidate.speed
             _, there = self.swarm.net.delivery(self.link, candidate.link, up, after=s.call_overhead)
-            done = max(there, self.swarm.sim.now + candidate.backlog()) + seconds
+            done = max(there, self.swarm.sim.now + candidate.backlog(self.swarm.sim.now)) + seconds
             return done + self.swarm.net.transit(candidate.link, self.link, down)[1]  # (its uplink taken as free)
 
         if self.swarm.measure_routing:  # the oracle's choice among the stage's ONLINE servers, beside ours
             chosen = finish(server)
             self.swarm.routing.append((chosen - sim.now,
                                        min([chosen, *(finish(c) for c in self.swarm.online(stage))]) - sim.now))
+            if first is None:  # the oracle sends it where it would be answered first, to a server that takes it
+                room = [c for c in self.swarm.online(stage) if s.max_queue is None or len(c.queue) < s.max_queue]
+                first = (sim.now, min(finish(c) for c in room or self.swarm.online(stage)))
         seconds = n * s.seconds_per_sample * work(ticket.peer_id) / server.speed
 
         over = [False]  # answered, failed or timed out: whatever comes later is ignored
@@ -497,7 +509,7 @@ class Trainer:
             over[0] = True
             self.swarm.failed_calls += 1
             latency = self.swarm.net.latency(server.link, self.link)
-            sim.after(latency, self._failed, ticket, stage, kind, forwards, tries, exclude, began, brief)
+            sim.after(latency, self._failed, ticket, stage, kind, forwards, tries, exclude, began, first, brief)
 
         def timed_out() -> None:  # as RemotePipeline: 5 x the expected finish, within [5 s, 60 s]
             if not over[0]:
@@ -505,13 +517,15 @@ class Trainer:
                 if kind == FORWARD and task[0] is not None:  # a cancelled forward that has not started is
                     task[0].cancelled = True  # dropped; a backward is shielded (retries share it) and runs
                 self.swarm.timed_out_calls += 1
-                self._failed(ticket, stage, kind, forwards, tries, exclude, began)
+                self._failed(ticket, stage, kind, forwards, tries, exclude, began, first)
 
         def answered() -> None:
             if over[0]:
                 return
             over[0] = True
             self.balancers[stage].report_success(ticket)
+            if first is not None and self.swarm.measure_routing:
+                self.swarm.answered.append((sim.now - first[0], first[1] - first[0]))
             self._next(stage, kind, forwards + [ticket.peer_id] if kind == FORWARD else forwards, began)
 
         def computed() -> None:
@@ -526,9 +540,9 @@ class Trainer:
 
         sim.after(s.call_overhead, self.swarm.net.send, self.link, server.link, up, arrived)
 
-    def _failed(self, ticket, stage, kind, forwards, tries, exclude, began, brief=False) -> None:
+    def _failed(self, ticket, stage, kind, forwards, tries, exclude, began, first, brief=False) -> None:
         self.balancers[stage].report_failure(ticket, brief=brief)
-        self.call(stage, kind, forwards, tries + 1, (*exclude, ticket.peer_id), began)
+        self.call(stage, kind, forwards, tries + 1, (*exclude, ticket.peer_id), began, first)
 
     def _next(self, stage: int, kind: str, forwards: list[str], began: float) -> None:
         last = self.swarm.s.stages - 1
@@ -556,6 +570,7 @@ class Window:
     bound: float  # ... the bound no placement passes (total / stages)
     moves: int  # moves made in the window
     routing: float  # the calls' finish as chosen / the oracle's best finish for them, summed over the window
+    answered: float  # how long calls took to be answered, refusals and retries included / the oracle's best finish
 
 
 def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: float = 120.0,
@@ -579,6 +594,7 @@ def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: 
         began, samples = swarm.sim.now, swarm.samples
         moves = sum(s.moves for s in swarm.servers.values())
         swarm.routing.clear()
+        swarm.answered.clear()
         readings, step = [], window / 10
         for _ in range(10):
             swarm.sim.run(swarm.sim.now + step)
@@ -586,7 +602,8 @@ def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: 
         done = Window(began, window, (swarm.samples - samples) / window,
                       *(math.fsum(r[i] for r in readings) / len(readings) for i in range(3)),
                       sum(s.moves for s in swarm.servers.values()) - moves,
-                      math.fsum(c for c, _ in swarm.routing) / max(math.fsum(b for _, b in swarm.routing), 1e-9))
+                      math.fsum(c for c, _ in swarm.routing) / max(math.fsum(b for _, b in swarm.routing), 1e-9),
+                      math.fsum(c for c, _ in swarm.answered) / max(math.fsum(b for _, b in swarm.answered), 1e-9))
         windows.append(done)
         if progress is not None:
             progress(done)

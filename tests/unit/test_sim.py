@@ -30,6 +30,43 @@ def test_one_micro_batch_at_a_time_takes_the_sum_of_its_calls():
     assert window.samples_per_second == pytest.approx(10 / per_micro_batch, rel=0.02)
 
 
+def test_with_one_server_a_stage_every_choice_is_the_oracles_and_a_call_takes_what_it_expected():
+    # routing: the chosen server's expected finish over the best one's; answered: how long calls took, from the
+    # first choice, over the best expected finish then. One server a stage, one trainer, one micro-batch in
+    # flight: no choice and no queue, so both are 1
+    model.ONE_WAY_MS[("here", "here")] = 10
+    scenario = Scenario(stages=2, servers=2, trainers=1, micro_batch=10, in_flight=1, seconds_per_sample=0.01,
+                        **QUIET)
+    swarm, [window] = simulate(scenario, 120.0, window=120.0, warmup=30.0, pinned=[(0, 1.0), (1, 1.0)])
+    assert len(swarm.answered) > 100
+    assert window.routing == pytest.approx(1.0, abs=1e-6)
+    assert window.answered == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_servers_backlog_counts_what_its_running_task_has_left():
+    swarm = model.Swarm(Scenario(**QUIET))
+    server = swarm.add_server(0, 1.0)
+    server.state = "ONLINE"
+    for _ in range(2):
+        swarm.submit(server, 2.0, lambda: None, lambda *_: None)
+    swarm.sim.run(0.5)
+    assert server.backlog(swarm.sim.now) == pytest.approx(1.5 + 2.0)
+
+
+def test_answered_counts_the_refusals_and_retries_of_a_call_from_its_first_choice():
+    # two equal servers a stage, one refusing beyond one task queued: calls that are refused are answered later
+    # than the oracle (which sends work only where it is taken) expected at their first choice
+    model.ONE_WAY_MS[("here", "here")] = 1
+    scenario = Scenario(stages=2, servers=4, trainers=4, micro_batch=4, in_flight=8, seconds_per_sample=0.01,
+                        max_queue=1, **QUIET)
+    swarm, [window] = simulate(scenario, 60.0, window=60.0, warmup=30.0,
+                               pinned=[(0, 1.0), (0, 1.0), (1, 1.0), (1, 1.0)])
+    assert swarm.failed_calls > 100
+    assert window.answered > 1.1
+    took = sum(a for a, _ in swarm.answered)
+    assert took <= 60.0 * 4 * 8 * 1.01  # each trainer's 8 micro-batches in flight, one call at a time each
+
+
 def test_a_message_past_the_stream_window_waits_a_round_trip_per_window_where_the_bytes_go_out_sooner():
     model.ONE_WAY_MS[("here", "here")] = 50
     swarm = model.Swarm(Scenario(**QUIET))

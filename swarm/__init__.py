@@ -10,6 +10,7 @@ tests/unit/test_layers.py keeps every import going down these layers)::
     ``swarm.healthcheck``  the container's HEALTHCHECK
     ``swarm.hivemind_internals``  every use of hivemind's private names, in one place
     ``swarm.threads``   which thread may change what: owners that mutators check (on in tests)
+    ``swarm.tasks``     event loops that hold their tasks until done (asyncio holds them weakly)
     ``swarm.tenure``    how long this peer has watched another, and what that lets it believe
     ``swarm.zero``      ZeRO sharding of a stage's optimizer state: layout, ownership, chunk AdamW
     ``swarm.activations``  the activation cache: a forward's graph kept until its backward

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from swarm.tasks import hold_tasks
+
 T = TypeVar("T")
 
 DEFAULT_LOOP_START_TIMEOUT = 10.0
@@ -31,7 +33,7 @@ class BackgroundLoop:
         if self._thread is not None:
             raise RuntimeError(f"{self.name} is already started")
         started = threading.Event()
-        self._loop = asyncio.new_event_loop()
+        self._loop = hold_tasks(asyncio.new_event_loop())
         self._thread = threading.Thread(target=self._serve, args=(started,), name=self.name, daemon=True)
         self._thread.start()
         if not started.wait(timeout):

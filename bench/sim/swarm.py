@@ -498,7 +498,8 @@ class Trainer:
                                        min([chosen, *(finish(c) for c in self.swarm.online(stage))]) - sim.now))
             if first is None:  # the oracle sends it where it would be answered first, to a server that takes it
                 room = [c for c in self.swarm.online(stage) if s.max_queue is None or len(c.queue) < s.max_queue]
-                first = (sim.now, min(finish(c) for c in room or self.swarm.online(stage)))
+                # (with no server ONLINE, the one chosen: the trainer's last lookup still lists it)
+                first = (sim.now, min([finish(c) for c in room or self.swarm.online(stage)] or [chosen]))
         seconds = n * s.seconds_per_sample * work(ticket.peer_id) / server.speed
 
         over = [False]  # answered, failed or timed out: whatever comes later is ignored

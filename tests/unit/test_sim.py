@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,17 @@ def test_answered_counts_the_refusals_and_retries_of_a_call_from_its_first_choic
     assert window.answered > 1.1
     took = sum(a for a, _ in swarm.answered)
     assert took <= 60.0 * 4 * 8 * 1.01  # each trainer's 8 micro-batches in flight, one call at a time each
+
+
+def test_routing_is_measured_while_stages_empty_and_fill_again():
+    # a small swarm with churn (bench/sim/run.py's small case): stages lose their last server, a trainer still
+    # calls one its last lookup listed, and both measures stay defined (a call can take less than the oracle expected
+    # at its first choice: work queued ahead of it was dropped, or its server left and another took it sooner)
+    scenario = Scenario(stages=8, servers=24, trainers=8, session=1800.0, seconds_per_sample=0.05, micro_batch=16,
+                        in_flight=4, seed=0)
+    swarm, windows = simulate(scenario, 3600.0)
+    assert swarm.answered
+    assert all(1.0 - 1e-9 <= w.routing < math.inf and 0.0 < w.answered < math.inf for w in windows)
 
 
 def test_a_message_past_the_stream_window_waits_a_round_trip_per_window_where_the_bytes_go_out_sooner():

@@ -11,6 +11,7 @@ running swarm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import functools
 import multiprocessing as mp
@@ -304,6 +305,47 @@ def wrap_p2p_rpc_methods(replacements: dict[str, Any]) -> dict[str, Any]:
     for role, method in replacements.items():
         setattr(P2P, P2P_RPC_METHODS[role], method)
     return originals
+
+
+# How long a stream handler that has answered waits for its caller's end of stream before closing anyway (an
+# honest caller sends it right after its last message), and how many unread messages it takes meanwhile: a
+# caller trickling messages holds a finished handler's stream this long at most.
+DRAIN_SECONDS = 2.0
+DRAIN_MESSAGES = 64
+
+
+def read_to_end_before_close() -> None:
+    """From now on, in this process (and the processes it forks), a protobuf stream handler that has sent its
+    last reply reads its caller's stream to the end before hivemind closes it.
+
+    hivemind closes a handler's stream as soon as the handler returns. A caller still sending then (its
+    end-of-stream marker, or messages the handler did not need) writes into a closed stream, and p2pd resets
+    it, taking along the replies not yet delivered: the caller loses its last ones. Measured with two daemons
+    on loopback (a handler that reads one request and answers 1 MB): 1 reply of 100 lost when the caller sent
+    only its end of stream after the request, 16 of 100 when it sent three more messages (the all-reduce's
+    reducers are such handlers). In 2 x 2 swarms of tiny.yaml the rounds that lost their last parts ("received
+    85.0% results") did not measurably drop with it (2 runs of 150 steps each way): they have another cause
+    too. Reading to the end (bounded: DRAIN_MESSAGES messages within DRAIN_SECONDS) closes the stream only once
+    the caller has finished with it. Unary-input handlers read their input to the end already (hivemind's
+    asingle).
+    """
+    if getattr(P2P._add_protobuf_stream_handler, "_reads_to_end", False):
+        return
+    add = P2P._add_protobuf_stream_handler
+
+    async def add_reading_to_end(self, name, handler, input_protobuf_type, *args, **kwargs):
+        async def reading_to_end(requests, context):
+            async for reply in handler(requests, context):
+                yield reply
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(DRAIN_SECONDS):
+                    for _ in range(DRAIN_MESSAGES):
+                        await requests.__anext__()
+
+        return await add(self, name, reading_to_end, input_protobuf_type, *args, **kwargs)
+
+    add_reading_to_end._reads_to_end = True
+    P2P._add_protobuf_stream_handler = add_reading_to_end
 
 
 def add_p2pd_flags(flags: dict[str, Any], with_trusted_relays: dict[str, Any] | None = None) -> None:

@@ -381,3 +381,10 @@ def test_the_daemon_client_still_connects_and_opens_raw_streams_as_we_call_it():
     assert list(inspect.signature(Client.connect).parameters) == ["self", "peer_id", "maddrs"]
     assert list(inspect.signature(Client.stream_open).parameters) == ["self", "peer_id", "protocols"]
     assert "return await self.control.stream_open(" in inspect.getsource(Client.stream_open)
+
+
+def test_stream_handlers_are_still_added_through_one_method_taking_the_handler_third():
+    # read_to_end_before_close wraps it: every protobuf stream handler (stream input or output) goes through it
+    parameters = list(inspect.signature(P2P._add_protobuf_stream_handler).parameters)
+    assert parameters[:4] == ["self", "name", "handler", "input_protobuf_type"]
+    assert "_add_protobuf_stream_handler" in inspect.getsource(P2P.add_protobuf_handler)

@@ -14,10 +14,10 @@ import asyncio
 import gc
 
 import pytest
-from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 
-from swarm.tasks import hold_tasks, keep_tasks_alive
+from swarm.tasks import keep_tasks_alive
+from tests.integration.p2p_pair import run_held, server_and_client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,15 +27,9 @@ PART = 600 * 1024  # larger than a stream reader's buffer limit
 
 def test_a_detached_stream_call_finishes_under_collection():
     keep_tasks_alive()
-    import uvloop
-
-    loop = hold_tasks(uvloop.new_event_loop())
 
     async def main() -> tuple[list[int], int]:
-        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
-        try:
+        async with server_and_client() as (server, client):
             received: list[int] = []
 
             async def slow_handler(stream, _context):
@@ -71,13 +65,7 @@ def test_a_detached_stream_call_finishes_under_collection():
                 await asyncio.sleep(0.05)
             await asyncio.wait_for(finished.wait(), timeout=20)
             return received, replies[0]
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
-    try:
-        received, replies = loop.run_until_complete(main())
-    finally:
-        loop.close()
+    received, replies = run_held(main)
     assert received == [PART] * MESSAGES
     assert replies == MESSAGES

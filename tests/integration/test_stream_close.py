@@ -13,12 +13,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import uvloop
-from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 
 from swarm.hivemind_internals import read_to_end_before_close
-from swarm.tasks import hold_tasks
+from tests.integration.p2p_pair import run_held, server_and_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,13 +28,9 @@ EXTRA = 3  # messages the caller sends after the one the handler reads
 def test_every_reply_arrives_when_the_caller_sends_after_the_handler_is_done():
     read_to_end_before_close()
     read_to_end_before_close()  # (once is enough: not wrapped twice)
-    loop = hold_tasks(uvloop.new_event_loop())
 
     async def main() -> tuple[int, list[str]]:
-        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
-        try:
+        async with server_and_client() as (server, client):
             async def answer_the_first(stream, _context):
                 await stream.__anext__()
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
@@ -63,13 +57,7 @@ def test_every_reply_arrives_when_the_caller_sends_after_the_handler_is_done():
                     errors.append(type(e).__name__)
                 whole += received == REPLY
             return whole, errors
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
-    try:
-        whole, errors = loop.run_until_complete(main())
-    finally:
-        loop.close()
+    whole, errors = run_held(main)
     assert errors == []
     assert whole == CALLS

@@ -59,5 +59,4 @@ def test_every_reply_arrives_when_the_caller_sends_after_the_handler_is_done():
             return whole, errors
 
     whole, errors = run_held(main)
-    assert errors == []
-    assert whole == CALLS
+    assert (whole, errors) == (CALLS, []), f"{whole} of {CALLS} replies whole; the caller saw {errors}"

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import pytest
 import torch
-from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
@@ -32,12 +30,12 @@ from swarm.protocol import (
     stage_namespace,
 )
 from swarm.protocol.framing import encode_metadata
+from tests.integration.p2p_pair import server_and_client as two_peers
 
 pytestmark = pytest.mark.timeout(120)
 
 SCENARIO_TIMEOUT = 90.0  # one test's whole scenario, peers included
 CALL_TIMEOUT = 20.0  # generous for 2 shared CPU cores; the unavailable test uses its own short one
-HOST = ["/ip4/127.0.0.1/tcp/0"]
 
 
 class DoublingStage(StageHandler):
@@ -89,20 +87,6 @@ class GatedStage(DoublingStage):
         self.entered.set()
         await self.release.wait()
         return await super().forward(request)
-
-
-@contextlib.asynccontextmanager
-async def two_peers():
-    """A server peer and a client peer connected to it; both shut down however the test ends."""
-    server = await P2P.create(host_maddrs=HOST)
-    try:
-        client = await P2P.create(host_maddrs=HOST, initial_peers=await server.get_visible_maddrs())
-        try:
-            yield server, client
-        finally:
-            await client.shutdown()
-    finally:
-        await server.shutdown()
 
 
 def run(scenario) -> None:

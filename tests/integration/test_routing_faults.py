@@ -179,10 +179,12 @@ def test_with_one_micro_batch_in_flight_a_measured_slow_server_gets_no_work(
     else:
         pytest.fail(f"a call failed in each of {CLEAN_WINDOW_ATTEMPTS} windows: {trainer.proc.describe()}")
     # Bar the balancer's re-test of a measured server, once idle REPROBE_SPACING times its last answer's duration
-    # (at least SLOW_DELAY here): on loaded cores the windows can outlast that (CI saw one re-test in a window)
+    # (at least SLOW_DELAY here): on loaded cores the windows can outlast that (CI saw one re-test in a window);
+    # and bar the newcomer's one probe where the window began before the slow server had answered anything (its
+    # record can reach the trainer late on loaded cores: CI saw that probe fall in the window, 2026-12-06)
     elapsed = time.monotonic() - started
-    retests = int(elapsed // (REPROBE_SPACING * SLOW_DELAY))
-    assert to_slow <= retests and to_normal >= ONE_IN_FLIGHT_SAMPLES / 8, (to_normal, to_slow, elapsed)
+    allowed = int(elapsed // (REPROBE_SPACING * SLOW_DELAY)) + (1 if slow_before == 0 else 0)
+    assert to_slow <= allowed and to_normal >= ONE_IN_FLIGHT_SAMPLES / 8, (to_normal, to_slow, slow_before, elapsed)
     assert trainer.metric("swarm_trainer_failed_micro_batches_total") == 0.0, trainer.proc.describe()
 
 

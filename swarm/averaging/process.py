@@ -301,7 +301,7 @@ class AveragingProcess(AveragerInternals):
                 self.config.request_timeout)
             return answered_ok(reply.metadata)
         except Exception as e:  # noqa: BLE001 - a server gone or slow: the DHT carries the declaration
-            logger.debug("sending a matchmaking declaration to %s failed: %s", peer, e)
+            logger.debug("sending a matchmaking declaration to %s failed: %r", peer, e)
             return False
 
     def arm(self, step: int, group_size: int, gather: dict, members: Sequence[str] = ()) -> StepControl:

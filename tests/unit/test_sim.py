@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.sim import network
 from bench.sim import swarm as model
 from bench.sim.swarm import Scenario, simulate
 from bench.sim.validate import DEFAULT, simulated
@@ -82,7 +83,7 @@ def test_routing_is_measured_while_stages_empty_and_fill_again():
 def test_a_message_past_the_stream_window_waits_a_round_trip_per_window_where_the_bytes_go_out_sooner():
     model.ONE_WAY_MS[("here", "here")] = 50
     swarm = model.Swarm(Scenario(**QUIET))
-    window = model.STREAM_WINDOW
+    window = network.STREAM_WINDOW
 
     def link(mbit: float) -> model.Endpoint:
         return model.Endpoint("here", mbit * 1e6 / 8, mbit * 1e6 / 8)

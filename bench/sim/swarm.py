@@ -438,12 +438,12 @@ class Trainer:
 
         if self.swarm.measure_routing:  # the oracle's choice among the stage's ONLINE servers, beside ours
             chosen = finish(server)
-            self.swarm.routing.append((chosen - sim.now,
-                                       min([chosen, *(finish(c) for c in self.swarm.online(stage))]) - sim.now))
+            finishes = {c: finish(c) for c in self.swarm.online(stage)}
+            self.swarm.routing.append((chosen - sim.now, min([chosen, *finishes.values()]) - sim.now))
             if first is None:  # the oracle sends it where it would be answered first, to a server that takes it
-                room = [c for c in self.swarm.online(stage) if s.max_queue is None or len(c.queue) < s.max_queue]
+                room = [f for c, f in finishes.items() if s.max_queue is None or len(c.queue) < s.max_queue]
                 # (with no server ONLINE, the one chosen: the trainer's last lookup still lists it)
-                first = (sim.now, min([finish(c) for c in room or self.swarm.online(stage)] or [chosen]))
+                first = (sim.now, min(room or [*finishes.values()] or [chosen]))
         seconds = n * s.seconds_per_sample * work(ticket.peer_id) / server.speed
 
         over = [False]  # answered, failed or timed out: whatever comes later is ignored

@@ -65,7 +65,7 @@ from swarm.protocol import (
 )
 from swarm.protocol.messages import check_moe_lost
 from swarm.routing.balancer import StageBalancer, Ticket
-from swarm.routing.spot_checks import SPOT_CHECK_RATE, SpotCheck, Witnesses
+from swarm.routing.spot_checks import SPOT_CHECK_RATE, SpotCheck, Verdict, Witnesses
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +244,14 @@ class RemotePipeline:
                 if reply is not None and check is not None:
                     answered = balancer.clock()  # its speed is its own, the check's time left out
                     first = None if early is None else await early
-                    if await witnesses.rejects(check, check.claim(ticket.peer_id, reply), first):
-                        reply = None  # wrong: retried on another server, like a failure
-                        self.stats.rejected += 1
-                    else:
+                    verdict = await witnesses.judge(check, check.claim(ticket.peer_id, reply), first)
+                    if verdict is Verdict.USE:
                         balancer.report_success(ticket, answered)
+                    else:
+                        reply = None  # not used: retried on another server, like a failure
+                        self.stats.rejected += 1
+                        if verdict is Verdict.UNLIKE:  # no lie shown, none disproved: held off as a busy server
+                            balancer.report_failure(ticket, brief=True)
             finally:
                 # After a failure, a refused request or a cancellation the task is no longer the
                 # server's; a reported success already closed the ticket, so this does nothing then.

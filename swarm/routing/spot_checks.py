@@ -35,16 +35,22 @@ nor clear its record with honest answers of the other kind. A wrong server is ba
 balancer's longest ban, its peer id logged; a wrong reply (or a struck one) is not used: the call is
 retried on another server. Two servers alone cannot say which is wrong: the dispute is logged and
 the reply used, unless one of the two is a newcomer (it has yet to answer us well) and the other is
-not: the newcomer gets a strike, its answer is not used, and it stays on probation. A newcomer's
-answers as a witness do not end its probation. What a check catches is gross: zeros, noise, a
-flipped or scaled-up gradient, a made-up loss. A reply within the tolerances (a gradient with some
-noise added, scaled by less than `SLOPE_RATIO`) passes, and so does a lie two witnesses share
-(colluding servers).
+not: the newcomer gets a strike, its answer is not used, and it stays on probation. Where the two
+answered at moments that do not compare (another step, or both on predictions, each from its own
+share of the batch: early in a run, while every step has a round, that is most answers), nothing
+says it lied: no strike, but its answer is not used and it is held off as a busy server is
+(`Verdict.UNLIKE`: a ban from the balancer's brief base, doubling while it lasts), so a liar making
+up moments is soon left out for the balancer's longest ban, and an honest one is back within
+seconds. A newcomer's answers as a witness do not end its probation. What a check catches is
+gross: zeros, noise, a flipped or scaled-up gradient, a made-up loss. A reply within the tolerances
+(a gradient with some noise added, scaled by less than `SLOPE_RATIO`) passes, and so does a lie two
+witnesses share (colluding servers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import random
@@ -115,6 +121,13 @@ def agree(a: Finding, b: Finding) -> bool:
             abs(a.loss - b.loss) > LOSS_TOLERANCE * max(abs(a.loss), abs(b.loss)):
         return False
     return a.slope is None or b.slope is None or slopes_agree(a.slope, b.slope)
+
+
+def like_for_like(a: Finding, b: Finding) -> bool:
+    """Whether two findings are of one moment that compares: the same step, not on predicted parameters (two
+    replicas predict the next parameters from different shares of the batch). A finding with no step compares
+    with any (a server saying no step gets no excuse)."""
+    return a.step is None or b.step is None or (a.step == b.step and a.step % 2 == 0)
 
 
 def minority(claim: Finding, first: Finding, second: Finding) -> Finding | None:
@@ -193,6 +206,14 @@ class SpotCheck:
         return found if math.isfinite(found.slope) else None
 
 
+class Verdict(enum.Enum):
+    """What a spot check says of a reply."""
+
+    USE = "use"  # it passed, or nothing could judge it
+    WRONG = "wrong"  # not used: wrong, or a newcomer's struck for a dispute nothing settles
+    UNLIKE = "unlike"  # not used: a newcomer's, disputed at a moment that does not compare (held off briefly)
+
+
 Attempt = Callable[..., Awaitable[StageReply | None]]  # (request, ticket, vouch=True): the pipeline's _attempt
 
 
@@ -236,21 +257,20 @@ class Witnesses:
         self.stats.calls += len(tickets)
         return (None if any(r is None for r in replies) else check.finding(peer, replies)), True
 
-    async def rejects(self, check: SpotCheck, claim: Finding | None, first: Finding | None) -> bool:
-        """Judge a reply's claim with the first witness's finding (asked before, or now if None): whether
-        the reply must not be used."""
+    async def judge(self, check: SpotCheck, claim: Finding | None, first: Finding | None) -> Verdict:
+        """Judge a reply's claim with the first witness's finding (asked before, or now if None)."""
         if claim is None:
-            return False
+            return Verdict.USE
         if first is None and check.slopes:
             first = await self.ask(check, {claim.peer})
         if first is None:
-            return False
+            return Verdict.USE
         self.stats.spot_checks += 1
         kind = check.request.kind
         if agree(claim, first):
             self._note(claim.peer, kind, struck=False)
             self._note(first.peer, kind, struck=False)
-            return False
+            return Verdict.USE
         self.stats.disputes += 1
         second = await self.ask(check, {claim.peer, first.peer})
         wrong = None if second is None else minority(claim, first, second)
@@ -261,13 +281,20 @@ class Witnesses:
             # probation, so its next answer is checked too. Else a liar that joins while the stage's other
             # servers are banned or busy would have its lies used from its first call.
             elder = first if newcomer is claim else claim
+            if not like_for_like(newcomer, elder):
+                # (three strikes within a second banned an honest replica early in a run, its stage's other
+                # replica answering on predictions, and halved the stage for the ban's 300 s)
+                log.info("spot check of stage %d %s: newcomer %s disagrees with %s, which answered us before, at "
+                         "steps %s and %s, which do not compare; its answer is not used", self.stage, kind,
+                         newcomer.peer, elder.peer, moment_label(newcomer.step), moment_label(elder.step))
+                return Verdict.UNLIKE if newcomer is claim else Verdict.USE
             strikes = self._note(newcomer.peer, kind, struck=True)
             log.info("spot check of stage %d %s: newcomer %s disagrees with %s, which answered us before, and no "
                      "third server settles it; %d of %d strikes", self.stage, kind, newcomer.peer, elder.peer,
                      strikes, STRIKES)
             if strikes >= STRIKES:
                 self._ban(newcomer, [elder], kind)
-            return newcomer is claim
+            return Verdict.WRONG if newcomer is claim else Verdict.USE
         if wrong is None:
             # Two replicas at different steps compute different things: a stage of two whose servers are steps
             # apart (one catching up) would say so on most checks, which is no news for whoever reads the log
@@ -276,14 +303,14 @@ class Witnesses:
                 "spot check of stage %d %s on %s: witness %s disagrees and no third server settles it%s", self.stage,
                 check.request.kind, claim.peer, first.peer,
                 f" (they answered at steps {moment_label(claim.step)} and {moment_label(first.step)})" if apart else "")
-            return False
+            return Verdict.USE
         others = [f for f in (claim, first, second) if f is not wrong]
         for f in others:
             self._note(f.peer, kind, struck=False)
         excused = wrong.step is not None and all(f.step is not None and f.step != wrong.step for f in others)
         if not excused or self._note(wrong.peer, kind, struck=True) >= STRIKES:
             self._ban(wrong, others, kind)
-        return wrong is claim
+        return Verdict.WRONG if wrong is claim else Verdict.USE
 
     def _newcomer_of(self, claim: Finding, witness: Finding) -> Finding | None:
         """The one of the two on probation (yet to answer us well) if the other is not, else None."""

@@ -291,6 +291,51 @@ def test_a_newcomer_disputed_by_a_server_that_answered_before_is_not_used_and_st
     assert [f"{n} of {STRIKES} strikes" in r.message for n, r in enumerate(struck, 1)] == [True] * STRIKES
 
 
+def test_a_newcomer_disputed_at_a_moment_that_does_not_compare_is_held_off_briefly_not_struck(caplog):
+    """An honest replica early in a run answers at its step while the one that answered before answers on a
+    prediction of its next parameters (or both on their own predictions, or a step apart): their outputs
+    differ, and nothing says which lies. The newcomer's answer is not used and it is held off as a busy
+    server is (from the balancer's brief base), with no strike: three in a second banned such a replica for
+    300 s in a 2 x 2 swarm. Once it agrees at a like moment it is used. A liar always answering at such a
+    moment is never used, and held off ever longer."""
+    for moment in ({"step": STEP + 1}, {"ahead": True}, {"both ahead": True}):
+        swarm = Swarm({0: ["h"], 1: ["c"], 2: ["h"]})  # (the newcomer "b" wins ties with "c")
+        swarm.trip(0)
+        swarm.pipeline.update_servers({0: ["h"], 1: ["c", "b"], 2: ["h"]})
+        balancer, clock = swarm.pipeline.balancers[1], swarm.pipeline.clock
+        step = moment.get("step", STEP)
+        ahead = {"ahead": True} if moment.keys() & {"ahead", "both ahead"} else {}
+        swarm.once["b"] = lambda r, step=step, ahead=ahead: StageReply([r.tensors[0] * 3], step, {**r.info, **ahead})
+        if "both ahead" in moment:
+            swarm.once["c"] = lambda r: StageReply(r.tensors, STEP, {**r.info, "ahead": True})
+        with caplog.at_level(logging.INFO, "swarm.routing.spot_checks"):
+            loss, _ = swarm.honest_trip(1)
+            assert swarm.trip(1) == pytest.approx(loss, rel=1e-5)  # its answer was not used
+        assert "b" not in swarm.once and any("which do not compare" in r.message for r in caplog.records)
+        state = balancer.servers["b"]
+        assert state.failures == 1 and 0 < state.banned_until - clock.now <= balancer.brief_ban_base
+        assert not swarm.pipeline.witnesses[1].strikes("b", FORWARD) and not swarm.pipeline.stats.caught
+        clock.now = state.banned_until  # its brief ban over, it answers like for like: used, off probation
+        calls = swarm.calls["b", FORWARD]
+        swarm.trip(2)
+        assert swarm.calls["b", FORWARD] > calls and not balancer.on_probation("b") and not swarm.pipeline.stats.caught
+        caplog.clear()
+
+    liar = Swarm({0: ["h"], 1: ["h1"], 2: ["h"]}, "noise output, always ahead")
+    liar.trip(0)
+    liar.pipeline.update_servers({0: ["h"], 1: ["h1", "liar"], 2: ["h"]})
+    balancer, clock = liar.pipeline.balancers[1], liar.pipeline.clock
+    bans = []
+    for seed in range(1, 6):
+        loss, _ = liar.honest_trip(seed)
+        assert liar.trip(seed) == pytest.approx(loss, rel=1e-5)  # never used
+        state = balancer.servers["liar"]
+        bans.append(state.banned_until - clock.now)
+        clock.now = max(clock.now, state.banned_until)  # (the next trip may pick it again)
+    assert bans == sorted(bans) and bans[-1] >= 8 * bans[0] and balancer.on_probation("liar")
+    assert not liar.pipeline.witnesses[1].strikes("liar", FORWARD)
+
+
 def test_an_honest_newcomer_agrees_and_is_used():
     swarm = Swarm({0: ["h"], 1: ["h1"], 2: ["h"]})
     swarm.trip(0)

@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import threading
+import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -32,11 +33,14 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import serialize_torch_tensor
 from hivemind.dht.schema import SchemaValidator
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from hivemind.utils.multiaddr import Multiaddr
+
+UNKNOWN_GROUP_WAIT = 3.0  # seconds a part for a group not registered here waits for it (AveragerInternals)
+UNKNOWN_GROUP_POLL = 0.02
 
 
 class AveragerInternals(DecentralizedAverager):
@@ -77,6 +81,29 @@ class AveragerInternals(DecentralizedAverager):
         counted = {peer: weight for peer, weight in zip(getattr(runner, "sender_peer_ids", ()), weights)
                    if weight is not None}
         return self.with_counted_weights(gathered, counted)
+
+    async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        # A part for a group this member does not run: hivemind waits for the next group it registers. A member
+        # whose leader's word that the group formed never reached it (the join stream ended empty, 2 x 2 swarms:
+        # ~1 round in 200) still looks for a group, so that wait lasted its whole matchmaking window, and the
+        # leader's round waited as long (next_chunk_timeout), 10 s and more a stall. Bounded here: a group that
+        # has not registered within unknown_group_wait() is refused, and the sender's round fails at once.
+        first = await anext(stream)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.unknown_group_wait()
+        while first.group_id not in self._running_groups and loop.time() < deadline:
+            await asyncio.sleep(UNKNOWN_GROUP_POLL)
+        if first.group_id not in self._running_groups:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(_first_then(first, stream), context):
+            yield message
+
+    def unknown_group_wait(self) -> float:
+        """In the child: how long a part for a group not (yet) registered here waits for it (the leader's word
+        that the group formed may come after a member's part)."""
+        return UNKNOWN_GROUP_WAIT
 
     def _group_only(self, group_info: Any) -> dict[Any, Any]:
         """Each member's gather data, each with the round's group id, and no all-reduce (a sharded round
@@ -272,6 +299,17 @@ class PolicyAllReduceRunner(AllReduceRunner):
         container.register_processed_part = register_processed_part
         container.register_failed_reducer = register_failed_reducer
 
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except Exception:
+            # Its part of the vector is lost, so the round is partial whatever else the peer sends: stop waiting
+            # for its parts of ours too (hivemind waits next_chunk_timeout for them; a member that was never in
+            # the group sends none). Both ends then fail alike, where one could step while the other retried.
+            if peer_id in self.sender_peer_ids:
+                await self._ban_sender(peer_id)
+            raise
+
     def _count(self, message: Any) -> Any:
         if self._sent is not None:
             self._sent.value += message.ByteSize()  # one event loop: no other writer in this process
@@ -312,6 +350,12 @@ def wrap_p2p_rpc_methods(replacements: dict[str, Any]) -> dict[str, Any]:
 # caller trickling messages holds a finished handler's stream this long at most.
 DRAIN_SECONDS = 2.0
 DRAIN_MESSAGES = 64
+
+
+async def _first_then(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def read_to_end_before_close() -> None:

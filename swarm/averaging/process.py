@@ -236,6 +236,9 @@ class AveragingProcess(AveragerInternals):
         """The averaging process's pid (for operators, and tests that kill it)."""
         return self.pid
 
+    def unknown_group_wait(self) -> float:
+        return self.config.request_timeout  # (as long as a member waits for a leader's word at matchmaking)
+
     def runs_all_reduce(self) -> bool:
         return self._all_reduce
 

@@ -21,6 +21,7 @@ from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from pydantic.v1 import BaseModel, StrictInt
@@ -388,3 +389,81 @@ def test_stream_handlers_are_still_added_through_one_method_taking_the_handler_t
     parameters = list(inspect.signature(P2P._add_protobuf_stream_handler).parameters)
     assert parameters[:4] == ["self", "name", "handler", "input_protobuf_type"]
     assert "_add_protobuf_stream_handler" in inspect.getsource(P2P.add_protobuf_handler)
+
+
+def _parts(*group_ids: bytes):
+    async def stream():
+        for group_id in group_ids:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=group_id)
+    return stream()
+
+
+class _QuickRefusal(AveragerInternals):
+    def unknown_group_wait(self):
+        return 0.1
+
+
+def test_a_part_for_a_group_not_running_here_is_refused_once_the_wait_is_over():
+    # hivemind's handler waits for the next group to register: while this member still looks for a group
+    # (the leader's word that it formed never came), as long as its matchmaking lasts
+    assert "await self._pending_groups_registered.wait()" in class_source(DecentralizedAverager)
+    probe = _QuickRefusal.__new__(_QuickRefusal)
+    probe._parent_pid = None
+    probe._running_groups = {}
+
+    async def answers():
+        return [m async for m in probe.rpc_aggregate_part(_parts(b"unknown"), None)]
+
+    replies = asyncio.run(asyncio.wait_for(answers(), 5))
+    assert [r.code for r in replies] == [averaging_pb2.BAD_GROUP_ID]
+
+
+def test_a_part_for_a_group_registered_meanwhile_goes_to_its_runner_first_part_included():
+    from types import SimpleNamespace
+
+    probe = _QuickRefusal.__new__(_QuickRefusal)
+    probe._parent_pid = None
+    probe._running_groups = {}
+
+    async def runner_handler(stream, context):
+        async for message in stream:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, group_id=message.group_id)
+
+    async def answers():
+        probe._pending_groups_registered = asyncio.Event()
+        registered = asyncio.get_running_loop().create_future()
+        registered.set_result(SimpleNamespace(rpc_aggregate_part=runner_handler))
+        # the leader's word that the group formed comes just after its first part
+        asyncio.get_running_loop().call_later(0.03, probe._running_groups.__setitem__, b"g", registered)
+        return [m async for m in probe.rpc_aggregate_part(_parts(b"g", b"g"), None)]
+
+    replies = asyncio.run(asyncio.wait_for(answers(), 5))
+    assert [(r.code, r.group_id) for r in replies] == [(averaging_pb2.AVERAGED_PART, b"g")] * 2
+
+
+def test_a_peer_that_failed_as_a_reducer_is_banned_as_a_sender(monkeypatch):
+    # hivemind: run() talks to each reducer in _communicate_with_peer, and _ban_sender stops waiting for a
+    # sender's parts (what PolicyAllReduceRunner calls when the exchange with a peer failed)
+    assert "self._communicate_with_peer(" in class_source(AllReduceRunner)
+    assert list(inspect.signature(AllReduceRunner._ban_sender).parameters) == ["self", "peer_id"]
+    assert "self.tensor_part_reducer.on_sender_failed(" in inspect.getsource(AllReduceRunner._ban_sender)
+    from types import SimpleNamespace
+
+    from swarm.hivemind_internals import PolicyAllReduceRunner
+
+    async def failing(self, peer_id):
+        raise ConnectionError(f"{peer_id} is gone")
+
+    monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", failing)
+    failed = []
+    runner = PolicyAllReduceRunner.__new__(PolicyAllReduceRunner)
+    runner.sender_peer_ids, runner.banned_senders = ["a", "b"], set()
+    runner.tensor_part_reducer = SimpleNamespace(on_sender_failed=failed.append)
+
+    async def talk():
+        runner.banlock = asyncio.Lock()
+        with pytest.raises(ConnectionError):
+            await runner._communicate_with_peer("b")
+
+    asyncio.run(talk())
+    assert failed == [1] and runner.banned_senders == {"b"}

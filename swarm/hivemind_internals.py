@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import logging
 import multiprocessing as mp
 import os
 import sys
@@ -34,10 +35,13 @@ from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import serialize_torch_tensor
 from hivemind.dht.schema import SchemaValidator
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from hivemind.utils.multiaddr import Multiaddr
+
+log = logging.getLogger(__name__)
 
 UNKNOWN_GROUP_WAIT = 3.0  # seconds a part for a group not registered here waits for it (AveragerInternals)
 UNKNOWN_GROUP_POLL = 0.02
@@ -350,6 +354,44 @@ def wrap_p2p_rpc_methods(replacements: dict[str, Any]) -> dict[str, Any]:
 # caller trickling messages holds a finished handler's stream this long at most.
 DRAIN_SECONDS = 2.0
 DRAIN_MESSAGES = 64
+
+
+def mend_p2p() -> None:
+    """hivemind's P2P with our two mends, in this process and the processes it forks (call before forking
+    them and before handlers are added): stream handlers read their caller's stream to the end before it
+    is closed, and the unary calls' reader survives a reply to a call cancelled in the same instant."""
+    read_to_end_before_close()
+    keep_reading_after_a_late_reply()
+
+
+def keep_reading_after_a_late_reply() -> None:
+    """From now on, in this process (and the processes it forks), a reply from p2pd to a unary call that was
+    cancelled in the same instant no longer stops this process's unary calls for good.
+
+    hivemind's client reads every reply to a unary call (and every unary request to our handlers) from one
+    persistent connection to p2pd, in one task. A call cancelled (its timeout, or its caller cancelled)
+    cancels the future its reply resolves; when that reply is already waiting to be read in the same
+    event-loop turn, the reader sets a result on the cancelled future, raises InvalidStateError and ends:
+    from then on no reply and no request on that connection is read, so every unary call from and to the
+    process times out. Seen in 2 x 2 swarms (1 run in 3 to 5): a stage's matchmaking declarations (sent
+    straight, averaging.direct_matchmaking) all timed out from partway through the run, its every round
+    formed only through the DHT after averaging.request_timeout, steps grew to 128 samples and the two
+    stages parted by hundreds of steps. The DHT's own calls are unary too. Here the reader picks up with
+    the next message instead: the late reply is dropped, as it would have been a moment later.
+    """
+    read = ControlClient._read_from_persistent_conn
+    if getattr(read, "_keeps_reading", False):
+        return
+
+    async def keep_reading(self, reader):
+        while True:
+            try:
+                return await read(self, reader)
+            except asyncio.InvalidStateError:  # (the message that raised it was read whole: the next one is next)
+                log.debug("p2pd answered a unary call cancelled in the same instant; reading on")
+
+    keep_reading._keeps_reading = True
+    ControlClient._read_from_persistent_conn = keep_reading
 
 
 async def _first_then(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -47,7 +47,7 @@ from swarm.averaging.errors import AveragingError
 from swarm.averaging.robust import RobustPolicy
 from swarm.config import AveragingConfig
 from swarm.dht.node import collect_before_fork
-from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket, read_to_end_before_close
+from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket, mend_p2p
 from swarm.protocol.framing import DEFAULT_LIMITS, answered_ok, decode_metadata, encode_metadata
 from swarm.tasks import keep_tasks_alive
 from swarm.traffic import shared_counter
@@ -106,7 +106,7 @@ class AveragingProcess(AveragerInternals):
         self._declarations = Declarations(prefix, config.matchmaking_timeout + config.min_matchmaking_time)
         self.all_reduce_bytes = shared_counter()  # added to in the averaging process, read in this one
         keep_tasks_alive()  # before the averaging process is forked: its loop holds its rounds' tasks
-        read_to_end_before_close()  # and its reducers deliver their last parts
+        mend_p2p()  # and its reducers deliver their last parts, its declarations' replies are read
         super().__init__(
             buffers,
             dht,

@@ -28,7 +28,7 @@ from swarm.dht.keys import RunRecordGuard, make_validators, run_validators
 from swarm.dht.private import SwarmKey
 from swarm.dht.relays import has_public_address, probe_own_relay
 from swarm.dht.storage import install_bounded_storage
-from swarm.hivemind_internals import add_p2pd_flags, read_to_end_before_close
+from swarm.hivemind_internals import add_p2pd_flags, mend_p2p
 from swarm.tasks import keep_tasks_alive
 from swarm.traffic import count_unary_rpcs, shared_counter
 
@@ -238,7 +238,7 @@ def _start_dht_once(run_id, identity, initial_peers, host_maddrs, announce_maddr
     announce = parse_maddrs(announce_maddrs, "announce multiaddr")
     p2p_kwargs = nat.p2p_kwargs(initial)
     keep_tasks_alive()  # in the DHT process it forks, too
-    read_to_end_before_close()  # (ditto) before this process's handlers are added
+    mend_p2p()  # (ditto) before this process's handlers are added
     collect_before_fork()
     with _identity_file(identity) as identity_path:
         dht = _DHTProcess(

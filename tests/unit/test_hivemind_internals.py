@@ -467,3 +467,54 @@ def test_a_peer_that_failed_as_a_reducer_is_banned_as_a_sender(monkeypatch):
 
     asyncio.run(talk())
     assert failed == [1] and runner.banned_senders == {"b"}
+
+
+def _replies_to(*call_ids) -> bytes:
+    """What p2pd sends on the persistent connection: a varint-prefixed unary reply to each call."""
+    from hivemind.proto import p2pd_pb2
+
+    out = b""
+    for call_id in call_ids:
+        message = p2pd_pb2.PersistentConnectionResponse(
+            callId=call_id.bytes, callUnaryResponse=p2pd_pb2.CallUnaryResponse(response=b"ok")).SerializeToString()
+        n, prefix = len(message), b""
+        while True:
+            prefix += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+            n >>= 7
+            if not n:
+                break
+        out += prefix + message
+    return out
+
+
+@pytest.mark.parametrize("mended", [False, True])
+def test_a_reply_to_a_call_cancelled_in_the_same_instant_stops_the_reader_unless_mended(monkeypatch, mended):
+    """hivemind's reader of unary replies sets each on its call's future: on a future that a cancel reached
+    first it raises InvalidStateError and reads nothing more, so every later reply is lost."""
+    from uuid import uuid4
+
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+
+    monkeypatch.setattr(ControlClient, "_read_from_persistent_conn", ControlClient._read_from_persistent_conn)
+    if mended:
+        hivemind_internals.keep_reading_after_a_late_reply()
+        hivemind_internals.keep_reading_after_a_late_reply()  # (once is enough: not wrapped twice)
+    cancelled, live = uuid4(), uuid4()
+
+    async def read() -> tuple[BaseException | None, bool]:
+        client = ControlClient.__new__(ControlClient)
+        loop = asyncio.get_running_loop()
+        client._pending_calls = {cancelled: loop.create_future(), live: loop.create_future()}
+        client._handler_tasks, client._read_task, client._write_task = {}, None, None
+        client._pending_calls[cancelled].cancel()  # its caller gave up just as the reply came
+        reader = asyncio.StreamReader()
+        reader.feed_data(_replies_to(cancelled, live))
+        reader.feed_eof()
+        try:
+            await asyncio.wait_for(client._read_from_persistent_conn(reader), 5)
+        except asyncio.InvalidStateError as e:
+            return e, client._pending_calls[live].done()
+        return None, client._pending_calls[live].result() == b"ok"
+
+    error, answered = asyncio.run(read())
+    assert (error is None and answered) if mended else (error is not None and not answered)

@@ -236,10 +236,12 @@ class PlainRound(Round):
                 log.warning("stage %d: averaging for step %d failed (%s); its %d samples count towards try %d of %d",
                             host.stage, view.step + 1, failure, samples, retries.tries + 1, retries.max_tries + 1)
                 return functools.partial(host.try_again, grads, samples)
+            if samples == 0:  # nothing of our own to step on: wait to catch up
+                log.warning("stage %d: averaging for step %d failed (%s); with no samples of its own, this server "
+                            "waits to catch up with its stage", host.stage, view.step + 1, failure)
+                return host.end_round
             log.warning("stage %d: averaging for step %d failed (%s); stepping on this server's %d samples alone",
                         host.stage, view.step + 1, failure, samples)
-            if samples == 0:  # nothing of our own to step on: wait to catch up
-                return host.end_round
             return functools.partial(self.apply, host.mean(grads, samples), samples, FAILED, [host.peer_id],
                                      samples)
         group = len(gathered)

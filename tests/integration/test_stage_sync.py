@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -141,7 +142,7 @@ def samples_served(server: StageServer) -> float:
 
 
 
-def stage_steps(*replicas: list[dict]) -> list[dict]:
+def stage_steps(*replicas: Iterable[dict]) -> list[dict]:
     """Each step of a stage: its samples, and how many of them came one step late (what its replicas'
     own samples that came late add up to; a replica knows only its own). A step that a replica took
     by catching up (downloading the stage's state) has no record of that replica: its late samples
@@ -154,9 +155,9 @@ def stage_steps(*replicas: list[dict]) -> list[dict]:
              "records": len(records)} for _, records in sorted(by_step.items())]
 
 
-def latest(steps: list[dict]) -> list[dict]:
-    """A replica's step records, the last one of each step (a catch-up may go back a step), by step."""
-    return sorted({x["step"]: x for x in steps}.values(), key=lambda x: x["step"])
+def by_step(steps: list[dict]) -> dict[int, dict]:
+    """A replica's step records by step, the last one of each (a catch-up may go back a step)."""
+    return {x["step"]: x for x in steps}
 
 
 def downloads(server: StageServer) -> float:
@@ -250,22 +251,19 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         for own, caught in ((steps_a, caught_a), (steps_b, caught_b)):
             numbers = [x["step"] for x in own]
             assert numbers == list(range(1, a["step"] + 1)) or caught > 0, (numbers, a["step"], caught)
+        a_at, b_at = by_step(steps_a), by_step(steps_b)
+        kept = [*a_at.values(), *b_at.values()]
         # own samples of steps a catch-up took back (the replica's state went back to the elder's)
-        undone = sum(x["own_samples"] for x in steps_a + steps_b) - sum(
-            x["own_samples"] for x in latest(steps_a) + latest(steps_b))
-        steps_a, steps_b = latest(steps_a), latest(steps_b)
-        merged = stage_steps(steps_a, steps_b)
+        undone = sum(x["own_samples"] for x in steps_a + steps_b) - sum(x["own_samples"] for x in kept)
+        merged = stage_steps(a_at.values(), b_at.values())
         assert len(merged) == a["step"], "a step neither replica took itself"
         # every step a round of both replicas over at least a batch
-        assert [(x["averaging"], x["group_size"]) for x in steps_a + steps_b] == \
-            [("succeeded", 2)] * (len(steps_a) + len(steps_b))
+        assert [(x["averaging"], x["group_size"]) for x in kept] == [("succeeded", 2)] * len(kept)
         samples_per_step = [x["samples"] for x in merged]
-        b_at = {x["step"]: x for x in steps_b}
-        assert all(x["samples"] == b_at[x["step"]]["samples"] for x in steps_a if x["step"] in b_at)
         assert min(samples_per_step) >= BATCH
-        # what each replica brought to each step both recorded adds up to the step
-        a_at = {x["step"]: x for x in steps_a}
-        assert all(x["own_samples"] + b_at[n]["own_samples"] == x["samples"] for n, x in a_at.items() if n in b_at)
+        # a step both recorded: of as many samples on each, which what each brought adds up to
+        assert all(a_at[n]["samples"] == b_at[n]["samples"] == a_at[n]["own_samples"] + b_at[n]["own_samples"]
+                   for n in a_at.keys() & b_at.keys())
         on_time = [x["samples"] - x["late"] for x in merged if x["records"] == STAGES.count(stage)]
         # a push takes milliseconds, but on two loaded cores a replica has been seen to add two
         # micro-batches before the other's arrived
@@ -287,7 +285,7 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
     swarm_loss = swarm_model.evaluate()
     # each stage as its replicas stepped (the stages' rounds may split the same samples differently)
     reference_loss = reference_val_loss(copy.deepcopy(config), [
-        stage_steps(*[latest(x) for x, s in zip(steps, STAGES) if s == stage]) for stage in (0, 1)])
+        stage_steps(*[by_step(x).values() for x, s in zip(steps, STAGES) if s == stage]) for stage in (0, 1)])
 
     assert swarm_loss < LEARNED * initial_loss and reference_loss < LEARNED * initial_loss, \
         (initial_loss, swarm_loss, reference_loss)

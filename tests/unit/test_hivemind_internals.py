@@ -421,22 +421,32 @@ def test_a_part_for_a_group_not_running_here_is_refused_once_the_wait_is_over():
 def test_a_part_for_a_group_registered_meanwhile_goes_to_its_runner_first_part_included():
     from types import SimpleNamespace
 
-    probe = _QuickRefusal.__new__(_QuickRefusal)
-    probe._parent_pid = None
-    probe._running_groups = {}
+    class RegisteredOnceLookedFor(dict):
+        """The running groups, where the leader's word that the group formed comes just after its first part:
+        the first look finds nothing, and registers it."""
+
+        def __contains__(self, group_id):
+            found = super().__contains__(group_id)
+            if not found:
+                self[group_id] = registered
+            return found
 
     async def runner_handler(stream, context):
         async for message in stream:
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, group_id=message.group_id)
 
+    probe = _QuickRefusal.__new__(_QuickRefusal)
+    probe._parent_pid = None
+    probe._running_groups = RegisteredOnceLookedFor()
+
     async def answers():
+        nonlocal registered
         probe._pending_groups_registered = asyncio.Event()
         registered = asyncio.get_running_loop().create_future()
         registered.set_result(SimpleNamespace(rpc_aggregate_part=runner_handler))
-        # the leader's word that the group formed comes just after its first part
-        asyncio.get_running_loop().call_later(0.03, probe._running_groups.__setitem__, b"g", registered)
         return [m async for m in probe.rpc_aggregate_part(_parts(b"g", b"g"), None)]
 
+    registered = None
     replies = asyncio.run(asyncio.wait_for(answers(), 5))
     assert [(r.code, r.group_id) for r in replies] == [(averaging_pb2.AVERAGED_PART, b"g")] * 2
 

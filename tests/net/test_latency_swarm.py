@@ -39,7 +39,13 @@ def test_a_swarm_at_100_ms_one_way_trains_without_banning_healthy_servers(lab: L
         done = {name: rounds(host, "succeeded") for name, host in servers.items()}
         return done if min(done.values()) >= ROUNDS else None
 
-    done = trainer.wait_until(completed, TRAIN_TIMEOUT, f"{ROUNDS} averaging rounds on every server")
+    try:
+        done = trainer.wait_until(completed, TRAIN_TIMEOUT, f"{ROUNDS} averaging rounds on every server")
+    except AssertionError as e:  # which server fell behind, and what it said
+        counts = {name: (rounds(host, "succeeded"), rounds(host, "failed")) for name, host in servers.items()}
+        logs = "\n".join(f"=== server {name}: rounds (succeeded, failed) {counts[name]}\n{proc.describe()}"
+                         for name, proc in procs_of.items())
+        raise AssertionError(f"{e}\n{logs}") from None
     failed = {name: rounds(host, "failed") for name, host in servers.items()}
     bans = re.findall(r".* banned for .*", trainer.stderr())
     # every server is healthy: a ban is a timeout too short for the distance (the whole log says which call)

@@ -384,11 +384,29 @@ def test_the_daemon_client_still_connects_and_opens_raw_streams_as_we_call_it():
     assert "return await self.control.stream_open(" in inspect.getsource(Client.stream_open)
 
 
-def test_stream_handlers_are_still_added_through_one_method_taking_the_handler_third():
-    # read_to_end_before_close wraps it: every protobuf stream handler (stream input or output) goes through it
-    parameters = list(inspect.signature(P2P._add_protobuf_stream_handler).parameters)
-    assert parameters[:4] == ["self", "name", "handler", "input_protobuf_type"]
+def test_protobuf_streams_still_go_through_the_two_methods_streams_py_replaces():
+    # streams.callers_close_first replaces them: every protobuf stream handler (stream input or output) is added
+    # through the first, every stream call made through the second, both on P2P's binary streams
+    from swarm.hivemind_internals import streams
+
+    added = inspect.signature(streams.HIVEMIND_ADD_STREAM_HANDLER).parameters
+    assert list(added) == ["self", "name", "handler", "input_protobuf_type", "max_prefetch", "balanced"]
     assert "_add_protobuf_stream_handler" in inspect.getsource(P2P.add_protobuf_handler)
+    called = inspect.signature(streams.HIVEMIND_CALL_STREAM_HANDLER).parameters
+    assert list(called) == ["self", "peer_id", "name", "requests", "output_protobuf_type"]
+    assert "self._iterate_protobuf_stream_handler(" in inspect.getsource(P2P.iterate_protobuf_handler)
+    assert "add_binary_stream_handler(" in inspect.getsource(streams.HIVEMIND_ADD_STREAM_HANDLER)
+    assert "call_binary_stream_handler(" in inspect.getsource(streams.HIVEMIND_CALL_STREAM_HANDLER)
+
+
+def test_a_plain_hivemind_handler_takes_any_error_frame_from_its_caller_as_the_end_of_its_stream():
+    # so our callers' end-of-stream marker, an RPCError with a message, ends a plain handler's input as its own does
+    from hivemind.proto.p2pd_pb2 import RPCError
+
+    from swarm.hivemind_internals import streams
+
+    assert isinstance(P2P.END_OF_STREAM, RPCError) and not P2P.END_OF_STREAM.message
+    assert "request, _ = await receive_task" in inspect.getsource(streams.HIVEMIND_ADD_STREAM_HANDLER)
 
 
 def _parts(*group_ids: bytes):

@@ -1,17 +1,16 @@
-"""Every use of hivemind's private names, in one place (written against hivemind 1.1.12).
+"""Every use of hivemind's private names, in one package (written against hivemind 1.1.12): here, and in
+streams.py (P2P's protobuf streams, replaced so that the caller closes first).
 
 hivemind offers no public way to do these things, and each one matters (see where they are used).
 Nothing else in swarm touches a name of hivemind's that starts with an underscore (the RPC gate of
 a private swarm replaces P2P's methods through :func:`wrap_p2p_rpc_methods`, by role).
-tests/unit/test_hivemind_internals.py (and, for the gate's four methods, tests/unit/test_rpc_gate.py)
-fail if hivemind renames or reshapes any of them, so an upgrade breaks a named test instead of a
-running swarm.
+The unit tests test_hivemind_internals (and, for the gate's four methods, test_rpc_gate) fail if
+hivemind renames or reshapes any of them, so an upgrade breaks a named test instead of a running swarm.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import functools
 import logging
@@ -40,6 +39,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.hivemind_internals.streams import callers_close_first
 
 log = logging.getLogger(__name__)
 
@@ -349,18 +350,11 @@ def wrap_p2p_rpc_methods(replacements: dict[str, Any]) -> dict[str, Any]:
     return originals
 
 
-# How long a stream handler that has answered waits for its caller's end of stream before closing anyway (an
-# honest caller sends it right after its last message), and how many unread messages it takes meanwhile: a
-# caller trickling messages holds a finished handler's stream this long at most.
-DRAIN_SECONDS = 2.0
-DRAIN_MESSAGES = 64
-
-
 def mend_p2p() -> None:
     """hivemind's P2P with our two mends, in this process and the processes it forks (call before forking
-    them and before handlers are added): stream handlers read their caller's stream to the end before it
-    is closed, and the unary calls' reader survives a reply to a call cancelled in the same instant."""
-    read_to_end_before_close()
+    them and before handlers are added): a stream is closed by its caller, once the handler's last reply has
+    come (streams.py), and the unary calls' reader survives a reply to a call cancelled in the same instant."""
+    callers_close_first()
     keep_reading_after_a_late_reply()
 
 
@@ -398,42 +392,6 @@ async def _first_then(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any
     yield first
     async for item in rest:
         yield item
-
-
-def read_to_end_before_close() -> None:
-    """From now on, in this process (and the processes it forks), a protobuf stream handler that has sent its
-    last reply reads its caller's stream to the end before hivemind closes it.
-
-    hivemind closes a handler's stream as soon as the handler returns. A caller still sending then (its
-    end-of-stream marker, or messages the handler did not need) writes into a closed stream, and p2pd resets
-    it, taking along the replies not yet delivered: the caller loses its last ones. Measured with two daemons
-    on loopback (a handler that reads one request and answers 1 MB): 1 reply of 100 lost when the caller sent
-    only its end of stream after the request, 16 of 100 when it sent three more messages (the all-reduce's
-    reducers are such handlers). In 2 x 2 swarms of tiny.yaml the rounds that lost their last parts ("received
-    85.0% results") did not measurably drop with it (2 runs of 150 steps each way): they have another cause
-    too. Reading to the end (bounded: DRAIN_MESSAGES messages within DRAIN_SECONDS) closes the stream only once
-    the caller has finished with it. Unary-input handlers read their input to the end already (hivemind's
-    asingle).
-    """
-    if getattr(P2P._add_protobuf_stream_handler, "_reads_to_end", False):
-        return
-    add = P2P._add_protobuf_stream_handler
-
-    async def add_reading_to_end(self, name, handler, input_protobuf_type, *args, **kwargs):
-        async def reading_to_end(requests, context):
-            async for reply in handler(requests, context):
-                yield reply
-            with contextlib.suppress(Exception):  # (one deadline for all: asyncio.timeout is Python 3.11's)
-                await asyncio.wait_for(read_some(requests), DRAIN_SECONDS)
-
-        async def read_some(requests):
-            for _ in range(DRAIN_MESSAGES):
-                await requests.__anext__()
-
-        return await add(self, name, reading_to_end, input_protobuf_type, *args, **kwargs)
-
-    add_reading_to_end._reads_to_end = True
-    P2P._add_protobuf_stream_handler = add_reading_to_end
 
 
 def add_p2pd_flags(flags: dict[str, Any], with_trusted_relays: dict[str, Any] | None = None) -> None:

@@ -47,7 +47,7 @@ from swarm.averaging.errors import AveragingError
 from swarm.averaging.robust import RobustPolicy
 from swarm.config import AveragingConfig
 from swarm.dht.node import collect_before_fork
-from swarm.hivemind_internals import AveragerInternals, forget_inherited_p2p_socket, mend_p2p
+from swarm.hivemind_internals import AveragerInternals, RoundRefused, forget_inherited_p2p_socket, mend_p2p
 from swarm.protocol.framing import DEFAULT_LIMITS, answered_ok, decode_metadata, encode_metadata
 from swarm.tasks import keep_tasks_alive
 from swarm.traffic import shared_counter
@@ -64,7 +64,7 @@ class RoundFailed(AveragingError):
     """An averaging round ended without a result (no group, a timeout, a broken all-reduce)."""
 
 
-class PartialRound(RuntimeError):
+class PartialRound(RoundRefused):
     """An all-reduce that lost part of the averaged vector (a member failed partway).
 
     hivemind keeps the member's own values for the missing part and reports success, so the

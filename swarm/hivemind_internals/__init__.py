@@ -48,6 +48,15 @@ UNKNOWN_GROUP_WAIT = 3.0  # seconds a part for a group not registered here waits
 UNKNOWN_GROUP_POLL = 0.02
 
 
+class RoundRefused(RuntimeError):
+    """Raised by our hooks in the averaging process to fail a round that hivemind would count a success.
+
+    It reaches the round's caller through the round's future, where hivemind's step sets it; hivemind then
+    raises it again out of its step task, which nobody awaits ("Task exception was never retrieved", an
+    ERROR with a traceback for a failure the round's own WARN already reports): AveragerInternals stops it
+    there."""
+
+
 class AveragerInternals(DecentralizedAverager):
     """A DecentralizedAverager whose private parts are reached through named methods, and whose
     private hooks call public ones a subclass overrides."""
@@ -86,6 +95,12 @@ class AveragerInternals(DecentralizedAverager):
         counted = {peer: weight for peer, weight in zip(getattr(runner, "sender_peer_ids", ()), weights)
                    if weight is not None}
         return self.with_counted_weights(gathered, counted)
+
+    async def _step(self, **kwargs: Any) -> None:
+        try:
+            await super()._step(**kwargs)
+        except RoundRefused:
+            pass  # hivemind has set it on the round's future, where the caller reads it
 
     async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:

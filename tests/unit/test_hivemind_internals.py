@@ -27,7 +27,7 @@ from hivemind.utils.mpfuture import MPFuture, SharedBytes
 from pydantic.v1 import BaseModel, StrictInt
 
 from swarm import hivemind_internals
-from swarm.hivemind_internals import AveragerInternals, private_key_from, schema_count
+from swarm.hivemind_internals import AveragerInternals, RoundRefused, private_key_from, schema_count
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,11 +66,29 @@ def test_the_averaging_process_still_runs_any_method_sent_down_its_pipe():
 
 
 @pytest.mark.parametrize("hook", ["_declare_for_download_periodically", "_trigger_declare_load_state",
-                                  "_aggregate_with_group"])
+                                  "_aggregate_with_group", "_step"])
 def test_the_hooks_we_override_are_still_coroutines_hivemind_calls(hook):
     assert inspect.iscoroutinefunction(getattr(DecentralizedAverager, hook))
     assert re.search(rf"(self\.{hook}\(|\"{hook}\")", AVERAGER), f"hivemind no longer calls {hook}"
     assert getattr(AveragerInternals, hook) is not getattr(DecentralizedAverager, hook)
+
+
+def test_a_refused_round_reaches_its_caller_through_the_future_and_goes_no_further(monkeypatch):
+    # hivemind's step sets any error on the round's future before raising it again out of its task
+    assert re.search(r"if not step\.done\(\):\s+step\.set_exception\(e\)\s+raise", inspect.getsource(
+        DecentralizedAverager._step))
+
+    async def refusing(self, **kwargs):
+        raise RoundRefused("lost a part")
+
+    async def failing(self, **kwargs):
+        raise ValueError("something else")
+
+    monkeypatch.setattr(DecentralizedAverager, "_step", refusing)
+    asyncio.run(AveragerInternals._step(object.__new__(AveragerInternals), step=None, future_for_init=None))
+    monkeypatch.setattr(DecentralizedAverager, "_step", failing)
+    with pytest.raises(ValueError):
+        asyncio.run(AveragerInternals._step(object.__new__(AveragerInternals), step=None, future_for_init=None))
 
 
 def test_aggregate_with_group_keeps_its_signature():

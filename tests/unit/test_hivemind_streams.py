@@ -12,6 +12,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from swarm.hivemind_internals import streams
 from swarm.hivemind_internals.streams import CALLER_CLOSES, _Served
 
 pytestmark = pytest.mark.timeout(30)
@@ -82,7 +83,8 @@ def test_a_caller_that_closes_first_gets_the_marker_after_the_last_reply_and_is_
         task = asyncio.create_task(served(two_replies, reader, sink).run())
         await until(lambda: CALLER_CLOSES.encode() in sink.data)
         assert await parsed(bytes(sink.data)) == [b"r1", b"r2", ("marker", CALLER_CLOSES)]
-        await asyncio.sleep(0.05)  # (a chance to close early, which it must not take)
+        for _ in range(50):  # loop turns, not time: everything here is in this process, so an early close
+            await asyncio.sleep(0)  # would have happened within them
         assert not task.done(), "the handler closed before its caller did"
         reader.feed_eof()  # the caller closes
         await asyncio.wait_for(task, WAIT)
@@ -153,5 +155,50 @@ def test_a_failing_handler_tells_the_caller_its_error():
         reader.feed_eof()
         await asyncio.wait_for(task, WAIT)
         assert await parsed(bytes(sink.data)) == [("marker", "no such part")]
+
+    asyncio.run(main())
+
+
+def test_a_stranger_that_says_it_closes_first_and_never_does_is_let_go_after_the_linger(monkeypatch):
+    monkeypatch.setattr(streams, "LINGER_SECONDS", 0.2)
+
+    async def main():
+        reader, sink = asyncio.StreamReader(), Sink()
+        reader.feed_data(await frames(request(b"q"), RPCError(message=CALLER_CLOSES)))  # and never closes
+        await asyncio.wait_for(served(two_replies, reader, sink).run(), WAIT)
+        assert await parsed(bytes(sink.data)) == [b"r1", b"r2", ("marker", CALLER_CLOSES)]
+
+    asyncio.run(main())
+
+
+def test_a_stranger_that_sends_after_its_marker_is_not_waited_for(monkeypatch):
+    monkeypatch.setattr(streams, "LINGER_SECONDS", 10 * WAIT)  # waiting for it would outlast the wait below
+
+    async def main():
+        reader, sink = asyncio.StreamReader(), Sink()
+        reader.feed_data(await frames(request(b"q"), RPCError(message=CALLER_CLOSES), request(b"more")))
+        await asyncio.wait_for(served(two_replies, reader, sink).run(), WAIT)
+        assert CALLER_CLOSES.encode() not in sink.data
+
+    asyncio.run(main())
+
+
+def test_a_malformed_frame_ends_the_stream_and_stops_the_handler():
+    stopped = []
+
+    async def waits(requests, _context):
+        try:
+            async for _ in requests:
+                pass
+            yield request(b"never")
+        finally:
+            stopped.append(True)
+
+    async def main():
+        reader, sink = asyncio.StreamReader(), Sink()
+        reader.feed_data(b"\x07garbage")  # neither a message nor an error frame
+        await asyncio.wait_for(served(waits, reader, sink).run(), WAIT)
+        await until(lambda: stopped)
+        assert not sink.data
 
     asyncio.run(main())

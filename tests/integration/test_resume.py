@@ -3,10 +3,10 @@
 Real programs on 127.0.0.1: a coordinator keeping the run's checkpoints, one server per stage of a
 two-stage run, each with its own checkpoint directory, and a trainer. Checkpoints every few steps.
 
-1. Train to step >= 10. SIGKILL the server of stage 1 (and the trainer); start a new server of
-   stage 1 with an empty checkpoint directory: it resumes from the newest checkpoint announced in
-   the DHT (the coordinator's copy), with that checkpoint's weights, and a new trainer's loss goes on
-   from where it was, not from the initial loss.
+1. Train to step >= 10. Stop the trainer; once the coordinator holds stage 1's newest checkpoint,
+   SIGKILL the server of stage 1; start a new server of stage 1 with an empty checkpoint directory:
+   it resumes from the newest checkpoint announced in the DHT (the coordinator's copy), with that
+   checkpoint's weights, and a new trainer's loss goes on from where it was, not from the initial loss.
 2. SIGKILL every process, coordinator included; restart the same commands: every stage resumes at
    its newest checkpoint, at most one checkpoint interval behind where it was killed.
 """
@@ -129,14 +129,25 @@ def test_a_dead_stage_and_then_a_whole_swarm_resume_from_checkpoints(procs: Proc
                             TRAIN_TIMEOUT, "the trainer's loss (published every 5 s) falling")
     trained_loss = trainer.metric("swarm_trainer_loss")
 
-    # 1. every server of stage 1 dies; a new one with nothing on its disk takes the stage over
+    # 1. every server of stage 1 dies; a new one with nothing on its disk takes the stage over. The coordinator's
+    # copy lags the server's newest by up to a few announce periods (its poll, and the servers' records that
+    # back a claimed step), many steps on fast tiny steps; stage 0 keeps those steps, and the further apart the
+    # two stages resume, the higher the loss of the next batches (at this learning rate, 4.7 at 14 steps apart
+    # here, and once above the initial loss in CI). So the trainer stops first, and stage 1 dies once its newest
+    # checkpoint has reached the coordinator: what is lost is the steps after that checkpoint, under one interval.
+    trainer.proc.kill()  # no more samples: the servers stop stepping
+    servers[1].proc.wait_until(lambda: newest_written(servers[1]) > step(servers[1]) - EVERY, PULL_TIMEOUT,
+                               "stage 1's newest checkpoint written")
+    at_kill = step(servers[1])
+    coordinator.proc.wait_until(
+        lambda: max(map(int, PULLED.findall(coordinator.proc.stderr()))) >= newest_written(servers[1]),
+        PULL_TIMEOUT, "the coordinator pulling stage 1's newest checkpoint")
     servers[1].proc.kill()
-    trainer.proc.kill()
     newest_pulled = max(int(s) for s in PULLED.findall(coordinator.proc.stderr()))
     servers[1] = swarm.server(coordinator, 1, "server1-new")
     servers[1].wait_serving(RESUME_TIMEOUT)
     resumed = resumed_step(servers[1])
-    assert resumed >= newest_pulled >= TRAINED - EVERY
+    assert resumed >= newest_pulled > at_kill - EVERY, (resumed, newest_pulled, at_kill)
     served = fingerprint(servers[1], 1)
     expected = checkpoint_fingerprint(config, tmp_path / "server1-new", 1, resumed)
     assert not fingerprints_differ(served, expected), (served, expected)  # (before any step: no trainer yet)

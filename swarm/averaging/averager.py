@@ -49,6 +49,8 @@ from swarm.averaging.ledger import SampleLedger
 from swarm.averaging.metrics import AveragingMetrics
 from swarm.averaging.process import AveragingProcess
 from swarm.averaging.progress import (
+    DEFER_HOLD_PERIODS,
+    DeferHold,
     ProgressRecord,
     StageView,
     fingerprint_rtol,
@@ -116,6 +118,7 @@ class StageAverager:
         self._channel: ProgressChannel | None = None
         self._fingerprint: list[float] = []
         self._fingerprint_rtol = fingerprint_rtol(self._round_compression())
+        self._defer_hold = DeferHold(DEFER_HOLD_PERIODS * self.config.progress_period)
         self.params_changed()
         self.prefix = averaging_prefix(run_id, stage)
         self.round = self.make_round()
@@ -446,7 +449,7 @@ class StageAverager:
         established, elders = self.established(), self.tracker.elders()
         others = [] if self.solo else self.tracker.others()
         others = plausible(others, own.step, lone_elder(others, established, elders))
-        return stage_view(own, others, self._fingerprint_rtol, established, elders)
+        return self._defer_hold(stage_view(own, others, self._fingerprint_rtol, established, elders))
 
     def established(self) -> set[str]:
         """The stage's servers this one has watched for averaging.min_tenure (swarm.tenure)."""

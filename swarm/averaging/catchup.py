@@ -24,7 +24,7 @@ from swarm.averaging.metrics import FAILED, SUCCEEDED
 from swarm.averaging.progress import StageView
 from swarm.averaging.rounds import Phase
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS
-from swarm.state import StateRejected, flatten
+from swarm.state import StateInfo, StateRejected, flatten
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,21 @@ class CatchUp:
             host.check_process()
         # behind: only a later step helps (a liar claiming one must not make us reload our own step); deferring
         # to the elder: its state, whatever its step (only the elder is believed for it: progress.backs_state)
-        min_step = 0 if view.defer and not (view.behind or view.diverged) else view.step + view.behind
-        return functools.partial(self.end, loaded, why, min_step)
+        deferring = view.defer and not (view.behind or view.diverged)
+        min_step = 0 if deferring else view.step + view.behind
+        return functools.partial(self.end, loaded, why, min_step, deferring)
 
-    def end(self, loaded: Loaded | None, why: str, min_step: int) -> None:
+    def end(self, loaded: Loaded | None, why: str, min_step: int, deferring: bool = False) -> None:
         """Adopt what the download brought, if anything passes (compute thread)."""
         host = self.host
         host.enter(Phase.COLLECTING)
+        if loaded is not None and deferring and self._own_again(loaded):
+            # the elder had caught up meanwhile (its record lagged a round both took): replacing this replica's
+            # state by the same one would only drop the samples computed since
+            self.pause = DOWNLOAD_RETRY_PAUSE
+            log.info("stage %d: its elder's state is this one's own (step %d, the same round): kept it, and the "
+                     "%d samples computed since", host.stage, host.step_count, host.optimizer.samples)
+            return
         ok = False
         if loaded is not None:
             try:
@@ -124,6 +132,15 @@ class CatchUp:
             self.pause = min(2 * self.pause, DOWNLOAD_RETRY_PAUSE_MAX)
             log.warning("stage %d: could not download the stage's state (%s); will retry", host.stage, why)
             host.tracker.nudge()  # (so the retry is not left to the next progress period)
+
+    def _own_again(self, loaded: Loaded) -> bool:
+        """Whether a downloaded state says it is this replica's own: the same step, made by the same round."""
+        try:
+            info = StateInfo.from_dict(loaded[0])
+        except StateRejected:
+            return False  # (adopt refuses it, saying why)
+        state = self.host.state
+        return (info.step, info.round_id) == (state.step, state.round_id)
 
     def adopt(self, loaded: Loaded, min_step: int) -> bool:
         """Replace the replica's state with one a peer sent, if it passes every check (StateIntake.vet,

@@ -24,9 +24,11 @@ never both download from each other.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ from pydantic.v1 import StrictBool, StrictStr, confloat, conint, conlist
 from swarm.dht.schemas import WireRecord
 from swarm.tenure import lower_median
 
+DEFER_HOLD_PERIODS = 2  # progress periods a stage of two's elder stays behind before the younger takes its state
 INITIAL_ROUND = "init"  # the state every replica starts from: the run's seeded initialization
 MAX_RANKED_GROUP = 1023  # groups larger than this rank as this large
 # How closely replicas made by the same round agree. Uncompressed, they are identical where the
@@ -286,3 +289,26 @@ def stage_view(own: ProgressRecord, others: Iterable[ProgressRecord], rtol: floa
                      and backed(r)
                      for r in same_step),
     )
+
+
+class DeferHold:
+    """Holds a stage view's `defer` back until it has lasted `hold` seconds.
+
+    Right after a round the two servers of a stage shared, the elder's record can still say the step
+    before (its new one is on its way, by push or the next read): deferring then downloads this server's
+    own state back and drops the samples it computed meanwhile (seen once in four 150-step runs, 24
+    samples). An elder really behind stays behind; the younger takes its state a moment later.
+    """
+
+    def __init__(self, hold: float, clock: Callable[[], float] = time.monotonic):
+        self.hold, self.clock = hold, clock
+        self.since: float | None = None  # when the elder was first seen behind, in this stretch
+
+    def __call__(self, view: StageView) -> StageView:
+        if not view.defer or view.behind or view.diverged:
+            self.since = None
+            return view
+        now = self.clock()
+        if self.since is None:
+            self.since = now
+        return view if now - self.since >= self.hold else dataclasses.replace(view, defer=False)

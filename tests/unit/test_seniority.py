@@ -7,7 +7,11 @@ established server besides the sender and this one.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from swarm.averaging.catchup import CatchUp
 from swarm.averaging.progress import (
+    DeferHold,
     ProgressRecord,
     backs_state,
     lone_elder,
@@ -16,6 +20,8 @@ from swarm.averaging.progress import (
     sharing_priority,
     stage_view,
 )
+from swarm.averaging.rounds import Phase
+from swarm.state import StateInfo
 
 FP = [1.0, 2.0]
 LIE = [0.0, 0.0]
@@ -124,3 +130,49 @@ def test_the_younger_of_two_ahead_of_its_elder_takes_the_elder_s_state_unless_th
     assert not stage_view(a_behind, [b], established={"b"}, elders=set()).needs_state
     c = record("c", 10, since=90.0)
     assert not stage_view(b, [a_behind, c], established={"a", "c"}, elders={"a", "c"}).defer
+
+
+def test_the_younger_defers_only_once_its_elder_has_stayed_behind_a_while():
+    # right after a round both took, the elder's record can still say the step before for a moment
+    now = [0.0]
+    hold = DeferHold(2.0, clock=lambda: now[0])
+    b = record("b", 10, since=150.0)
+    a_behind = record("a", 9, [9.0, 9.0], round_id="lone", since=100.0)
+    a_caught_up = record("a", 10, since=100.0)
+
+    def view(elder):
+        return hold(stage_view(b, [elder], established={"a"}, elders={"a"}))
+
+    assert not view(a_behind).needs_state  # first seen behind: held
+    now[0] = 1.0
+    assert not view(a_behind).needs_state
+    assert not view(a_caught_up).needs_state  # its new record came: nothing to take, and the hold starts over
+    now[0] = 2.5
+    assert not view(a_behind).needs_state
+    now[0] = 4.4
+    assert not view(a_behind).needs_state
+    now[0] = 4.5
+    assert view(a_behind).defer and view(a_behind).needs_state  # behind for the whole hold: it defers
+    # behind or diverged is never held back
+    ahead = record("a", 12, since=100.0)
+    assert DeferHold(2.0, clock=lambda: 0.0)(stage_view(b, [ahead], established={"a"}, elders={"a"})).behind
+
+
+def test_a_download_from_the_elder_that_brings_this_replica_s_own_state_back_keeps_it_and_its_samples():
+    # the elder caught up while the download ran: the same step, made by the same round
+    entered, adopted = [], []
+    host = SimpleNamespace(stage=1, step_count=10, state=SimpleNamespace(step=10, round_id="r10"),
+                           optimizer=SimpleNamespace(samples=24), enter=entered.append)
+    catch_up = CatchUp(host, intake=None)
+    catch_up.adopt = lambda loaded, min_step: adopted.append(loaded) or True
+    own = StateInfo(1, 10, "r10", 2).to_dict()
+    catch_up.end((own, [], "a"), "deferring", 0, deferring=True)
+    assert adopted == [] and entered == [Phase.COLLECTING]
+    # another step or another round is adopted as before; so is anything while not deferring
+    for info, deferring in ((StateInfo(1, 9, "r9", 2), True), (StateInfo(1, 10, "lone", 1), True),
+                            (StateInfo(1, 10, "r10", 2), False)):
+        catch_up.end((info.to_dict(), [], "a"), "why", 0, deferring=deferring)
+    assert len(adopted) == 3
+    # a malformed one is left to adopt, which refuses it
+    catch_up.end(({"format": "nonsense"}, [], "a"), "why", 0, deferring=True)
+    assert len(adopted) == 4

@@ -74,9 +74,20 @@ def run():
         yield dict(loop=loop, maddrs=maddrs, info=info, honest=honest, attacker=attacker_key, signing=signing,
                    unsigned=unsigned, readers=[coordinator_records, server_records], dhts=dhts)
     finally:
+        close_replica(loop, dhts[0])
         loop.stop()
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+async def _shutdown_replica(dht: hivemind.DHT) -> None:
+    await (await dht.replicate_p2p()).shutdown()
+
+
+def close_replica(loop: BackgroundLoop, dht: hivemind.DHT) -> None:
+    """Shut down this process's replica of `dht`'s P2P on the loop that used it: left to the garbage collector,
+    it would close its tasks from a thread with no event loop (an "Exception ignored" warning)."""
+    loop.run(_shutdown_replica(dht), JOIN_TIMEOUT)
 
 
 async def _store_many(keys: list, subkeys: list, values: list, expiration: float, _dht, node) -> None:
@@ -116,6 +127,7 @@ def assert_run_unharmed(run) -> None:
             assert records.lookup_all_servers(2) == {0: [run["honest"]], 1: []}
             assert records.fetch_run_config(run["info"].coordinator_key) == CONFIG
     finally:
+        close_replica(run["loop"], dht)
         dht.shutdown()
 
 

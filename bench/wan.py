@@ -11,7 +11,7 @@ link a rate of its own with --trainer-rate: servers on home uplinks, their train
 latency and rate the trainer's samples/s is measured over one window after a warm-up, and printed
 against the same swarm at 0 ms and the same rate, with the micro-batches in flight the trainer chose
 (swarm_trainer_in_flight, `--in-flight auto`) and the share of backwards a stage ran one or more steps
-stale. With --fixed, each point is also run with the trainer's default fixed count (a quarter of a
+stale. With --fixed, each point is also run with the trainer's default fixed count (a sixteenth of a
 batch), side by side. With --nat-stage K, stage K's servers sit behind NAT and are reached through
 the coordinator's relay; with --nat-trainer the trainer sits behind a NAT of its own, and
 --hub-latency puts latency on the coordinator's link alone (a relayed call pays it, a direct one

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert server processes, for a run whose experts live on expert servers "
                    "(model.moe.expert_servers; default 2 for such a run); the experts are dealt out among them")
     p.add_argument("--in-flight", type=positive_int, help="each trainer's micro-batches in flight (default: "
-                   "swarm-peer's, a quarter of a batch)")
+                   "swarm-peer's, a sixteenth of a batch, at least 1)")
     p.add_argument("--reference", action="store_true", help="train the whole model in this one process")
     p.add_argument("--metrics-port", type=int, help="the coordinator's /metrics and /status port (default: free)")
     p.add_argument("--log-dir", help="where each process writes its log (default: a new temporary directory)")

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-index", type=int, help="trainer: which share of the data (default: from peer id)")
     p.add_argument("--max-samples", type=int, help="trainer: stop after this many samples")
     p.add_argument("--in-flight", type=in_flight_arg, metavar="N|auto",
-                   help="trainer: micro-batches in flight at once (default: a quarter of a batch, at least 1; "
+                   help="trainer: micro-batches in flight at once (default: a sixteenth of a batch, at least 1; "
                    "more keeps stages busier but makes gradients staler). auto: from that up to a whole batch "
                    "while the round trips it measures leave the stages idle (for links with latency); at a "
                    "whole batch, each micro-batch then travels in pieces small enough for a stream's first window")

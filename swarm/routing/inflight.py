@@ -1,10 +1,11 @@
 """How many micro-batches a trainer keeps in flight: enough to cover the round trips it measures.
 
-On loopback a micro-batch's trip through the pipeline is almost all compute, and a quarter of a batch
-in flight keeps the stages busy. Across the internet each of its three calls (stage 0 forward, the
-last stage's forward and backward, stage 0 backward, more with more stages) waits a round trip as
-well, and the stages sit idle unless more micro-batches travel at once: the bandwidth-delay product
-of the pipeline. A fixed count tuned on loopback pays the latency instead of hiding it.
+On loopback a micro-batch's trip through the pipeline is almost all compute, and the default count
+(a sixteenth of a batch, at least one) keeps the stages busy when several trainers share them.
+Across the internet each of its three calls (stage 0 forward, the last stage's forward and backward,
+stage 0 backward, more with more stages) waits a round trip as well, and the stages sit idle unless
+more micro-batches travel at once: the bandwidth-delay product of the pipeline. A fixed count tuned
+on loopback pays the latency instead of hiding it.
 
 InFlightWindow finds the count from the trips it measures, as TCP Vegas does for packets: the
 shortest trip seen lately (`base`) is what a micro-batch takes with no queue anywhere; while the

@@ -97,7 +97,7 @@ def default_in_flight(config: RunConfig) -> int:
     up. Measured on configs/tiny.yaml (batch 16, micro-batch 8): with every other micro-batch one step
     stale, the validation loss after 65 steps is 11% worse than exact training. At batch 128 in a
     2 x 2 swarm with two trainers (bench/convergence.py, 2026-12-06), a quarter of a batch each (4)
-    ended the schedule 1.16-1.18 x the reference, one each 1.04 x, at the same samples/s on this
+    ended the schedule 1.16-1.18 x the reference, one each 1.00-1.04 x, at the same samples/s on this
     machine; with one trainer and one micro-batch in flight the swarm trains as the reference does.
     Across links with latency, `--in-flight auto` grows the count from here as the trips demand.
     """

@@ -28,6 +28,7 @@ from swarm.dht.keys import RunRecordGuard, make_validators, run_validators
 from swarm.dht.private import SwarmKey
 from swarm.dht.relays import has_public_address, probe_own_relay
 from swarm.dht.storage import install_bounded_storage
+from swarm.dht.verified import RememberedValidator
 from swarm.hivemind_internals import add_p2pd_flags, mend_p2p
 from swarm.tasks import keep_tasks_alive
 from swarm.traffic import count_unary_rpcs, shared_counter
@@ -245,7 +246,8 @@ def _start_dht_once(run_id, identity, initial_peers, host_maddrs, announce_maddr
             initial_peers=[str(maddr) for maddr in initial],
             start=True,
             await_ready=False,  # we wait ourselves, bounded (hivemind would wait forever)
-            record_validators=make_validators(run_id, identity.signing_key),
+            # one validator that remembers what it accepted (swarm.dht.verified); the run's are merged into it later
+            record_validators=[RememberedValidator(make_validators(run_id, identity.signing_key))],
             client_mode=client_mode,
             host_maddrs=[str(maddr) for maddr in hosts],
             announce_maddrs=[str(maddr) for maddr in announce] or None,

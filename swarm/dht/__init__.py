@@ -14,6 +14,8 @@ Map of the subsystem, from people-facing entry points down to pure logic::
     keys.py       key layout ({run_id}_config, _metrics, _run_checkpoint, _experts, _stage{k}, _checkpoints{k}),
                   owner-marked subkeys, validators (RunRecordGuard: what a node accepts at a run's keys;
                   StoreBounds: the size and lifetime any value may have)
+    verified.py   RememberedValidator: the node's validators, with the records they accepted remembered, so a
+                  record read again unchanged is not verified again
     storage.py    BoundedStorage: what a node keeps for others, bounded in bytes, entries and lifetime,
                   shared among signers (every node's storage and cache, installed by start_dht)
     reachability.py  can other peers dial this one? found out on join and said in one line (direct,

@@ -35,6 +35,9 @@ class CachedForward:
     versions: tuple[int, ...]  # the parameters' in-place version counters then: any change since spoils the graph
     nbytes: int  # activation memory the graph holds (parameters excluded)
     created: float
+    # The parameters the graph was built on when they are a frozen copy (StageBackend: weight stashing), not the
+    # module's own: that copy outlives a step, and with it the graph. None: the module's own parameters.
+    leaves: list[torch.Tensor] | None = None
 
 
 class ActivationCache:
@@ -55,7 +58,7 @@ class ActivationCache:
         return len(self._entries)
 
     def put(self, key: Hashable, inputs: torch.Tensor, output: torch.Tensor, step: int, versions: tuple[int, ...],
-            nbytes: int) -> bool:
+            nbytes: int, leaves: list[torch.Tensor] | None = None) -> bool:
         """Keep a graph, evicting the oldest ones until it fits; False (and nothing kept) if it never can."""
         self.discard(key)
         self.expire()
@@ -64,7 +67,7 @@ class ActivationCache:
             return False
         while self.bytes_held + nbytes > self.max_bytes:
             self._drop(self._victim())
-        self._entries[key] = CachedForward(inputs, output, step, versions, nbytes, self.clock())
+        self._entries[key] = CachedForward(inputs, output, step, versions, nbytes, self.clock(), leaves)
         self._account(key, nbytes)
         return True
 
@@ -92,6 +95,11 @@ class ActivationCache:
 
     def discard(self, key: Hashable) -> None:
         if key in self._entries:
+            self._drop(key)
+
+    def drop_where(self, useless: Callable[[CachedForward], bool]) -> None:
+        """Drop the graphs no backward can use any more (counted as evictions)."""
+        for key in [key for key, entry in self._entries.items() if useless(entry)]:
             self._drop(key)
 
     def expire(self) -> None:

@@ -215,6 +215,13 @@ class StageBackend(Worker):
         self._param_names = [name for name, p in module.named_parameters() if p.requires_grad]
         self._stash: list[torch.Tensor] | None = None
         self._stash_step: int | None = None  # the step whose parameters _stash holds
+        # With stashing, a kept forward runs on a frozen copy of the parameters (made anew once they change),
+        # not on the module's own, which a step changes in place; at the step that copy becomes the stash. A
+        # backward one step late then starts from its forward's graph, which the step left intact, instead of
+        # running the forward again on the stash: the same gradient, one forward fewer. (One more copy of the
+        # parameters is held: the frozen one beside the stash.)
+        self._frozen: list[torch.Tensor] | None = None
+        self._frozen_versions: tuple[int, ...] | None = None  # the parameters' versions it was copied at
         # Forwards ahead (optimizer.lookahead): a forward whose backward will come after the stage's next
         # step (the samples in flight before it fill the batch) runs on the parameters that step is
         # predicted to make, kept for its backward: its gradient, applied at the step after, is then
@@ -274,10 +281,14 @@ class StageBackend(Worker):
                 module.check_input(x, targets)
             inputs = x if module.is_first else x.detach().float().requires_grad_(True)
             versions = self._param_versions()
-            with SavedBytes(self.optimizer.params) as saved, self._autocast():
-                out = module(inputs, targets)
+            leaves = self._frozen_for(versions) if self.stash_weights else None
+            with SavedBytes(self.optimizer.params + (leaves or [])) as saved, self._autocast():
+                if leaves is None:
+                    out = module(inputs, targets)
+                else:
+                    out = functional_call(module, dict(zip(self._param_names, leaves)), (inputs, targets))
             nbytes = saved.nbytes + out.untyped_storage().nbytes()
-            self.cache.put(keep, inputs, out, self.step, versions, nbytes)
+            self.cache.put(keep, inputs, out, self.step, versions, nbytes, leaves)
         else:
             with torch.no_grad(), self._autocast():
                 out = module(x, targets)
@@ -315,6 +326,7 @@ class StageBackend(Worker):
             ahead_step = self._ahead_of.pop(key, None)
             if ahead_step is not None and ahead_step == forward_step:
                 predicted = self._predicted.get(ahead_step)
+        on_stash = bool(staleness) and forward_step == self._stash_step and self._stash is not None
         n = x.shape[0]
         look_ahead = self.in_look_ahead()  # (read before stepping: a step here ends any look-ahead)
         x = self._to_device(x)
@@ -328,12 +340,13 @@ class StageBackend(Worker):
         try:
             for p in params:
                 p.grad = None
-            usable = predicted is None and entry is not None and self._usable(entry, x, forward_step)
+            usable = predicted is None and entry is not None and self._usable(entry, x, forward_step, on_stash)
             result = self._backward_cached(entry, grad_output) if usable else None
             cached = result is not None
+            stashed = cached and on_stash  # (a graph built on the stash: the frozen copy of then)
             if not cached:  # on the parameters its forward ran on (or, last, runs on): predicted, stashed or now's
                 if predicted is None:
-                    stashed = bool(staleness) and forward_step == self._stash_step and self._stash is not None
+                    stashed = on_stash
                 else:
                     stashed = not module.is_last
                 on = predicted if predicted is not None else self._stash if stashed else None
@@ -362,11 +375,15 @@ class StageBackend(Worker):
         return BackwardResult(grad_input, loss, self.step, stats, staleness, stashed, cached,
                               ahead=predicted is not None or look_ahead)
 
-    def _usable(self, entry: CachedForward, x: torch.Tensor, forward_step: int | None) -> bool:
-        """Whether a kept graph gives this backward's gradient: same parameters, same input."""
-        if entry.step != self.step or forward_step not in (None, entry.step):
+    def _usable(self, entry: CachedForward, x: torch.Tensor, forward_step: int | None, on_stash: bool) -> bool:
+        """Whether a kept graph gives this backward's gradient: same parameters, same input. A backward due on
+        the stash takes a graph built on the stash itself; any other, one built on the parameters of now."""
+        if on_stash:
+            if entry.leaves is None or entry.leaves is not self._stash or entry.step != forward_step:
+                return False
+        elif entry.step != self.step or forward_step not in (None, entry.step):
             return False
-        if entry.versions != self._param_versions():  # changed in place without a step: a state loaded
+        elif entry.versions != self._param_versions():  # changed in place without a step: a state loaded
             return False
         seen = entry.inputs.detach()
         return seen.shape == x.shape and bool((seen == x).all())
@@ -375,15 +392,22 @@ class StageBackend(Worker):
         """(gradients, None, grad of the input) from a kept graph; None if its tensors changed since."""
         out = entry.output
         _check_grad_output(grad_output, out)
+        leaves = self.optimizer.params if entry.leaves is None else entry.leaves
+        for leaf in leaves:  # (a frozen copy is shared by graphs: its gradient must be this micro-batch's alone)
+            leaf.grad = None
         try:
             out.backward(self._to_device(grad_output).to(out.dtype))
         except StaleGraph as e:  # the step check above should make this unreachable; recompute if not
             log.warning("stage %d: a kept forward graph was stale (%s); recomputing", self.module.index, e)
-            for p in self.optimizer.params:
-                p.grad = None
+            for leaf in leaves:
+                leaf.grad = None
             return None
+        grads = [leaf.grad for leaf in leaves]
+        if entry.leaves is not None:
+            for leaf in entry.leaves:
+                leaf.grad = None
         grad_input = None if self.module.is_first else entry.inputs.grad.detach()
-        return [p.grad for p in self.optimizer.params], None, grad_input
+        return grads, None, grad_input
 
     def _backward_recomputed(self, x: torch.Tensor, grad_output: torch.Tensor | None, targets: torch.Tensor | None,
                              n: int, kept: list[torch.Tensor] | None):
@@ -457,6 +481,22 @@ class StageBackend(Worker):
             self.expert_tokens[record.layer] = [a + b for a, b in zip(self.expert_tokens[record.layer], done)]
             self.dropped_slots[record.layer] += plan.dropped()
 
+    def _frozen_for(self, versions: tuple[int, ...]) -> list[torch.Tensor]:
+        """The frozen copy of the parameters as they are now (at `versions`), made anew once they changed."""
+        if self._frozen is None or self._frozen_versions != versions:
+            self._frozen = [p.detach().clone().requires_grad_(True) for p in self.optimizer.params]
+            self._frozen_versions = versions
+            if self.cache is not None:  # graphs on older copies than the stash serve no backward: free them
+                stash = self._stash
+                self.cache.drop_where(lambda entry: entry.leaves is not None and entry.leaves is not stash)
+        return self._frozen
+
+    def _stash_now(self) -> list[torch.Tensor]:
+        """The parameters to stash at a step: the frozen copy kept graphs run on while it is still theirs."""
+        if self._frozen is not None and self._frozen_versions == self._param_versions():
+            return self._frozen
+        return [p.detach().clone() for p in self.optimizer.params]
+
     def _param_versions(self) -> tuple[int, ...]:
         """Every in-place change of a parameter (a step, a state loaded, a repair) bumps its version."""
         return tuple(p._version for p in self.optimizer.params)
@@ -495,7 +535,7 @@ class StageBackend(Worker):
         if not self.stepper.ready:
             return None
         step = self.step
-        before = [p.detach().clone() for p in self.optimizer.params] if self.stash_weights else None
+        before = self._stash_now() if self.stash_weights else None
         stats = self.stepper.step()
         if self.step != step:  # the parameters moved on (a step, or a catch-up with the stage)
             self._stash, self._stash_step = before, step

@@ -120,22 +120,70 @@ def test_a_graph_is_only_used_by_its_caller_and_for_the_same_input():
         assert torch.equal(a, c)
 
 
-def test_a_graph_built_before_a_step_is_not_used_and_the_stash_gives_the_gradient_of_then():
-    b = backend()
+def step_with_others(b: StageBackend, *seeds: int) -> None:
+    """A batch of 4 from other micro-batches (2 each) steps the stage once per two seeds."""
+    for seed in seeds:
+        b.backward(tokens(seed), torch.ones(2, 8, 16))
+    for p in b.optimizer.params:
+        p.grad = None
+
+
+def test_a_graph_built_before_a_step_serves_its_backward_after_it_with_the_gradient_of_then():
+    """The kept graph ran on a frozen copy of the parameters, which the step left as they were: the backward
+    one step late starts from it (no forward again), with the gradient the stash would give, bit for bit."""
+    b, stashing = backend(), backend(cache_bytes=None)  # the second recomputes on its stash, as before graphs lasted
     then = copy.deepcopy(b.module)
     x = tokens(6)
     h, forward_step = b.forward_at(x, keep=(ME, "late"))
-    for seed in (7, 8):  # a batch of 4 from other micro-batches: the stage steps to 1
-        b.backward(tokens(seed), torch.ones_like(h))
-    assert b.step == 1
-    for p in b.optimizer.params:
-        p.grad = None
+    stashing.forward_at(x)
+    for backend_ in (b, stashing):
+        step_with_others(backend_, 7, 8)
+        assert backend_.step == 1
     grad = torch.randn_like(h)
     result = b.backward(x, grad, forward_step=forward_step, key=(ME, "late"))
-    assert result.stashed and not result.cached
+    recomputed = stashing.backward(x, grad, forward_step=forward_step)
+    assert result.stashed and result.cached and result.staleness == 1
+    assert recomputed.stashed and not recomputed.cached
+    for a, c in zip(grads(b), grads(stashing)):
+        assert torch.equal(a, c)
     then(x).backward(grad)
     for param, expected in zip(b.optimizer.params, then.parameters()):
         torch.testing.assert_close(param.grad, expected.grad)
+
+
+def test_a_graph_two_steps_old_is_not_used_and_graphs_on_older_copies_are_freed():
+    b = backend()
+    x = tokens(6)
+    h, forward_step = b.forward_at(x, keep=(ME, "two-late"))
+    step_with_others(b, 7, 8)
+    b.forward_at(tokens(9), keep=(ME, "one-late"))  # on the copy of step 1
+    assert len(b.cache) == 2
+    step_with_others(b, 10, 11)
+    assert b.step == 2
+    b.forward_at(tokens(12), keep=(ME, "fresh"))  # a copy of step 2: the graph on step 0's copy can serve nothing
+    assert len(b.cache) == 2 and b.cache.evictions == 1
+    now = copy.deepcopy(b.module)
+    grad = torch.randn_like(h)
+    late = b.backward(x, grad, forward_step=forward_step, key=(ME, "two-late"))
+    assert not late.cached and not late.stashed and late.staleness == 2  # recomputed on the parameters of now
+    now(x).backward(grad)
+    for param, expected in zip(b.optimizer.params, now.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad)
+    one_late = b.backward(tokens(9), torch.ones(2, 8, 16), forward_step=1, key=(ME, "one-late"))
+    assert one_late.cached and one_late.stashed
+    assert b.backward(tokens(12), torch.ones(2, 8, 16), forward_step=2, key=(ME, "fresh")).cached
+
+
+def test_without_stashing_a_graph_built_before_a_step_is_not_used():
+    run = config()
+    module = build_stage(run, 0)
+    b = StageBackend(module, StageOptimizer(module, run.optimizer), cache=ActivationCache(1 << 30),
+                     stash_weights=False)
+    x = tokens(6)
+    h, forward_step = b.forward_at(x, keep=(ME, "late"))
+    step_with_others(b, 7, 8)
+    result = b.backward(x, torch.randn_like(h), forward_step=forward_step, key=(ME, "late"))
+    assert not result.cached and not result.stashed and result.staleness == 1
 
 
 def test_parameters_changed_in_place_without_a_step_make_the_graph_stale_and_it_is_recomputed():

@@ -306,13 +306,15 @@ class StageBackend(Worker):
         Gradients are of the SUM of per-sample losses (the last stage scales its mean loss by the
         micro-batch size), so the optimizer can average over however many samples arrived.
         `forward_step`, the step at which this stage ran the micro-batch's forward, tells how stale
-        the gradient is: `grad_output` came from activations of then. A graph kept under `key` is
-        used only if it was built on the parameters of now from the same `x`. Otherwise the forward
-        is recomputed: if the stage has stepped once since, on the stashed parameters of then, so
-        the gradient is consistent (one step old); if more, on the parameters of now. `weight` is the share of
-        the micro-batch the parameters' gradient counts for: round(weight x n) samples, its gradient scaled by
-        that over n, so the batch's gradient is a weighted mean (0: it does not count; the gradient of the input
-        is returned as ever).
+        the gradient is: `grad_output` came from activations of then. If the stage has stepped once since,
+        the gradient is of the stashed parameters of then, so it is consistent (one step old): from the
+        graph kept under `key` when it was built on the stash (with stashing, kept forwards run on the frozen
+        copy that becomes the stash), else by recomputing the forward on the stash. Otherwise a kept graph
+        is used only if it was built on the parameters of now from the same `x`, and the forward is
+        recomputed on the parameters of now if not (also when the stage stepped more than once).
+        `weight` is the share of the micro-batch the parameters' gradient counts for: round(weight x n)
+        samples, its gradient scaled by that over n, so the batch's gradient is a weighted mean (0: it does
+        not count; the gradient of the input is returned as ever).
         """
         staleness = None if forward_step is None else max(0, self.step - forward_step)
         predicted = None

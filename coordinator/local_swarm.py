@@ -135,6 +135,16 @@ class LocalSwarm:
         self.marks.append({"time": time.monotonic(), "cpu": self._cpu_by_role(), "compute": compute,
                            "samples": sum(m.get("swarm_trainer_samples_total", 0.0) for m in scrapes)})
 
+    def _window_starts(self, step: int, steps: int) -> bool:
+        """Whether a tenth of the run is trained: by the trainers' own samples, current to the poll (the step in the
+        DHT is as old as the servers' last announcement, which a fast swarm can outrun from before a tenth of its
+        steps to past the last, leaving no window), by the step where there is no trainer to ask."""
+        start = max(1, steps // 10)
+        if not self.trainer_ports:
+            return step >= start
+        trained = sum(self._scrape(port).get("swarm_trainer_samples_total", 0.0) for port in self.trainer_ports)
+        return trained >= start * self.config.optimizer.batch_size
+
     def _window(self) -> dict[str, Any] | None:
         """Between the two marks (from a tenth of the steps to the last, start-up left out): seconds, samples the
         trainers trained, samples/s, and CPU seconds per sample by role, the servers' split into their compute
@@ -355,7 +365,7 @@ class LocalSwarm:
                     servers = " ".join(str(s["online"]) for s in status["stages"])
                     progress.update(min(status["step"], steps), loss=status["loss"] if status["loss"] else "-",
                                     samples_per_s=float(status["samples_per_second"]), servers_per_stage=servers)
-                if not self.marks and status["step"] >= max(1, steps // 10):
+                if not self.marks and self._window_starts(status["step"], steps):
                     self._mark()  # the window starts once training runs (start-up and the first rounds left out)
                 if status["step"] >= steps:
                     self._mark()

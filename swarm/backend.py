@@ -395,8 +395,6 @@ class StageBackend(Worker):
         out = entry.output
         _check_grad_output(grad_output, out)
         leaves = self.optimizer.params if entry.leaves is None else entry.leaves
-        for leaf in leaves:  # (a frozen copy is shared by graphs: its gradient must be this micro-batch's alone)
-            leaf.grad = None
         try:
             out.backward(self._to_device(grad_output).to(out.dtype))
         except StaleGraph as e:  # the step check above should make this unreachable; recompute if not
@@ -405,7 +403,7 @@ class StageBackend(Worker):
                 leaf.grad = None
             return None
         grads = [leaf.grad for leaf in leaves]
-        if entry.leaves is not None:
+        if entry.leaves is not None:  # (a frozen copy is shared by graphs: the next one's gradient must be its own)
             for leaf in entry.leaves:
                 leaf.grad = None
         grad_input = None if self.module.is_first else entry.inputs.grad.detach()

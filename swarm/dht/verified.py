@@ -50,7 +50,6 @@ class RememberedValidator(RecordValidatorBase):
         self.inner = CompositeValidator(validators)
         self.remembered = remembered
         self._accepted: OrderedDict[bytes, None] = OrderedDict()
-        self.checked = 0  # records the validators checked in full
         self.recalled = 0  # records that passed as accepted before
 
     def validate(self, record: DHTRecord) -> bool:
@@ -59,7 +58,6 @@ class RememberedValidator(RecordValidatorBase):
             self._accepted.move_to_end(digest)
             self.recalled += 1
             return True
-        self.checked += 1
         if not self.inner.validate(record):
             return False
         self._accepted[digest] = None

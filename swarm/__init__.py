@@ -14,6 +14,7 @@ tests/unit/test_layers.py keeps every import going down these layers)::
     ``swarm.tenure``    how long this peer has watched another, and what that lets it believe
     ``swarm.zero``      ZeRO sharding of a stage's optimizer state: layout, ownership, chunk AdamW
     ``swarm.activations``  the activation cache: a forward's graph kept until its backward
+    ``swarm.drain``     a due batch waiting briefly for the backwards of forwards run on its parameters
     ``swarm.traffic``   bytes this peer sends, by what they carry
     ``swarm.model``     GPT blocks and the split into pipeline stages (no networking)
     ``swarm.data``      corpora, tokenization, deterministic batch sampling

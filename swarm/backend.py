@@ -29,6 +29,7 @@ import torch
 from torch.func import functional_call
 
 from swarm.activations import ActivationCache, CachedForward, SavedBytes, StaleGraph
+from swarm.drain import BatchDrain
 from swarm.model import StageModule
 from swarm.model.moe import MoERecord, record_moe, total_aux_loss
 from swarm.optim import StageOptimizer
@@ -233,6 +234,9 @@ class StageBackend(Worker):
         self._predicted: dict[int, list[torch.Tensor]] = {}  # step t: the parameters step t+1 is predicted at
         self._ahead_of: OrderedDict[Hashable, int] = OrderedDict()  # key of a forward ahead: its step t
         self.forwards_ahead = 0
+        # A due batch waits (briefly) for the backwards of forwards run on its parameters (optimizer.drain_seconds)
+        drain = optimizer.config.drain_seconds
+        self.drain = BatchDrain(drain, self.request_step) if drain > 0 and not module.is_last else None
         # Whether the module's parameters are look-ahead ones now (a round under way, optimizer.lookahead): set by
         # the server that owns the stage's state (StageState.lookahead_base); replies say so (Forwarded)
         self.in_look_ahead: Callable[[], bool] = lambda: False
@@ -293,6 +297,8 @@ class StageBackend(Worker):
             with torch.no_grad(), self._autocast():
                 out = module(x, targets)
         self.samples_processed += x.shape[0]
+        if keep is not None and self.drain is not None and predicted is None:
+            self.drain.forwarded(keep, self.step, self.in_look_ahead())
         return Forwarded(self._to_host(out.detach().float() if out.dim() == 0 else out.detach()), self.step,
                          ahead=predicted is not None or self.in_look_ahead())
 
@@ -329,6 +335,7 @@ class StageBackend(Worker):
             if ahead_step is not None and ahead_step == forward_step:
                 predicted = self._predicted.get(ahead_step)
         on_stash = bool(staleness) and forward_step == self._stash_step and self._stash is not None
+        awaited = self.drain is not None and key is not None and self.drain.returned(key)
         n = x.shape[0]
         look_ahead = self.in_look_ahead()  # (read before stepping: a step here ends any look-ahead)
         x = self._to_device(x)
@@ -370,7 +377,7 @@ class StageBackend(Worker):
                     for g in grads:
                         if g is not None:
                             g.mul_(counted / n)
-            self.stepper.accumulate(grads, counted)
+            self.stepper.accumulate(grads, counted, awaited=awaited)
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if grad_input is None else self._to_host(grad_input)
@@ -534,6 +541,8 @@ class StageBackend(Worker):
     def _step_if_ready(self) -> dict[str, Any] | None:
         if not self.stepper.ready:
             return None
+        if self.drain is not None and self.stepper.closes_batch and self.drain.hold(self.step) is not None:
+            return None  # (the drain asks again when its wait ends)
         step = self.step
         before = self._stash_now() if self.stash_weights else None
         stats = self.stepper.step()

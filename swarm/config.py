@@ -173,6 +173,9 @@ class StagesConfig:
         return "bfloat16" if self.compute_dtype == "bfloat16" else "float32"
 
 
+MAX_STEP_WAIT = 10.0  # optimizer.drain_seconds and step_wait_seconds: longer would be a request timed out
+
+
 @dataclass
 class OptimizerConfig:
     """AdamW (or NAdamW) with linear warmup then cosine decay; one step per `batch_size` samples per stage."""
@@ -197,6 +200,13 @@ class OptimizerConfig:
     # run on the parameters the step would make from this server's own share of the batch (StageOptimizer.
     # preview), which the round's step then nearly equals: their gradients are nearly fresh.
     lookahead: bool = True
+    # A stage's batch that fills while backwards of forwards run on its parameters are still on their way waits for
+    # them, at most 1.5 x its measured forward-to-backward trips and at most this long, and counts them in: fresh,
+    # where they would be a step stale in the next batch (swarm/drain.py). 0: a batch closes when it fills.
+    drain_seconds: float = 0.5
+    # A forward (or the last stage's call) that comes while its stage's batch is closing (due, or its round under
+    # way) waits for the step, at most this long, then runs on the look-ahead. 0: never waits.
+    step_wait_seconds: float = 0.25
 
     def __post_init__(self) -> None:
         if self.beta1 is None:
@@ -208,6 +218,10 @@ class OptimizerConfig:
             _positive(self, name, "optimizer")
         for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
             _non_negative(self, name, "optimizer")
+        for name in ("drain_seconds", "step_wait_seconds"):  # (waits inside a request: short, and finite)
+            value = getattr(self, name)
+            if not 0.0 <= value <= MAX_STEP_WAIT:
+                raise ConfigError(f"optimizer.{name} must be between 0 and {MAX_STEP_WAIT:g} seconds, got {value}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")

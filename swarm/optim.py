@@ -89,8 +89,9 @@ class StageOptimizer:
             raise ValueError(f"sample count must be positive, got {n}")
         self.samples += n
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
-        """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient)."""
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> None:
+        """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient). (`awaited`:
+        StageStepper's; a server alone adds every sample to its batch until it steps.)"""
         self._mutating("accumulate")
         if len(grads) != len(self.params):
             raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
@@ -112,6 +113,11 @@ class StageOptimizer:
     def ready(self) -> bool:
         """Whether the stage has accumulated a full batch."""
         return self.samples >= self.config.batch_size
+
+    @property
+    def closes_batch(self) -> bool:
+        """StageStepper's: a step here always closes a batch."""
+        return True
 
     def step(self) -> dict[str, Any]:
         """Average, clip, step AdamW and zero grads; skips (and says so) on non-finite gradients."""

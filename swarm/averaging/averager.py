@@ -175,16 +175,17 @@ class StageAverager:
     def step_count(self) -> int:
         return self.optimizer.step_count
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> None:
         """Count the samples towards the step they make, or hold them for the next if its batch is full.
 
         While a round runs, samples count towards the step after it however many come: holding them
         for later would make them two steps stale, and refusing them would make the servers wait.
         So a stage whose rounds take longer than a batch's compute takes larger steps (the samples
-        that came during the round are in the step's stats as ``late``).
+        that came during the round are in the step's stats as ``late``). Samples the due batch `awaited` count
+        towards it (swarm.drain).
         """
         in_flight = self.in_flight
-        if not in_flight and self.round.due(self.view()):  # a batch is due: these would make it larger
+        if not awaited and not in_flight and self.round.due(self.view()):  # a batch is due: these would make it larger
             self.ledger.hold(grads, n)
         else:
             with self.state.lock:
@@ -211,6 +212,10 @@ class StageAverager:
             return job.done()
         view = self.view()
         return (view.needs_state and self.catch_up.may_run()) or (self.round.due(view) and self._may_average())
+
+    @property
+    def closes_batch(self) -> bool:
+        return self._job is None and not self.view().needs_state
 
     def step(self) -> dict[str, Any] | None:
         """Apply what a finished round or download brought, or start one; never waits on the network.

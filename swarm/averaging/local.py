@@ -243,7 +243,11 @@ class LocalAverager(StageAverager):
         return self.config.pseudo_gradient_compression
 
     # StageStepper (compute thread)
-    def accumulate(self, grads, n: int) -> None:
+    @property
+    def closes_batch(self) -> bool:
+        return False  # (inner steps are this server's own: they close when full, as they always did)
+
+    def accumulate(self, grads, n: int, awaited: bool = False) -> None:
         with self.state.lock:
             self.optimizer.accumulate(grads, n)
 

@@ -24,8 +24,15 @@ class StageStepper(Protocol):
         """Optimizer steps this replica of the stage has taken (or adopted from its peers)."""
         ...
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int) -> None:
-        """Take the gradient sums of ``n`` more samples (one tensor per parameter, None: no gradient)."""
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> None:
+        """Take the gradient sums of ``n`` more samples (one tensor per parameter, None: no gradient); `awaited`:
+        the batch due now waited for them (swarm.drain), so they count towards it even though it is full."""
+        ...
+
+    @property
+    def closes_batch(self) -> bool:
+        """Whether :meth:`step` would now close a batch (the backend may first wait for backwards on their way,
+        swarm.drain), rather than apply or await what a round or a download brought."""
         ...
 
     @property

@@ -29,6 +29,7 @@ from swarm.checkpoint.keeper import KeeperScope, StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, online, online_steps
 from swarm.dht.reachability import Reachability
+from swarm.drain import wait_for_step
 from swarm.model import build_stage
 from swarm.model.moe import MoEFeedForward
 from swarm.optim import StageOptimizer
@@ -359,6 +360,7 @@ class StageRequestHandler(CountingHandler):
     async def forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
         backend = await self._admit(request)
+        await self._wait_for_step(backend)
         keep = (request.caller, request.request_id) if request.backward_follows else None
         if keep is not None and self._local:
             self._forwarded[keep] = None
@@ -383,6 +385,10 @@ class StageRequestHandler(CountingHandler):
         key = (request.caller, request.request_id)
         task = self._recent.get(key)
         first = task is None
+        if first and backend.module.is_last:  # (its forward: on the parameters of the step, as any forward)
+            await self._wait_for_step(backend)
+            task = self._recent.get(key)  # (a retry of it may have come meanwhile)
+            first = task is None
         if first:
             call = _in_call(backend.backward, request.inputs.shape[0], request.moe_lost, backend)
 
@@ -406,6 +412,13 @@ class StageRequestHandler(CountingHandler):
         if result.ahead:
             info["ahead"] = True
         return StageReply(tensors, server_step=result.step, info=info)
+
+    async def _wait_for_step(self, backend: StageBackend) -> None:
+        """A forward waits while its stage's batch is closing, briefly (swarm.drain); not in the low-communication
+        mode, whose replicas step on their own."""
+        limit = self.server.config.optimizer.step_wait_seconds
+        if limit > 0 and not self._local:
+            await wait_for_step(backend.stepper, limit)
 
     def _weight(self, key: tuple) -> float:
         """What a backward's gradient counts for here: in full, unless another replica of a stage in the

@@ -21,8 +21,10 @@ def config(n_layer: int = 2, **stages) -> RunConfig:
     return RunConfig.from_dict({
         "model": {"n_layer": n_layer, "n_head": 2, "d_model": 16, "seq_len": 8},
         "stages": {"num_stages": 2, **stages},
-        # (no forwards ahead: they run on predicted parameters and are never kept; these tests are of the cache)
-        "optimizer": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 0, "lookahead": False},
+        # (no forwards ahead: they run on predicted parameters and are never kept; no batch waiting for backwards
+        # on their way: these tests are of the cache, and of backwards a step late)
+        "optimizer": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 0, "lookahead": False,
+                      "drain_seconds": 0},
     })
 
 

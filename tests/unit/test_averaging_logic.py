@@ -237,9 +237,10 @@ class FakeStepper:
 
     def __init__(self):
         self.step_count, self.samples, self.ready, self.result = 0, 0, False, None
+        self.closes_batch = False  # (what it steps on is not a batch of its own)
         self.stepped = threading.Event()
 
-    def accumulate(self, grads, n: int) -> None:
+    def accumulate(self, grads, n: int, awaited: bool = False) -> None:
         self.samples += n
 
     def step(self):

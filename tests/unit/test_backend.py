@@ -274,9 +274,9 @@ class DueOptimizer(StageOptimizer):
     def samples_to_step(self):
         return 0 if self.due else super().samples_to_step()
 
-    def accumulate(self, grads, n):
+    def accumulate(self, grads, n, awaited=False):
         self.last = [None if g is None else g.clone() for g in grads]
-        super().accumulate(grads, n)
+        super().accumulate(grads, n, awaited)
 
 
 def test_on_the_last_stage_a_backward_while_the_batch_is_due_runs_on_the_predicted_parameters():

@@ -1,0 +1,161 @@
+"""A stage's step boundary kept clean: its batch waits for the backwards of forwards it already ran, and new
+forwards wait for the step.
+
+A stage that is not the last runs a micro-batch's forward, and its backward comes back one pipeline
+trip later. When the stage's batch fills in between, that backward's samples would count towards the
+step after, computed on the parameters of before the step: one step stale (weight stashing keeps the
+gradient consistent, not fresh). Instead the server puts off closing the batch until the backwards of
+the forwards it ran on the batch's parameters are back, waiting at most a little longer than its own
+forwards' backwards take to come back (measured here), and counts them into the batch: the step takes
+a few samples more than a batch, and none of them is stale. A forward ahead (run on the parameters the
+next step is predicted to make) belongs to the batch after and is never waited for.
+
+A forward (or the last stage's call) that comes while the stage's batch is closing (due, or its round under
+way) waits for the step, at most `optimizer.step_wait_seconds` (wait_for_step): it then runs on the parameters
+the step made instead of a prediction of them (look-ahead), and its samples are not late. On these two cores
+it costs no samples/s at batch 16, where rounds are short (README, Learning); where rounds are long (thin
+links), the wait ends at its cap and the forward runs on the look-ahead as before.
+
+Strangers: a caller's forwards whose backward never comes (gone elsewhere, or held back on purpose)
+cost one wait of at most `max_seconds` per batch; a caller whose backwards missed a wait is not waited
+for again until `PARDON_SECONDS` have passed, so a lone caller cannot slow every batch down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import NamedTuple, Protocol
+
+MAX_PENDING = 1024  # forwards remembered (the oldest forgotten first): a caller cannot grow this without bound
+TRIPS_KEPT = 64  # forward-to-backward times the wait is measured from
+MIN_TRIPS = 8  # before this many, a wait lasts max_seconds at most
+TRIP_QUANTILE = 0.9
+TRIP_FACTOR = 1.5  # a wait lasts this times the quantile (a trip through a loaded pipeline varies)
+PARDON_SECONDS = 60.0
+MAX_CALLERS = 4096  # callers remembered for missing a wait
+STEP_POLL = 0.005  # how often a waiting forward looks whether its stage has stepped
+
+
+class Pending(NamedTuple):
+    started: float  # monotonic
+    step: int  # the stage's step when the forward ran
+    look_ahead: bool  # on the look-ahead parameters of a round under way: the step after `step`'s
+
+
+class BatchDrain:
+    """Which of this server's forwards a due batch waits for, and for how long (one per stage backend; every method
+    on its compute thread)."""
+
+    def __init__(self, max_seconds: float, recheck: Callable[[], object], clock=time.monotonic):
+        self.max_seconds = max_seconds
+        self._recheck = recheck  # asks the compute thread to look at the batch again (once a wait ends)
+        self._timer: threading.Timer | None = None
+        self._clock = clock
+        self._pending: collections.OrderedDict[Hashable, Pending] = collections.OrderedDict()
+        self._trips: collections.deque[float] = collections.deque(maxlen=TRIPS_KEPT)
+        self._awaited: set[Hashable] = set()
+        self._deadline: float | None = None
+        self._missed: collections.OrderedDict[Hashable, float] = collections.OrderedDict()  # caller: when
+        self.waits = 0  # batches whose close was put off
+        self.drained = 0  # backwards that came in time to count towards the batch they were waited for by
+        self.timed_out = 0  # waits that ended with backwards still missing
+
+    def forwarded(self, key: Hashable, step: int, look_ahead: bool) -> None:
+        """A forward whose backward follows ran on the step's parameters (or on the look-ahead ones)."""
+        self._pending[key] = Pending(self._clock(), step, look_ahead)
+        self._pending.move_to_end(key)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popitem(last=False)
+
+    def returned(self, key: Hashable) -> bool:
+        """Its backward came: whether the batch due now waits for it (its samples count towards that batch)."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            self._trips.append(self._clock() - pending.started)
+        if key in self._awaited:
+            self._awaited.discard(key)
+            self.drained += 1
+            return True
+        return False
+
+    def limit(self) -> float:
+        """The longest a due batch waits: TRIP_FACTOR x the TRIP_QUANTILE of the trips measured, at most max_seconds."""
+        if len(self._trips) < MIN_TRIPS:
+            return self.max_seconds
+        trips = sorted(self._trips)
+        return min(self.max_seconds, TRIP_FACTOR * trips[min(len(trips) - 1, int(TRIP_QUANTILE * len(trips)))])
+
+    def hold(self, step: int) -> float | None:
+        """The batch of `step` (to be applied to the parameters of `step`) is due: None to close it now, else the
+        seconds left to wait for the backwards of forwards that ran on its parameters."""
+        now = self._clock()
+        if self._deadline is None:
+            limit = self.limit()
+            self._awaited = {key for key, p in self._pending.items()
+                             if self._belongs(p, step) and now - p.started < limit and not self._excused(key, now)}
+            if not self._awaited:
+                return None
+            self._deadline = now + limit
+            self.waits += 1
+        if self._awaited and now < self._deadline:
+            left = self._deadline - now
+            if self._timer is None or not self._timer.is_alive():  # nothing else may ask again when none comes
+                self._timer = threading.Timer(left, self._recheck)
+                self._timer.daemon = True
+                self._timer.start()
+            return left
+        self.closed(now)
+        return None
+
+    def closed(self, now: float | None = None) -> None:
+        """The batch closed (or the wait ended): callers still awaited missed it."""
+        if self._awaited:
+            self.timed_out += 1
+            now = self._clock() if now is None else now
+            for key in self._awaited:
+                caller = _caller(key)
+                self._missed[caller] = now
+                self._missed.move_to_end(caller)
+            while len(self._missed) > MAX_CALLERS:
+                self._missed.popitem(last=False)
+        self._awaited = set()
+        self._deadline = None
+
+    @staticmethod
+    def _belongs(p: Pending, step: int) -> bool:
+        # on the parameters of `step`: run at that step, or during the round that made it, on its look-ahead
+        return p.step == step or (p.look_ahead and p.step == step - 1)
+
+    def _excused(self, key: Hashable, now: float) -> bool:
+        missed = self._missed.get(_caller(key))
+        return missed is not None and now - missed < PARDON_SECONDS
+
+
+def _caller(key: Hashable) -> Hashable:
+    """Who sent a forward: servers key them (caller, request id)."""
+    return key[0] if isinstance(key, tuple) and key else key
+
+
+class _Stepper(Protocol):
+    def samples_to_step(self) -> int | None: ...
+
+
+async def wait_for_step(stepper: _Stepper, limit: float, clock=time.monotonic, poll: float = STEP_POLL,
+                        sleep=asyncio.sleep) -> bool:
+    """Wait while the stage's batch is closing (no samples to go, or a round or a download under way), at most
+    `limit` seconds; whether it had to wait. (Its step is what a forward that comes now should run on.)"""
+    deadline, waited = clock() + limit, False
+    while clock() < deadline:
+        try:
+            needed = stepper.samples_to_step()
+        except Exception:  # noqa: BLE001 - a stepper shutting down: the request goes on and meets that
+            return waited
+        if needed is not None and needed > 0:
+            return waited
+        waited = True
+        await sleep(poll)
+    return waited

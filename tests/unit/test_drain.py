@@ -1,0 +1,176 @@
+"""A due batch waits for the backwards of forwards run on its parameters (swarm.drain), and no longer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from swarm.backend import StageBackend
+from swarm.config import RunConfig
+from swarm.drain import MIN_TRIPS, PARDON_SECONDS, STEP_POLL, TRIP_FACTOR, BatchDrain, wait_for_step
+from swarm.model import build_stage
+from swarm.optim import StageOptimizer
+
+ME, THEM = "me", "them"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drain(max_seconds: float = 0.5) -> tuple[BatchDrain, Clock, list]:
+    clock, asked = Clock(), []
+    return BatchDrain(max_seconds, lambda: asked.append(clock.now), clock=clock), clock, asked
+
+
+def test_a_due_batch_waits_for_forwards_on_its_parameters_and_counts_them_in():
+    d, clock, _ = drain()
+    d.forwarded((ME, 1), step=3, look_ahead=False)  # on the batch's parameters
+    d.forwarded((ME, 2), step=2, look_ahead=True)  # during the round that made step 3, on its look-ahead
+    d.forwarded((ME, 3), step=2, look_ahead=False)  # before that round: stale whatever happens, not waited for
+    assert d.hold(3) == 0.5
+    clock.now += 0.1
+    assert d.returned((ME, 3)) is False
+    assert d.returned((ME, 1)) is True and d.hold(3) is not None
+    assert d.returned((ME, 2)) is True and d.hold(3) is None  # all back: the batch closes
+    assert (d.waits, d.drained, d.timed_out) == (1, 2, 0)
+    d.forwarded((ME, 4), step=3, look_ahead=False)
+    assert d.returned((ME, 4)) is False  # no batch waits now: it counts towards the next as ever
+
+
+def test_nothing_on_its_way_closes_at_once_and_a_forward_ahead_is_not_waited_for():
+    d, _, asked = drain()
+    assert d.hold(0) is None
+    d.forwarded((ME, 1), step=0, look_ahead=False)
+    assert d.hold(1) is None  # run on the parameters before step 1: nothing to win by waiting
+    assert asked == [] and d.waits == 0
+
+
+def test_the_wait_ends_at_its_limit_and_asks_again_and_a_caller_that_missed_it_is_excused():
+    d, clock, _ = drain(max_seconds=0.05)  # (real timer: short)
+    asked = threading.Event()
+    d._recheck = asked.set
+    d.forwarded((THEM, 1), step=0, look_ahead=False)
+    assert d.hold(0) is not None
+    assert asked.wait(10), "the drain never asked to look at the batch again"
+    clock.now += 0.05
+    assert d.hold(0) is None and d.timed_out == 1
+    assert d.returned((THEM, 1)) is False  # too late for that batch
+    # the same caller's next forward is not waited for, another caller's is
+    d.forwarded((THEM, 2), step=1, look_ahead=False)
+    assert d.hold(1) is None
+    d.forwarded((ME, 3), step=2, look_ahead=False)
+    d.forwarded((THEM, 4), step=2, look_ahead=False)
+    assert d.hold(2) is not None and d.returned((ME, 3)) and d.hold(2) is None
+    clock.now += PARDON_SECONDS
+    d.forwarded((THEM, 5), step=3, look_ahead=False)
+    assert d.hold(3) is not None  # pardoned
+
+
+def test_the_limit_follows_measured_trips_up_to_its_cap():
+    d, clock, _ = drain(max_seconds=0.5)
+    assert d.limit() == 0.5  # nothing measured yet
+    for i in range(MIN_TRIPS * 2):
+        d.forwarded((ME, i), step=0, look_ahead=False)
+        clock.now += 0.1
+        d.returned((ME, i))
+    assert abs(d.limit() - TRIP_FACTOR * 0.1) < 1e-9
+    d.forwarded((ME, "old"), step=1, look_ahead=False)
+    clock.now += TRIP_FACTOR * 0.1
+    assert d.hold(1) is None  # out longer than any trip measured: not waited for
+
+
+def test_pending_forwards_are_bounded():
+    d, _, _ = drain()
+    for i in range(5000):
+        d.forwarded((THEM, i), step=0, look_ahead=False)
+    assert len(d._pending) <= 1024
+
+
+def config(**optimizer) -> RunConfig:
+    return RunConfig.from_dict({
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 8},
+        "stages": {"num_stages": 2},
+        "optimizer": {"batch_size": 4, "micro_batch_size": 2, "warmup_steps": 0, "lookahead": False, **optimizer},
+    })
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_stage_steps_on_the_backward_it_waited_for_with_its_gradient_of_the_same_parameters():
+    run = config(drain_seconds=10.0)
+    module = build_stage(run, 0)
+    b = StageBackend(module, StageOptimizer(module, run.optimizer))
+    try:
+        x = [tokens(s) for s in range(3)]
+        grad = torch.ones(2, 8, 16)
+        # the exact gradient of the three micro-batches on the parameters of step 0
+        reference = build_stage(run, 0)
+        reference.load_state_dict(module.state_dict())
+        for xi in x:
+            reference(xi).backward(grad)
+        expected = [p.grad.clone() / 6 for p in reference.parameters()]
+
+        for i, xi in enumerate(x):
+            b.forward_at(xi, keep=(ME, i))
+        b.backward(x[0], grad, forward_step=0, key=(ME, 0))
+        assert b.backward(x[1], grad, forward_step=0, key=(ME, 1)).step_stats is None  # full, waiting for the third
+        assert b.step == 0 and b.drain.waits == 1
+        result = b.backward(x[2], grad, forward_step=0, key=(ME, 2))
+        assert result.step_stats is not None and result.step_stats["samples"] == 6 and b.step == 1
+        assert not result.stashed  # no step came between its forward and its backward
+        # the step's mean gradient over all six samples (its norm, in the step's stats), each of step 0's parameters
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in expected]))
+        assert abs(result.step_stats["grad_norm"] - float(norm)) < 1e-4 * float(norm)
+    finally:
+        b.shutdown()
+
+
+def test_without_a_drain_the_batch_closes_when_it_fills():
+    run = config(drain_seconds=0)
+    module = build_stage(run, 0)
+    b = StageBackend(module, StageOptimizer(module, run.optimizer))
+    try:
+        for i in range(3):
+            b.forward_at(tokens(i), keep=(ME, i))
+        b.backward(tokens(0), torch.ones(2, 8, 16), forward_step=0, key=(ME, 0))
+        assert b.backward(tokens(1), torch.ones(2, 8, 16), forward_step=0, key=(ME, 1)).step_stats is not None
+        assert b.drain is None and b.step == 1
+    finally:
+        b.shutdown()
+
+
+class Needs:
+    """A stepper whose stage needs what it is told, in turn."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+
+    def samples_to_step(self):
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_a_forward_waits_while_its_stage_closes_a_batch_and_no_longer_than_its_limit():
+    clock = Clock()
+
+    async def tick(_):  # (the poll's sleep: time moves on instead)
+        clock.now += STEP_POLL
+
+    async def run(stepper, limit):
+        return await wait_for_step(stepper, limit, clock=clock, poll=STEP_POLL, sleep=tick)
+
+    assert asyncio.run(run(Needs(4), 1.0)) is False  # samples to go: at once
+    start = clock.now
+    assert asyncio.run(run(Needs(0, None, None, 8), 1.0)) is True  # due, then its round, then stepped
+    assert abs(clock.now - start - 3 * STEP_POLL) < 1e-9
+    start = clock.now
+    assert asyncio.run(run(Needs(None), 0.1)) is True  # a round that does not end: the wait does
+    assert abs(clock.now - start - 0.1) < STEP_POLL + 1e-9

@@ -307,10 +307,12 @@ class AveragingProcess(AveragerInternals):
             logger.debug("sending a matchmaking declaration to %s failed: %r", peer, e)
             return False
 
-    def arm(self, step: int, group_size: int, gather: dict, members: Sequence[str] = ()) -> StepControl:
+    def arm(self, step: int, group_size: int, gather: dict, members: Sequence[str] = (),
+            matchmaking_timeout: float | None = None) -> StepControl:
         """Begin forming the round for `step` with `group_size` servers (`members`: the others expected), in
         the background: the group forms while the batch fills, and the all-reduce waits for :meth:`run_round`.
-        Every member's `gather` travels at matchmaking, so it can only say what is known now (the step)."""
+        Every member's `gather` travels at matchmaking, so it can only say what is known now (the step).
+        `matchmaking_timeout`: how long the group may take to form (averaging.matchmaking_timeout by default)."""
         self.prepare_round(step, group_size, members)
         if not self.is_alive():
             raise RoundFailed("the averaging process is not running")
@@ -318,8 +320,13 @@ class AveragingProcess(AveragerInternals):
         # (it has not heard yet) lives on until its deadline, holding the matchmaking lock and joining the
         # peers' groups as a member that never takes part; seen to fail a stage's rounds for minutes. A
         # failed round is handled by StageAverager instead (a new round for the same batch, armed afresh).
-        return self.step(gather=gather, weight=0.0, timeout=self.config.matchmaking_timeout, require_trigger=True,
-                         allow_retries=False, wait=False)
+        if matchmaking_timeout is None:
+            return self.step(gather=gather, weight=0.0, timeout=self.config.matchmaking_timeout, require_trigger=True,
+                             allow_retries=False, wait=False)
+        # a shorter window also brings forward when a group still missing members gives up waiting for them
+        wait = min(self.config.min_matchmaking_time, matchmaking_timeout / 2)
+        return self.step(gather=gather, weight=0.0, timeout=matchmaking_timeout, require_trigger=True,
+                         allow_retries=False, wait=False, scheduled_time=get_dht_time() + wait)
 
     def run_round(self, control: StepControl, weight: float, stop: threading.Event,
                   nobody_left: Callable[[], bool]) -> tuple[dict[Any, Any], float]:

@@ -48,6 +48,7 @@ log = logging.getLogger("swarm.expert")
 
 HOST_CALL_TIMEOUT = 60.0  # a snapshot or an update, queued behind the host's tasks
 DOWNLOAD_RETRY_PAUSE = 1.0  # seconds before asking the donors again when none sent a state
+MATCHMAKING_SHARE = 0.1  # the last tenth of a period is kept free of matchmaking (see ExpertReplicas.average)
 DOWNLOAD_TRIES = 3  # asks of the donors for one expert's state (each a few seconds when they are gone)
 
 
@@ -156,7 +157,13 @@ class ExpertReplicas:
         with self.process.buffers() as buffers:
             for buffer, values in zip(buffers, snapshot):
                 buffer.copy_(values)
-        control = self.process.arm(index, len(others) + 1, {"step": index}, others)
+        # The group must form before the next period begins: a host whose round still looks for a group then
+        # (its matchmaking_timeout longer than the period) would start its next round a period after the others
+        # started theirs, and hosts failing that way in turn were seen to miss each other for a minute on end
+        window = min(self.config.matchmaking_timeout, (index + 1 - MATCHMAKING_SHARE) * self.period - time.time())
+        if window <= 0:
+            raise RoundFailed(f"period {index} had no time left to form a group")
+        control = self.process.arm(index, len(others) + 1, {"step": index}, others, matchmaking_timeout=window)
         self.process.run_round(control, 1.0, self._stop, nobody_left=lambda: False)
         with self.process.buffers() as buffers:
             mean = [buffer.clone() for buffer in buffers]

@@ -119,3 +119,37 @@ def test_two_hosts_of_an_expert_that_took_different_backwards_end_equal_after_th
             torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-6)
         # an expert hosted once is averaged with nobody
         assert hosts[0].replicas[0].rounds == {"succeeded": 0, "failed": 0}
+
+
+def test_hosts_of_an_expert_meet_again_after_one_skipped_a_period_it_saw_the_other_in():
+    """A host that sits out one period (it did not see the other host in the DHT yet) while the other looks for a
+    group in it: their rounds still fall in the same period afterwards. Rounds whose matchmaking outlasted the period
+    (matchmaking_timeout 10 s, the period 2 s) used to start a period apart from then on, in turn, and the hosts
+    missed each other for a minute and more."""
+    config = moe_config("expertskip")
+    config.averaging.expert_replica_period = 2.0
+    samples = config.optimizer.batch_size
+    d_model, rows = config.model.d_model, 6
+    with running_peers(config.run_id, 2) as peers, expert_servers(config, peers, [[2], [2]]) as hosts:
+        replicas = hosts[1].replicas[2]
+        seen, real = [], replicas.other_hosts
+
+        def late_to_see() -> list[str]:
+            others = real()
+            seen.append(bool(others))
+            return [] if seen.count(True) == 1 and others else others  # the first period with the other: sat out
+
+        replicas.other_hosts = late_to_see
+        for seed, server in enumerate(hosts):
+            generator = torch.Generator().manual_seed(seed)
+            inputs, grad = (torch.randn(rows, d_model, generator=generator) for _ in range(2))
+            server.host.submit(server.host.backward, 0, [(2, rows)], inputs, grad, samples).result(BACKEND_CALL_TIMEOUT)
+
+        def equal() -> bool:
+            return all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*(parameters(h, 2) for h in hosts)))
+
+        wait_until(lambda: seen.count(True) >= 1, ROUND_TIMEOUT, interval=0.1, what="the second host seeing the first")
+        # within two matchmaking timeouts of the period it sat out, plus a few periods for loaded machines
+        wait_until(equal, 2 * config.averaging.matchmaking_timeout + 5 * 2.0, interval=0.2,
+                   what="expert 2's hosts ending equal after one sat out a period")
+        assert all(h.replicas[2].rounds["succeeded"] >= 1 for h in hosts)

@@ -15,8 +15,12 @@ Printed for each point: swarm / reference (goals on configs/tiny.yaml at batch 1
 at step 50, <= 1.02 at the end of the schedule) and swarm / AdamW reference (goal <= 1.00 at the
 end); also the reference at equal steps, and the share of samples that came one step late.
 
-What can make them differ: data order (two trainers with their own sampler seeds vs one), larger
-steps, and stale gradients. Samples a server takes while its stage's round runs beside compute are
+The reference draws its micro-batches in turn from the windows of as many trainers as the swarm has (the
+same sampler seeds): both train on the same windows. Other windows alone move tiny.yaml's validation
+loss by up to 6% at the end (trainer seeds 0-3, one stream each: 2.289-2.446), more than the goals
+allow; before 2026-12-07 the reference drew from trainer 0's windows alone, whatever the swarm's.
+
+What can make them differ: the order micro-batches fall into steps, larger steps, and stale gradients. Samples a server takes while its stage's round runs beside compute are
 one step late (computed on the parameters that step is about to make with look-ahead, the default);
 a micro-batch whose stage steps between its forward and its backward is computed on the parameters
 its forward used (weight stashing). Averaging itself is exact: with one server per stage, one
@@ -77,9 +81,10 @@ def swarm_model_at(config: RunConfig, checkpoints: Path, step: int) -> Reference
     return model
 
 
-def reference_curve(config: RunConfig, at_steps: list[int]) -> dict[int, float]:
-    """Validation loss of the single-process reference after each of `at_steps` steps."""
-    reference, losses = ReferenceTrainer(config), {}
+def reference_curve(config: RunConfig, at_steps: list[int], trainers: int) -> dict[int, float]:
+    """Validation loss of the single-process reference after each of `at_steps` steps, on the windows of the swarm's
+    `trainers`."""
+    reference, losses = ReferenceTrainer(config, trainers=trainers), {}
     for step in range(1, max(at_steps) + 1):
         reference.train_step()
         if step in at_steps:
@@ -126,9 +131,9 @@ def measure(config_path: str, steps: int | None, at: list[int], every: int, stag
     for row in rows:  # the reference at equal samples: the stages' mean (they differ by a micro-batch or two)
         row["reference_steps"] = max(1, round(sum(row["samples_per_stage"]) / stages / config.optimizer.batch_size))
     wanted = sorted({r["reference_steps"] for r in rows} | set(points))
-    same = reference_curve(config, wanted)
+    same = reference_curve(config, wanted, trainers)
     plain = (config.optimizer.name, config.optimizer.beta1) == ("adamw", 0.9)  # (look-ahead: nothing in one process)
-    before = same if plain else reference_curve(adamw(config), wanted)
+    before = same if plain else reference_curve(adamw(config), wanted, trainers)
     for row in rows:
         n = row["reference_steps"]
         row.update(reference_val_loss=same[n], adamw_val_loss=before[n], ratio=row["swarm_val_loss"] / same[n],

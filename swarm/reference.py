@@ -37,7 +37,11 @@ EVAL_BATCHES = 20
 class ReferenceTrainer:
     """Trains all stages of one run in this process, the way a swarm would."""
 
-    def __init__(self, config: RunConfig, trainer_index: int = 0, device: str | torch.device = "cpu"):
+    def __init__(self, config: RunConfig, trainer_index: int = 0, device: str | torch.device = "cpu",
+                 trainers: int = 1):
+        """`trainers`: draw micro-batches in turn from the windows of that many trainers (indices from
+        `trainer_index` on), as a swarm of them takes its samples: a comparison with that swarm then trains on
+        the same windows (other windows alone move tiny.yaml's loss by up to 6%; bench/convergence.py)."""
         self.config = config
         self.device = torch.device(device)
         self.compute_dtype = resolve_compute_dtype(config.stages.compute_dtype, self.device)  # as a server's
@@ -63,12 +67,12 @@ class ReferenceTrainer:
             self.optimizers += [StageOptimizer(expert, config.optimizer) for expert in self.experts]
         self.train_tokens = load_tokens(config.data, "train", tokenizer)
         self.val_tokens = load_tokens(config.data, "val", tokenizer)
-        self.sampler = BatchSampler(
-            self.train_tokens,
-            config.model.seq_len,
-            config.optimizer.micro_batch_size,
-            seed=sampler_seed(config.data.seed, trainer_index),
-        )
+        if trainers < 1:
+            raise ValueError(f"trainers must be at least 1, got {trainers}")
+        self.samplers = [BatchSampler(self.train_tokens, config.model.seq_len, config.optimizer.micro_batch_size,
+                                      seed=sampler_seed(config.data.seed, trainer_index + i)) for i in range(trainers)]
+        self.sampler = self.samplers[0]
+        self._turn = 0  # the trainer whose micro-batch comes next
 
     @property
     def step_count(self) -> int:
@@ -98,7 +102,8 @@ class ReferenceTrainer:
         moe = self.config.model.moe
         losses, aux_losses, dropped, samples = [], [], [], 0
         while not all(opt.ready for opt in self.optimizers):
-            x, y = self.sampler.next_batch()
+            x, y = self.samplers[self._turn].next_batch()
+            self._turn = (self._turn + 1) % len(self.samplers)
             n = x.shape[0]
             loss, aux, drop_share = self.loss_and_moe(x, y)
             objective = loss if aux is None else loss + moe.aux_loss_weight * aux

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from swarm.config import RunConfig
 from swarm.reference import ReferenceTrainer
@@ -52,6 +53,23 @@ def test_same_config_gives_identical_losses():
 def test_trainers_with_different_indices_see_different_data():
     a, b = ReferenceTrainer(tiny_config(), trainer_index=0), ReferenceTrainer(tiny_config(), trainer_index=1)
     assert a.train_step()["loss"] != b.train_step()["loss"]
+
+
+def test_a_reference_of_two_trainers_draws_their_micro_batches_in_turn():
+    config = tiny_config()  # batch 8 of micro-batches of 4: one from each trainer a step
+    both = ReferenceTrainer(config, trainers=2)
+    drawn = []
+    for sampler in both.samplers:  # (a spy: what each trainer's stream gives, in order)
+        sampler.next_batch = (lambda original: lambda: drawn.append(original()) or drawn[-1])(sampler.next_batch)
+    both.train_step()
+    both.train_step()
+    alone = [ReferenceTrainer(config, trainer_index=i).sampler for i in (0, 1)]
+    expected = [alone[0].next_batch(), alone[1].next_batch(), alone[0].next_batch(), alone[1].next_batch()]
+    assert len(drawn) == 4
+    for (x, y), (ex, ey) in zip(drawn, expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    with pytest.raises(ValueError, match="at least 1"):
+        ReferenceTrainer(config, trainers=0)
 
 
 def test_uneven_micro_batches_still_fill_the_batch():

@@ -20,10 +20,11 @@ same sampler seeds): both train on the same windows. Other windows alone move ti
 loss by up to 6% at the end (trainer seeds 0-3, one stream each: 2.289-2.446), more than the goals
 allow; before 2026-12-07 the reference drew from trainer 0's windows alone, whatever the swarm's.
 
-What can make them differ: the order micro-batches fall into steps, larger steps, and stale gradients. Samples a server takes while its stage's round runs beside compute are
-one step late (computed on the parameters that step is about to make with look-ahead, the default);
-a micro-batch whose stage steps between its forward and its backward is computed on the parameters
-its forward used (weight stashing). Averaging itself is exact: with one server per stage, one
+What can make them differ: the order micro-batches fall into steps, larger steps, and stale
+gradients. Samples a server takes while its stage's round runs beside compute are one step late
+(computed on the parameters that step is about to make with look-ahead, the default); a micro-batch
+whose stage steps between its forward and its backward is computed on the parameters its forward
+used (weight stashing). Averaging itself is exact: with one server per stage, one
 trainer and one micro-batch in flight the swarm reproduces the reference to the last digit.
 
     .venv/bin/python bench/convergence.py                        # configs/tiny.yaml, batch 16, 300 steps

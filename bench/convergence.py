@@ -19,6 +19,10 @@ The reference draws its micro-batches in turn from the windows of as many traine
 same sampler seeds): both train on the same windows. Other windows alone move tiny.yaml's validation
 loss by up to 6% at the end (trainer seeds 0-3, one stream each: 2.289-2.446), more than the goals
 allow; before 2026-12-07 the reference drew from trainer 0's windows alone, whatever the swarm's.
+Exact training on those same windows moves too, when micro-batches fall into other steps (one step of
+24 samples instead of 16 moved the end by up to 2%): --orderings (4) trains the reference again on
+them in seeded random orders, and prints the spread of these exact runs around their mean beside the
+swarm's ratio to that mean. A swarm within that spread is as good as exact training can be told apart.
 
 What can make them differ: the order micro-batches fall into steps, larger steps, and stale
 gradients. Samples a server takes while its stage's round runs beside compute are one step late
@@ -82,10 +86,11 @@ def swarm_model_at(config: RunConfig, checkpoints: Path, step: int) -> Reference
     return model
 
 
-def reference_curve(config: RunConfig, at_steps: list[int], trainers: int) -> dict[int, float]:
+def reference_curve(config: RunConfig, at_steps: list[int], trainers: int,
+                    order_seed: int | None = None) -> dict[int, float]:
     """Validation loss of the single-process reference after each of `at_steps` steps, on the windows of the swarm's
-    `trainers`."""
-    reference, losses = ReferenceTrainer(config, trainers=trainers), {}
+    `trainers` (`order_seed`: their micro-batches in a seeded random order, not in turn)."""
+    reference, losses = ReferenceTrainer(config, trainers=trainers, order_seed=order_seed), {}
     for step in range(1, max(at_steps) + 1):
         reference.train_step()
         if step in at_steps:
@@ -102,7 +107,7 @@ def adamw(config: RunConfig) -> RunConfig:
 
 def measure(config_path: str, steps: int | None, at: list[int], every: int, stages: int, log_dir: str | None,
             servers_per_stage: int = 2, trainers: int = 2, in_flight: int | None = None,
-            batch_size: int | None = None) -> dict:
+            batch_size: int | None = None, orderings: int = 0) -> dict:
     config = RunConfig.load(config_path)
     config.stages.num_stages = stages
     if batch_size is not None:
@@ -135,11 +140,18 @@ def measure(config_path: str, steps: int | None, at: list[int], every: int, stag
     same = reference_curve(config, wanted, trainers)
     plain = (config.optimizer.name, config.optimizer.beta1) == ("adamw", 0.9)  # (look-ahead: nothing in one process)
     before = same if plain else reference_curve(adamw(config), wanted, trainers)
+    # the same windows in other orders: how far exact training moves when micro-batches fall into other steps
+    others = [reference_curve(config, wanted, trainers, order_seed=seed) for seed in range(1, orderings + 1)]
     for row in rows:
         n = row["reference_steps"]
         row.update(reference_val_loss=same[n], adamw_val_loss=before[n], ratio=row["swarm_val_loss"] / same[n],
                    ratio_adamw=row["swarm_val_loss"] / before[n],
                    ratio_equal_steps=row["swarm_val_loss"] / same[row["step"]])
+        if others:
+            losses = [same[n]] + [curve[n] for curve in others]
+            mean = sum(losses) / len(losses)
+            row.update(orderings_val_loss=losses, ratio_orderings_mean=row["swarm_val_loss"] / mean,
+                       orderings_spread=[min(losses) / mean, max(losses) / mean])
     return {
         "config": config_path, "optimizer": config.optimizer.name, "lookahead": config.optimizer.lookahead,
         "batch_size": config.optimizer.batch_size, "servers_per_stage": servers_per_stage, "trainers": trainers,
@@ -163,6 +175,9 @@ def main() -> None:
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--in-flight", type=int, help="each trainer's micro-batches in flight (default: the trainers')")
     p.add_argument("--batch-size", type=int, help="override the config's optimizer.batch_size")
+    p.add_argument("--orderings", type=int, default=4,
+                   help="also train the reference this many times more on the same windows in other (seeded random) "
+                        "orders: the spread exact training itself shows (0: none)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--log-dir", help="keep the swarm's logs and checkpoints here (default: a temporary directory)")
     p.add_argument("--json", help="also write the result here")
@@ -170,7 +185,8 @@ def main() -> None:
     at = [int(x) for x in args.at.split(",") if x.strip()]
     torch.manual_seed(0)
     r = measure(args.config, 50 if args.quick and not args.steps else args.steps, at, args.every, args.stages,
-                args.log_dir, args.servers_per_stage, args.trainers, args.in_flight, args.batch_size)
+                args.log_dir, args.servers_per_stage, args.trainers, args.in_flight, args.batch_size,
+                args.orderings)
     in_flight = "default" if r["in_flight"] is None else r["in_flight"]
     print(f"{r['config']} ({r['optimizer']}{' + look-ahead' if r['lookahead'] else ''}, batch {r['batch_size']}; "
           f"{args.stages} stages x {r['servers_per_stage']} servers, {r['trainers']} trainers, in flight {in_flight}; "
@@ -184,6 +200,11 @@ def main() -> None:
               f"AdamW {row['adamw_val_loss']:.4f}; swarm/reference {row['ratio']:.3f}, "
               f"swarm/AdamW reference {row['ratio_adamw']:.3f}, swarm/reference at equal steps "
               f"{row['ratio_equal_steps']:.3f}", flush=True)
+        if "orderings_val_loss" in row:
+            low, high = row["orderings_spread"]
+            print(f"    the reference on the same windows in {len(row['orderings_val_loss'])} orders: "
+                  f"{min(row['orderings_val_loss']):.4f}-{max(row['orderings_val_loss']):.4f}, {low:.3f}-{high:.3f} "
+                  f"of their mean; swarm / their mean {row['ratio_orderings_mean']:.3f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
 

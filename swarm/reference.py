@@ -38,10 +38,12 @@ class ReferenceTrainer:
     """Trains all stages of one run in this process, the way a swarm would."""
 
     def __init__(self, config: RunConfig, trainer_index: int = 0, device: str | torch.device = "cpu",
-                 trainers: int = 1):
+                 trainers: int = 1, order_seed: int | None = None):
         """`trainers`: draw micro-batches in turn from the windows of that many trainers (indices from
         `trainer_index` on), as a swarm of them takes its samples: a comparison with that swarm then trains on
-        the same windows (other windows alone move tiny.yaml's loss by up to 6%; bench/convergence.py)."""
+        the same windows (other windows alone move tiny.yaml's loss by up to 6%; bench/convergence.py).
+        `order_seed`: the next micro-batch's trainer drawn at random instead (seeded), so micro-batches fall into
+        other steps, as in a swarm whose trainers are not in lockstep."""
         self.config = config
         self.device = torch.device(device)
         self.compute_dtype = resolve_compute_dtype(config.stages.compute_dtype, self.device)  # as a server's
@@ -73,6 +75,7 @@ class ReferenceTrainer:
                                       seed=sampler_seed(config.data.seed, trainer_index + i)) for i in range(trainers)]
         self.sampler = self.samplers[0]
         self._turn = 0  # the trainer whose micro-batch comes next
+        self._order = None if order_seed is None else torch.Generator().manual_seed(order_seed)
 
     @property
     def step_count(self) -> int:
@@ -103,7 +106,10 @@ class ReferenceTrainer:
         losses, aux_losses, dropped, samples = [], [], [], 0
         while not all(opt.ready for opt in self.optimizers):
             x, y = self.samplers[self._turn].next_batch()
-            self._turn = (self._turn + 1) % len(self.samplers)
+            if self._order is None:
+                self._turn = (self._turn + 1) % len(self.samplers)
+            else:
+                self._turn = int(torch.randint(len(self.samplers), (1,), generator=self._order))
             n = x.shape[0]
             loss, aux, drop_share = self.loss_and_moe(x, y)
             objective = loss if aux is None else loss + moe.aux_loss_weight * aux

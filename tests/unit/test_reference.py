@@ -72,6 +72,21 @@ def test_a_reference_of_two_trainers_draws_their_micro_batches_in_turn():
         ReferenceTrainer(config, trainers=0)
 
 
+def test_a_reference_of_two_trainers_in_a_seeded_order_draws_their_windows_in_that_order():
+    config = tiny_config()
+    runs = []
+    for seed in (1, 1, 2):
+        reference = ReferenceTrainer(config, trainers=2, order_seed=seed)
+        picked = []
+        for i, sampler in enumerate(reference.samplers):
+            sampler.next_batch = (lambda original, i: lambda: picked.append(i) or original())(sampler.next_batch, i)
+        losses = [reference.train_step()["loss"] for _ in range(6)]
+        runs.append((picked, losses))
+    assert runs[0] == runs[1]  # the same seed: the same order, the same training
+    assert runs[0][0] != runs[2][0] and runs[0][1] != runs[2][1]
+    assert set(runs[0][0]) == {0, 1} and len(runs[0][0]) == 12
+
+
 def test_uneven_micro_batches_still_fill_the_batch():
     stats = ReferenceTrainer(tiny_config(batch_size=6, micro_batch_size=4)).train_step()
     assert stats["samples"] == 8  # two full micro-batches: the stage steps once it has >= 6

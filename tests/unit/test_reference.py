@@ -72,14 +72,22 @@ def test_a_reference_of_two_trainers_draws_their_micro_batches_in_turn():
         ReferenceTrainer(config, trainers=0)
 
 
+def _noting(draw, index: int, picked: list[int]):
+    """`draw`, noting `index` in `picked` at each call (which trainer's stream a micro-batch came from)."""
+    def noted():
+        picked.append(index)
+        return draw()
+    return noted
+
+
 def test_a_reference_of_two_trainers_in_a_seeded_order_draws_their_windows_in_that_order():
     config = tiny_config()
     runs = []
     for seed in (1, 1, 2):
         reference = ReferenceTrainer(config, trainers=2, order_seed=seed)
-        picked = []
+        picked: list[int] = []
         for i, sampler in enumerate(reference.samplers):
-            sampler.next_batch = (lambda original, i: lambda: picked.append(i) or original())(sampler.next_batch, i)
+            sampler.next_batch = _noting(sampler.next_batch, i, picked)
         losses = [reference.train_step()["loss"] for _ in range(6)]
         runs.append((picked, losses))
     assert runs[0] == runs[1]  # the same seed: the same order, the same training

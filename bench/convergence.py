@@ -141,7 +141,9 @@ def measure(config_path: str, steps: int | None, at: list[int], every: int, stag
     plain = (config.optimizer.name, config.optimizer.beta1) == ("adamw", 0.9)  # (look-ahead: nothing in one process)
     before = same if plain else reference_curve(adamw(config), wanted, trainers)
     # the same windows in other orders: how far exact training moves when micro-batches fall into other steps
-    others = [reference_curve(config, wanted, trainers, order_seed=seed) for seed in range(1, orderings + 1)]
+    # (one trainer's windows have one order: nothing to spread)
+    others = [reference_curve(config, wanted, trainers, order_seed=seed)
+              for seed in range(1, orderings + 1 if trainers > 1 else 1)]
     for row in rows:
         n = row["reference_steps"]
         row.update(reference_val_loss=same[n], adamw_val_loss=before[n], ratio=row["swarm_val_loss"] / same[n],

@@ -320,13 +320,12 @@ class AveragingProcess(AveragerInternals):
         # (it has not heard yet) lives on until its deadline, holding the matchmaking lock and joining the
         # peers' groups as a member that never takes part; seen to fail a stage's rounds for minutes. A
         # failed round is handled by StageAverager instead (a new round for the same batch, armed afresh).
-        if matchmaking_timeout is None:
-            return self.step(gather=gather, weight=0.0, timeout=self.config.matchmaking_timeout, require_trigger=True,
-                             allow_retries=False, wait=False)
-        # a shorter window also brings forward when a group still missing members gives up waiting for them
-        wait = min(self.config.min_matchmaking_time, matchmaking_timeout / 2)
-        return self.step(gather=gather, weight=0.0, timeout=matchmaking_timeout, require_trigger=True,
-                         allow_retries=False, wait=False, scheduled_time=get_dht_time() + wait)
+        timeout, scheduled = self.config.matchmaking_timeout, None  # (None: hivemind's, min_matchmaking_time on)
+        if matchmaking_timeout is not None:  # a shorter window: a group still missing members gives up sooner too
+            timeout = matchmaking_timeout
+            scheduled = get_dht_time() + min(self.config.min_matchmaking_time, timeout / 2)
+        return self.step(gather=gather, weight=0.0, timeout=timeout, scheduled_time=scheduled, require_trigger=True,
+                         allow_retries=False, wait=False)
 
     def run_round(self, control: StepControl, weight: float, stop: threading.Event,
                   nobody_left: Callable[[], bool]) -> tuple[dict[Any, Any], float]:

@@ -15,6 +15,7 @@ tests/unit/test_layers.py keeps every import going down these layers)::
     ``swarm.zero``      ZeRO sharding of a stage's optimizer state: layout, ownership, chunk AdamW
     ``swarm.activations``  the activation cache: a forward's graph kept until its backward
     ``swarm.drain``     a due batch waiting briefly for the backwards of forwards run on its parameters
+    ``swarm.delays``    how old the parameters of each counted sample's gradient were, against its step
     ``swarm.traffic``   bytes this peer sends, by what they carry
     ``swarm.model``     GPT blocks and the split into pipeline stages (no networking)
     ``swarm.data``      corpora, tokenization, deterministic batch sampling

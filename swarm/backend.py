@@ -29,6 +29,7 @@ import torch
 from torch.func import functional_call
 
 from swarm.activations import ActivationCache, CachedForward, SavedBytes, StaleGraph
+from swarm.delays import GradientDelays
 from swarm.drain import BatchDrain
 from swarm.model import StageModule
 from swarm.model.moe import MoERecord, record_moe, total_aux_loss
@@ -234,6 +235,7 @@ class StageBackend(Worker):
         self._predicted: dict[int, list[torch.Tensor]] = {}  # step t: the parameters step t+1 is predicted at
         self._ahead_of: OrderedDict[Hashable, int] = OrderedDict()  # key of a forward ahead: its step t
         self.forwards_ahead = 0
+        self.delays = GradientDelays()  # how old the parameters of each counted sample's gradient were
         # A due batch waits (briefly) for the backwards of forwards run on its parameters (optimizer.drain_seconds)
         drain = optimizer.config.drain_seconds
         self.drain = BatchDrain(drain, self.request_step) if drain > 0 and not module.is_last else None
@@ -297,6 +299,8 @@ class StageBackend(Worker):
             with torch.no_grad(), self._autocast():
                 out = module(x, targets)
         self.samples_processed += x.shape[0]
+        if keep is not None:
+            self.delays.forwarded(keep, predicted is not None or self.in_look_ahead())
         if keep is not None and self.drain is not None and predicted is None:
             self.drain.forwarded(keep, self.step, self.in_look_ahead())
         return Forwarded(self._to_host(out.detach().float() if out.dim() == 0 else out.detach()), self.step,
@@ -377,7 +381,10 @@ class StageBackend(Worker):
                     for g in grads:
                         if g is not None:
                             g.mul_(counted / n)
-            self.stepper.accumulate(grads, counted, awaited=awaited)
+            step = self.step
+            lands = self.stepper.accumulate(grads, counted, awaited=awaited)
+            self.delays.counted(key, step if forward_step is None else forward_step,
+                                predicted is not None or look_ahead, step, lands, counted)
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if grad_input is None else self._to_host(grad_input)

@@ -89,9 +89,10 @@ class StageOptimizer:
             raise ValueError(f"sample count must be positive, got {n}")
         self.samples += n
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> None:
-        """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient). (`awaited`:
-        StageStepper's; a server alone adds every sample to its batch until it steps.)"""
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> int:
+        """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient). (`awaited`
+        and the step they count towards, always the next: StageStepper's; a server alone adds every sample to
+        its batch until it steps.)"""
         self._mutating("accumulate")
         if len(grads) != len(self.params):
             raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
@@ -104,6 +105,7 @@ class StageOptimizer:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
+        return 1
 
     def samples_to_step(self) -> int | None:
         """Samples this batch still needs (StageStepper)."""

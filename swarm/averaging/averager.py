@@ -175,7 +175,7 @@ class StageAverager:
     def step_count(self) -> int:
         return self.optimizer.step_count
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> None:
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> int:
         """Count the samples towards the step they make, or hold them for the next if its batch is full.
 
         While a round runs, samples count towards the step after it however many come: holding them
@@ -185,15 +185,19 @@ class StageAverager:
         towards it (swarm.drain).
         """
         in_flight = self.in_flight
+        later = False
         if not awaited and not in_flight and self.round.due(self.view()):  # a batch is due: these would make it larger
             self.ledger.hold(grads, n)
+            later = True
         else:
             with self.state.lock:
                 self.optimizer.accumulate(grads, n)
                 if in_flight:
                     self.ledger.count_late(n)
                     self.metrics.late_samples.inc(n)
+                    later = True
         self.tracker.nudge()
+        return 2 if later else 1
 
     def samples_to_step(self) -> int | None:
         """Samples the stage's batch still needs, by every server's progress (StageStepper); None while a round

@@ -24,9 +24,11 @@ class StageStepper(Protocol):
         """Optimizer steps this replica of the stage has taken (or adopted from its peers)."""
         ...
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> None:
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> int:
         """Take the gradient sums of ``n`` more samples (one tensor per parameter, None: no gradient); `awaited`:
-        the batch due now waited for them (swarm.drain), so they count towards it even though it is full."""
+        the batch due now waited for them (swarm.drain), so they count towards it even though it is full.
+        Returns the step they count towards, from now: 1 the next, 2 the one after (a round runs, or the batch
+        due holds them for the next)."""
         ...
 
     @property

@@ -127,6 +127,13 @@ class ComputeCollector:
                                     "(optimizer.lookahead)")
         ahead.add_metric([], backend.forwards_ahead if backend is not None else 0)
         yield ahead
+        delays = CounterMetricFamily("swarm_server_gradient_delay_samples",
+                                     "Samples counted in a step, by the steps their gradient's parameters were "
+                                     "behind that step's (0 fresh, -1 a prediction a step early) and whether they ran "
+                                     "ahead on a prediction (swarm.delays)", labels=["behind", "ahead"])
+        for (ran_ahead, behind), n in sorted(backend.delays.samples.items() if backend is not None else []):
+            delays.add_metric([str(behind), str(ran_ahead).lower()], n)
+        yield delays
 
 
 class ActivationCacheCollector:

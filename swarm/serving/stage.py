@@ -322,6 +322,7 @@ class StageServer(ServerLifecycle):
             self.averager.shutdown()  # first: a round in progress on the backend's thread ends at once
         if self.backend is not None:
             self.backend.shutdown()
+            log.info("gradient delays: %s", self.backend.delays.summary())
             cache = self.backend.cache
             if cache is not None and cache.hits + cache.misses:
                 log.info("activation cache: %d of %d backwards used the forward's kept graph (%d recomputed), "

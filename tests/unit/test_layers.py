@@ -22,8 +22,8 @@ TOPS = ("swarm", "peer", "coordinator")
 # Lowest first. A unit may import units of lower layers only.
 LAYERS: list[set[str]] = [
     {"swarm", "swarm.config", "swarm.envflags", "swarm.logs", "swarm.hivemind_internals", "swarm.tenure",
-     "swarm.zero", "swarm.activations", "swarm.drain", "swarm.healthcheck", "swarm.metrics", "swarm.threads",
-     "swarm.tasks"},
+     "swarm.zero", "swarm.activations", "swarm.drain", "swarm.delays", "swarm.healthcheck", "swarm.metrics",
+     "swarm.threads", "swarm.tasks"},
     {"swarm.traffic", "swarm.model", "swarm.data", "swarm.optim"},
     {"swarm.state", "swarm.dht", "swarm.protocol"},
     {"swarm.averaging", "swarm.checkpoint", "swarm.routing"},

@@ -382,7 +382,9 @@ class StageBackend(Worker):
                         if g is not None:
                             g.mul_(counted / n)
             step = self.step
-            lands = self.stepper.accumulate(grads, counted, awaited=awaited)
+            # (a prediction of the step not taken yet: its gradient counts in the one after; once taken, in the next)
+            early = predicted is not None and (module.is_last or forward_step == step)
+            lands = self.stepper.accumulate(grads, counted, awaited=awaited, predicted=early)
             self.delays.counted(key, step if forward_step is None else forward_step,
                                 predicted is not None or look_ahead, step, lands, counted)
         self.samples_processed += n
@@ -575,7 +577,6 @@ class StageBackend(Worker):
             return None
         future.add_done_callback(_log_failure)
         return future
-
 
 
 def _log_failure(future: Future) -> None:

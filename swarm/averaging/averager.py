@@ -175,19 +175,22 @@ class StageAverager:
     def step_count(self) -> int:
         return self.optimizer.step_count
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> int:
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False,
+                   predicted: bool = False) -> int:
         """Count the samples towards the step they make, or hold them for the next if its batch is full.
 
         While a round runs, samples count towards the step after it however many come: holding them
         for later would make them two steps stale, and refusing them would make the servers wait.
         So a stage whose rounds take longer than a batch's compute takes larger steps (the samples
         that came during the round are in the step's stats as ``late``). Samples the due batch `awaited` count
-        towards it (swarm.drain).
+        towards it (swarm.drain). Samples computed on a prediction of the parameters the next step makes count
+        towards the one after it (StageStepper.accumulate).
         """
         in_flight = self.in_flight
         later = False
-        if not awaited and not in_flight and self.round.due(self.view()):  # a batch is due: these would make it larger
-            self.ledger.hold(grads, n)
+        early = predicted and self.ledger.held_samples < self.batch_size  # (a batch of them at most: see there)
+        if not awaited and not in_flight and (early or self.round.due(self.view())):
+            self.ledger.hold(grads, n)  # (a batch is due: these would make it larger; or they start the next)
             later = True
         else:
             with self.state.lock:

@@ -24,9 +24,13 @@ class StageStepper(Protocol):
         """Optimizer steps this replica of the stage has taken (or adopted from its peers)."""
         ...
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False) -> int:
+    def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False,
+                   predicted: bool = False) -> int:
         """Take the gradient sums of ``n`` more samples (one tensor per parameter, None: no gradient); `awaited`:
-        the batch due now waited for them (swarm.drain), so they count towards it even though it is full.
+        the batch due now waited for them (swarm.drain), so they count towards it even though it is full;
+        `predicted`: computed on a prediction of the next step's parameters, so they count towards the step after
+        it (counted in the next one, they would be a step early: as far off as a step late; at most a batch's
+        worth is kept apart, so that lost backwards cannot stall the batch).
         Returns the step they count towards, from now: 1 the next, 2 the one after (a round runs, or the batch
         due holds them for the next)."""
         ...

@@ -240,8 +240,9 @@ class FakeStepper:
         self.closes_batch = False  # (what it steps on is not a batch of its own)
         self.stepped = threading.Event()
 
-    def accumulate(self, grads, n: int, awaited: bool = False) -> None:
+    def accumulate(self, grads, n: int, awaited: bool = False, predicted: bool = False) -> int:
         self.samples += n
+        return 1
 
     def step(self):
         self.stepped.set()

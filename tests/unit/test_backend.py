@@ -274,9 +274,58 @@ class DueOptimizer(StageOptimizer):
     def samples_to_step(self):
         return 0 if self.due else super().samples_to_step()
 
-    def accumulate(self, grads, n, awaited=False):
+    def accumulate(self, grads, n, awaited=False, predicted=False):
         self.last = [None if g is None else g.clone() for g in grads]
-        super().accumulate(grads, n, awaited)
+        self.last_predicted = predicted
+        return super().accumulate(grads, n, awaited, predicted)
+
+
+def test_a_forward_ahead_whose_backward_comes_before_the_step_starts_the_batch_after_it():
+    # as above, but c's backward comes back before b's: counted in this batch, c's gradient (of the parameters
+    # the step makes) would be a step early. It starts the next batch instead, with the samples it predicted for.
+    config = tiny_config()
+    stage = build_stages(config)[0]
+    first = StageBackend(stage, StageOptimizer(stage, config.optimizer))
+    (xa, _), (xb, _), (xc, _) = batch(1), batch(2), batch(3)
+    grad = torch.randn(2, 8, config.model.d_model, generator=torch.Generator().manual_seed(7))
+    first.forward_at(xa, keep="a")
+    first.backward(xa, grad_output=grad, forward_step=0, key="a")
+    first.forward_at(xb, keep="b")
+    assert first.forward_at(xc, keep="c").ahead
+    result_c = first.backward(xc, grad_output=grad, forward_step=0, key="c")
+    assert result_c.step_stats is None and first.optimizer.samples == 2 and first.optimizer.held_samples == 2
+    held = [g.clone() for g in first.optimizer._held]
+    a_only = [p.grad.clone() for p in first.optimizer.params]
+    result_b = first.backward(xb, grad_output=grad, forward_step=0, key="b")
+    assert result_b.step_stats is not None and result_b.step_stats["samples"] == 4  # a and b: the batch
+    assert first.optimizer.samples == 2 and first.optimizer.held_samples == 0  # c starts the next
+    for param, expected in zip(first.optimizer.params, held):
+        torch.testing.assert_close(param.grad, expected)
+    assert not all(torch.equal(h, a) for h, a in zip(held, a_only))
+    assert first.delays.samples == {(False, 0): 4, (True, 0): 2}  # every sample fresh
+    first.shutdown()
+
+
+def test_predicted_samples_held_for_the_next_batch_are_at_most_a_batch_and_go_with_a_reset():
+    config = tiny_config()  # batch 4
+    stage = build_stages(config)[0]
+    optimizer = StageOptimizer(stage, config.optimizer)
+
+    def ones(k=1.0):
+        return [torch.full_like(p, k) for p in optimizer.params]
+
+    assert optimizer.accumulate(ones(), 2, predicted=True) == 2
+    assert optimizer.accumulate(ones(), 2, predicted=True) == 2
+    assert optimizer.accumulate(ones(), 2, predicted=True) == 1  # (a batch held: no more)
+    assert (optimizer.samples, optimizer.held_samples) == (2, 4) and not optimizer.ready
+    assert optimizer.accumulate(ones(), 2) == 1 and optimizer.ready
+    grads, samples = optimizer.take_gradients()
+    assert samples == 4 and all(torch.equal(g, o) for g, o in zip(grads, ones(2.0)))
+    assert (optimizer.samples, optimizer.held_samples) == (4, 0)  # the held batch is the next one
+    assert all(torch.equal(p.grad, o) for p, o in zip(optimizer.params, ones(2.0)))
+    optimizer.accumulate(ones(), 2, predicted=True)
+    optimizer.zero_grad()  # (e.g. a state replaced: what was computed on the old one goes)
+    assert (optimizer.samples, optimizer.held_samples) == (0, 0) and optimizer._held is None
 
 
 def test_on_the_last_stage_a_backward_while_the_batch_is_due_runs_on_the_predicted_parameters():
@@ -292,6 +341,9 @@ def test_on_the_last_stage_a_backward_while_the_batch_is_due_runs_on_the_predict
     optimizer.due = True  # the other replica filled the batch: these samples count towards the step after
     result = last.backward(hc, targets=yc)
     assert last.forwards_ahead == 1 and not result.stashed and result.ahead
+    # computed on the step's prediction, they start the batch after it, not this one
+    assert optimizer.last_predicted and optimizer.samples == 2 and optimizer.held_samples == 2
+    assert last.delays.samples == {(False, 0): 2, (True, 0): 2}
 
     at_prediction = copy.deepcopy(stage)
     with torch.no_grad():

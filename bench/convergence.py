@@ -159,8 +159,8 @@ def measure(config_path: str, steps: int | None, at: list[int], every: int, stag
         "batch_size": config.optimizer.batch_size, "servers_per_stage": servers_per_stage, "trainers": trainers,
         "in_flight": in_flight, "points": rows, "trainer_samples": swarm["samples"],
         "through_swarm_val_loss": swarm["val_loss"], "through_swarm_steps": swarm["model_steps"],
-        **{key: swarm[key] for key in ("late_share", "stale_share", "stale2_share", "round_seconds",
-                                       "round_start_seconds")},
+        **{key: swarm[key] for key in ("late_share", "stale_share", "stale2_share", "behind_share", "early_share",
+                                       "round_seconds", "round_start_seconds")},
         "swarm_wall_seconds": swarm["wall_seconds"], "reference_wall_seconds": time.monotonic() - started,
     }
 
@@ -194,8 +194,9 @@ def main() -> None:
           f"{args.stages} stages x {r['servers_per_stage']} servers, {r['trainers']} trainers, in flight {in_flight}; "
           f"swarm {r['swarm_wall_seconds']:.0f}s, references {r['reference_wall_seconds']:.0f}s): "
           f"share of samples one step late per stage {r['late_share']}; backwards a step stale {r['stale_share']}, "
-          f"two or more {r['stale2_share']}; mean round {r['round_seconds']} s, group formed after "
-          f"{r['round_start_seconds']} s", flush=True)
+          f"two or more {r['stale2_share']}; gradients of parameters a step or more behind their step's "
+          f"{r['behind_share']}, a step early {r['early_share']}; mean round {r['round_seconds']} s, group formed "
+          f"after {r['round_start_seconds']} s", flush=True)
     for row in r["points"]:
         print(f"  step {row['step']}: swarm {row['swarm_val_loss']:.4f} ({row['samples_per_stage']} samples by stage); "
               f"reference at equal samples ({row['reference_steps']} steps) {row['reference_val_loss']:.4f}, "

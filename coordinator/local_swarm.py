@@ -186,8 +186,8 @@ class LocalSwarm:
 
     @staticmethod
     def _scrape(port: int) -> dict[str, float]:
-        """A peer's /metrics, summed over labels by sample name, a histogram's buckets as ``<name>_le<bound>``
-        ({} if it does not answer)."""
+        """A peer's /metrics, summed over labels by sample name, a histogram's buckets as ``<name>_le<bound>``, and
+        gradient delays also by how far behind, as ``<name>_behind<steps>`` ({} if it does not answer)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=METRICS_TIMEOUT) as reply:
                 text = reply.read().decode()
@@ -198,6 +198,8 @@ class LocalSwarm:
             for sample in family.samples:
                 le = sample.labels.get("le", "")
                 sums[sample.name + (f"_le{le}" if le else "")] += sample.value
+                if "behind" in sample.labels:
+                    sums[f"{sample.name}_behind{sample.labels['behind']}"] += sample.value
         return dict(sums)
 
     def _newest_run_checkpoint(self) -> dict[str, Any] | None:
@@ -288,6 +290,8 @@ class LocalSwarm:
 
         staleness = "swarm_server_backward_staleness_steps"
         backwards = sums[f"{staleness}_count"]
+        delays = "swarm_server_gradient_delay_samples_total"  # (swarm.delays)
+        counted = sums[delays]
         return {
             "late_share": ratio(sums["swarm_averaging_late_samples_total"], sums["swarm_server_samples_total"]),
             "round_seconds": ratio(sums["swarm_averaging_round_seconds_sum"],
@@ -296,6 +300,11 @@ class LocalSwarm:
                                          sums["swarm_averaging_round_start_seconds_count"]),
             "stale_share": ratio([n - x for n, x in zip(backwards, sums[f"{staleness}_bucket_le0.0"])], backwards),
             "stale2_share": ratio([n - x for n, x in zip(backwards, sums[f"{staleness}_bucket_le1.0"])], backwards),
+            # of the samples counted in steps, those whose gradient was of parameters a step or more behind the step's,
+            # and those on a prediction of the parameters of the step they counted in (a step early)
+            "behind_share": ratio([a + b for a, b in zip(sums[f"{delays}_behind1"], sums[f"{delays}_behind2"])],
+                                  counted),
+            "early_share": ratio(sums[f"{delays}_behind-1"], counted),
             # what the stage's servers sent in averaging rounds per sample they served
             "averaging_bytes_per_sample": ratio(sums["swarm_averaging_bytes_sent_total"],
                                                 sums["swarm_server_samples_total"]),

@@ -44,3 +44,21 @@ def test_forwards_whose_backward_never_comes_are_forgotten_beyond_a_bound():
     delays.counted(0, forward_step=0, ahead_now=False, step=0, lands=1, n=1)  # (forgotten: taken as not ahead)
     assert delays.samples == {(False, 0): 1}
     assert GradientDelays().summary() == "no samples counted"
+
+
+def test_a_server_exports_its_gradient_delays_by_steps_behind_and_whether_they_ran_ahead():
+    from types import SimpleNamespace
+
+    from swarm.serving.metrics import ComputeCollector
+
+    delays = GradientDelays()
+    delays.counted(None, forward_step=2, ahead_now=False, step=2, lands=1, n=8)
+    delays.counted(None, forward_step=2, ahead_now=False, step=3, lands=1, n=4)
+    delays.counted(None, forward_step=2, ahead_now=True, step=2, lands=1, n=2)
+    backend = SimpleNamespace(cpu_seconds=0.0, forwards_ahead=0, delays=delays)
+    families = {f.name: f for f in ComputeCollector(lambda: backend).collect()}
+    got = {(s.labels["behind"], s.labels["ahead"]): s.value
+           for s in families["swarm_server_gradient_delay_samples"].samples}
+    assert got == {("0", "false"): 8, ("1", "false"): 4, ("-1", "true"): 2}
+    assert not list(next(f for f in ComputeCollector(lambda: None).collect()
+                         if f.name == "swarm_server_gradient_delay_samples").samples)

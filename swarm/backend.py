@@ -356,7 +356,7 @@ class StageBackend(Worker):
             usable = predicted is None and entry is not None and self._usable(entry, x, forward_step, on_stash)
             result = self._backward_cached(entry, grad_output) if usable else None
             cached = result is not None
-            stashed = cached and on_stash  # (a graph built on the stash: the frozen copy of then)
+            stashed = cached and bool(staleness)  # (a graph built on the frozen copy of then)
             if not cached:  # on the parameters its forward ran on (or, last, runs on): predicted, stashed or now's
                 if predicted is None:
                     stashed = on_stash
@@ -394,15 +394,14 @@ class StageBackend(Worker):
                               ahead=predicted is not None or look_ahead)
 
     def _usable(self, entry: CachedForward, x: torch.Tensor, forward_step: int | None, on_stash: bool) -> bool:
-        """Whether a kept graph gives this backward's gradient: same parameters, same input. A backward due on
-        the stash takes a graph built on the stash itself; any other, one built on the parameters of now."""
-        if on_stash:
-            if entry.leaves is None or entry.leaves is not self._stash or entry.step != forward_step:
+        """Whether a kept graph gives this backward's gradient (its forward's parameters, same input): one on a frozen
+        copy whatever a step or a look-ahead did to the module's own since (recomputed on those, the gradient is not
+        of the output the next stage saw: worse than a step stale); else while they are unchanged (no state loaded)."""
+        if forward_step is not None and entry.step != forward_step:
+            return False
+        if entry.leaves is None or (entry.step == self.step and not self.in_look_ahead()):
+            if on_stash or entry.step != self.step or entry.versions != self._param_versions():
                 return False
-        elif entry.step != self.step or forward_step not in (None, entry.step):
-            return False
-        elif entry.versions != self._param_versions():  # changed in place without a step: a state loaded
-            return False
         seen = entry.inputs.detach()
         return seen.shape == x.shape and bool((seen == x).all())
 
@@ -500,11 +499,12 @@ class StageBackend(Worker):
     def _frozen_for(self, versions: tuple[int, ...]) -> list[torch.Tensor]:
         """The frozen copy of the parameters as they are now (at `versions`), made anew once they changed."""
         if self._frozen is None or self._frozen_versions != versions:
+            if self.cache is not None:  # graphs on copies older than the stash and the last copy serve none: free them
+                stash, last = self._stash, self._frozen  # (the last: its forwards' backwards may come after a round)
+                self.cache.drop_where(lambda entry: entry.leaves is not None and entry.leaves is not stash
+                                      and entry.leaves is not last)
             self._frozen = [p.detach().clone().requires_grad_(True) for p in self.optimizer.params]
             self._frozen_versions = versions
-            if self.cache is not None:  # graphs on older copies than the stash serve no backward: free them
-                stash = self._stash
-                self.cache.drop_where(lambda entry: entry.leaves is not None and entry.leaves is not stash)
         return self._frozen
 
     def _stash_now(self) -> list[torch.Tensor]:

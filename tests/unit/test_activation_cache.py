@@ -295,3 +295,34 @@ def test_graphs_dropped_from_the_cache_free_their_activations():
     b.cache.discard((ME, f"mb-{graphs - 1}"))
     grown = _tensor_bytes_reachable() - before
     assert grown <= one, f"{graphs} dropped graphs of {one} bytes each left {grown} bytes of tensors reachable"
+
+
+def test_a_backward_during_a_rounds_look_ahead_and_after_its_step_takes_the_gradient_of_its_forwards_parameters():
+    """A round's look-ahead changes the parameters in place without a step. A backward of a forward kept before
+    it, whether it comes during the round or after the round's step, gets the gradient of the parameters that
+    forward ran on (its graph), not of the look-ahead ones: recomputed there, the gradient would not be of the
+    output the next stage saw."""
+    b = backend()
+    then = copy.deepcopy(b.module)
+    grad_out = hidden(9)
+    _, early = b.forward_at(tokens(1), keep=(ME, "during"))
+    _, late = b.forward_at(tokens(2), keep=(ME, "after"))
+    look_ahead = [p.detach() * 0.5 for p in b.optimizer.params]
+    with torch.no_grad():  # what StageState.enter_look_ahead does
+        for p, value in zip(b.optimizer.params, look_ahead):
+            p.copy_(value)
+    b.in_look_ahead = lambda: True
+    assert b.forward_at(tokens(3), keep=(ME, "on the look-ahead")).ahead  # (on a new frozen copy)
+    during = b.backward(tokens(1), grad_out, forward_step=early, key=(ME, "during"))
+    assert during.cached and during.staleness == 0
+    got_during = grads(b)
+    b.optimizer.zero_grad()
+    b.in_look_ahead = lambda: False
+    step_with_others(b, 7, 8)  # (the round's step)
+    after = b.backward(tokens(2), grad_out, forward_step=late, key=(ME, "after"))
+    assert after.cached and after.stashed and after.staleness == 1
+    for seed, got in ((1, got_during), (2, grads(b))):
+        then.zero_grad(set_to_none=True)
+        then(tokens(seed)).backward(grad_out)
+        for g, p in zip(got, then.parameters()):
+            torch.testing.assert_close(g, p.grad)

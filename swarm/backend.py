@@ -499,10 +499,9 @@ class StageBackend(Worker):
     def _frozen_for(self, versions: tuple[int, ...]) -> list[torch.Tensor]:
         """The frozen copy of the parameters as they are now (at `versions`), made anew once they changed."""
         if self._frozen is None or self._frozen_versions != versions:
-            if self.cache is not None:  # graphs on copies older than the stash and the last copy serve none: free them
-                stash, last = self._stash, self._frozen  # (the last: its forwards' backwards may come after a round)
-                self.cache.drop_where(lambda entry: entry.leaves is not None and entry.leaves is not stash
-                                      and entry.leaves is not last)
+            if self.cache is not None:  # graphs on copies of two steps before or more serve no backward: free them
+                oldest = self.step - 1  # (those of the step before serve its backwards, on whichever copy they ran)
+                self.cache.drop_where(lambda entry: entry.leaves is not None and entry.step < oldest)
             self._frozen = [p.detach().clone().requires_grad_(True) for p in self.optimizer.params]
             self._frozen_versions = versions
         return self._frozen

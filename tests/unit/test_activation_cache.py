@@ -319,6 +319,7 @@ def test_a_backward_during_a_rounds_look_ahead_and_after_its_step_takes_the_grad
     b.optimizer.zero_grad()
     b.in_look_ahead = lambda: False
     step_with_others(b, 7, 8)  # (the round's step)
+    b.forward_at(tokens(4), keep=(ME, "after the step"))  # (a copy of the step's parameters: the others stay)
     after = b.backward(tokens(2), grad_out, forward_step=late, key=(ME, "after"))
     assert after.cached and after.stashed and after.staleness == 1
     for seed, got in ((1, got_during), (2, grads(b))):

@@ -75,8 +75,6 @@ class StageOptimizer:
         self.slots = SLOTS[opt_cfg.name]
         self.step_count = 0
         self.samples = 0  # accumulated since the last step
-        self._held: list[torch.Tensor | None] | None = None  # gradient sums on a prediction: the next batch's start
-        self.held_samples = 0
         self.shards: ShardedMoments | None = None  # the moments, when sharded among the stage's servers
         self.owner: Owner | None = None  # the thread that may change it, when it is a StageState's (swarm.threads)
 
@@ -93,18 +91,14 @@ class StageOptimizer:
 
     def accumulate(self, grads: Sequence[torch.Tensor | None], n: int, awaited: bool = False,
                    predicted: bool = False) -> int:
-        """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient); `predicted`
-        ones start the batch after this one (up to a batch of them); returns the step they count towards, 1 or 2
-        (StageStepper's; `awaited` is too: a server alone adds every sample to its batch until it steps)."""
+        """Add the gradient sums of ``n`` more samples, one tensor per parameter (None: no gradient); returns the
+        step they count towards, always the next (`awaited` and `predicted`: StageStepper's; a server alone adds
+        every sample to its batch until it steps)."""
         self._mutating("accumulate")
         if len(grads) != len(self.params):
             raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
         if n <= 0:
             raise ValueError(f"sample count must be positive, got {n}")
-        if predicted and self.held_samples < self.config.batch_size:
-            self._held = _summed(self._held, grads)
-            self.held_samples += n
-            return 2
         self.add_samples(n)
         with torch.no_grad():
             for param, grad in zip(self.params, grads):
@@ -148,12 +142,7 @@ class StageOptimizer:
         """
         self._mutating("take_gradients")
         grads, samples = [p.grad for p in self.params], self.samples
-        held, held_samples = self._held, self.held_samples
         self.zero_grad()
-        if held is not None:  # (what was computed on a prediction of the parameters the step makes starts the next)
-            for param, grad in zip(self.params, held):
-                param.grad = grad
-            self.samples = held_samples
         return grads, samples
 
     def step_with(self, mean_grads: Sequence[torch.Tensor | None], samples: int) -> dict[str, Any]:
@@ -269,7 +258,6 @@ class StageOptimizer:
         self._mutating("zero_grad")
         self.optimizer.zero_grad(set_to_none=True)
         self.samples = 0
-        self._held, self.held_samples = None, 0
 
     def moments(self) -> dict[str, torch.Tensor]:
         """AdamW's state by ``<parameter index>/<slot>`` (the tensors themselves, not copies)."""
@@ -310,14 +298,6 @@ class StageOptimizer:
         self.step_count = int(state["step_count"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.zero_grad()
-
-
-def _summed(held: list[torch.Tensor | None] | None, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """`grads` added into `held` (in place; None: nothing held yet)."""
-    if held is None:
-        return list(grads)
-    with torch.no_grad():
-        return [g if h is None else h if g is None else h.add_(g) for h, g in zip(held, grads)]
 
 
 NADAM_MOMENTUM_DECAY = 4e-3  # torch.optim.NAdam's default psi, which StageOptimizer uses

@@ -183,14 +183,12 @@ class StageAverager:
         for later would make them two steps stale, and refusing them would make the servers wait.
         So a stage whose rounds take longer than a batch's compute takes larger steps (the samples
         that came during the round are in the step's stats as ``late``). Samples the due batch `awaited` count
-        towards it (swarm.drain). Samples computed on a prediction of the parameters the next step makes count
-        towards the one after it (StageStepper.accumulate).
+        towards it (swarm.drain).
         """
         in_flight = self.in_flight
         later = False
-        early = predicted and self.ledger.held_samples < self.batch_size  # (a batch of them at most: see there)
-        if not awaited and not in_flight and (early or self.round.due(self.view())):
-            self.ledger.hold(grads, n)  # (a batch is due: these would make it larger; or they start the next)
+        if not awaited and not in_flight and self.round.due(self.view()):  # a batch is due: these would make it larger
+            self.ledger.hold(grads, n)
             later = True
         else:
             with self.state.lock:

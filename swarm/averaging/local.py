@@ -248,8 +248,8 @@ class LocalAverager(StageAverager):
         return False  # (inner steps are this server's own: they close when full, as they always did)
 
     def accumulate(self, grads, n: int, awaited: bool = False, predicted: bool = False) -> int:
-        with self.state.lock:  # (inner steps are this server's own: a prediction starts its next batch as alone)
-            return self.optimizer.accumulate(grads, n, predicted=predicted)
+        with self.state.lock:
+            return self.optimizer.accumulate(grads, n)
 
     def samples_to_step(self) -> int | None:
         return max(0, self._inner_batch() - self.optimizer.samples)

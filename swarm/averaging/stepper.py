@@ -28,9 +28,8 @@ class StageStepper(Protocol):
                    predicted: bool = False) -> int:
         """Take the gradient sums of ``n`` more samples (one tensor per parameter, None: no gradient); `awaited`:
         the batch due now waited for them (swarm.drain), so they count towards it even though it is full;
-        `predicted`: computed on a prediction of the next step's parameters, so they count towards the step after
-        it (counted in the next one, they would be a step early: as far off as a step late; at most a batch's
-        worth is kept apart, so that lost backwards cannot stall the batch).
+        `predicted`: computed on a prediction of the next step's parameters (counted in the next step, they are a
+        step early; holding them for the step after made steps larger than a stage's replicas allow: not done).
         Returns the step they count towards, from now: 1 the next, 2 the one after (a round runs, or the batch
         due holds them for the next)."""
         ...

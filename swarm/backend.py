@@ -382,7 +382,7 @@ class StageBackend(Worker):
                         if g is not None:
                             g.mul_(counted / n)
             step = self.step
-            # (a prediction of the step not taken yet: its gradient counts in the one after; once taken, in the next)
+            # (a prediction of the step not taken yet: a step early if counted in it; the stepper is told, see there)
             early = predicted is not None and (module.is_last or forward_step == step)
             lands = self.stepper.accumulate(grads, counted, awaited=awaited, predicted=early)
             self.delays.counted(key, step if forward_step is None else forward_step,

@@ -30,7 +30,7 @@ from torch.func import functional_call
 
 from swarm.activations import ActivationCache, CachedForward, SavedBytes, StaleGraph
 from swarm.delays import GradientDelays
-from swarm.drain import BatchDrain
+from swarm.drain import BatchDrain, InFlight
 from swarm.model import StageModule
 from swarm.model.moe import MoERecord, record_moe, total_aux_loss
 from swarm.optim import StageOptimizer
@@ -231,7 +231,7 @@ class StageBackend(Worker):
         # The last stage runs forward and backward in one call: one that comes while the batch is due (its
         # samples are held for the step after) runs ahead the same way.
         self.ahead = optimizer.config.lookahead and (self.stash_weights or module.is_last)
-        self._in_flight: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # key: (samples, forward step)
+        self.in_flight = InFlight(MAX_TRACKED)  # forwards whose backward is to come (forwards wait on it: drain.py)
         self._predicted: dict[int, list[torch.Tensor]] = {}  # step t: the parameters step t+1 is predicted at
         self._ahead_of: OrderedDict[Hashable, int] = OrderedDict()  # key of a forward ahead: its step t
         self.forwards_ahead = 0
@@ -334,7 +334,7 @@ class StageBackend(Worker):
                 predicted = self._prediction()  # the batch is due: these samples count towards the step after
                 self.forwards_ahead += 1
         elif key is not None and self.ahead:
-            self._in_flight.pop(key, None)
+            self.in_flight.returned(key)
             ahead_step = self._ahead_of.pop(key, None)
             if ahead_step is not None and ahead_step == forward_step:
                 predicted = self._predicted.get(ahead_step)
@@ -460,11 +460,7 @@ class StageBackend(Worker):
         """The parameters a forward of `n` samples runs on if its backward will come after the stage's next
         step (None: the parameters of now); it is counted in flight until its backward."""
         step = self.step
-        for old in [k for k, (_, at) in self._in_flight.items() if at < step - 1]:  # (a backward that never came)
-            del self._in_flight[old]
-        ahead_of = sum(samples for samples, _ in self._in_flight.values())
-        self._in_flight[key] = (n, step)
-        _bound(self._in_flight, MAX_TRACKED)
+        ahead_of = self.in_flight.add(key, n, step)
         needed = self.stepper.samples_to_step()
         if needed is None or ahead_of < needed or self.optimizer.shards is not None:
             return None  # (sharded moments: no one server can predict the step)

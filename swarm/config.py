@@ -173,7 +173,7 @@ class StagesConfig:
         return "bfloat16" if self.compute_dtype == "bfloat16" else "float32"
 
 
-MAX_STEP_WAIT = 10.0  # optimizer.drain_seconds and step_wait_seconds: longer would be a request timed out
+MAX_STEP_WAIT = 10.0  # optimizer.drain_seconds, step_wait_seconds, ahead_wait_seconds: longer, a request timed out
 
 
 @dataclass
@@ -207,6 +207,11 @@ class OptimizerConfig:
     # A forward (or the last stage's call) that comes while its stage's batch is closing (due, or its round under
     # way) waits for the step, at most this long, then runs on the look-ahead. 0: never waits.
     step_wait_seconds: float = 0.25
+    # A forward that comes while this server's forwards in flight fill what its stage's batch still needs (its
+    # backward would come after the step) waits for the step, at most this long, then runs ahead on the parameters
+    # the step is predicted to make from this server's share of the batch: with replicas often a small share, and
+    # then a poor prediction (swarm/drain.py). 0: never waits.
+    ahead_wait_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if self.beta1 is None:
@@ -218,7 +223,7 @@ class OptimizerConfig:
             _positive(self, name, "optimizer")
         for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
             _non_negative(self, name, "optimizer")
-        for name in ("drain_seconds", "step_wait_seconds"):  # (waits inside a request: short, and finite)
+        for name in ("drain_seconds", "step_wait_seconds", "ahead_wait_seconds"):  # (waits in a request: finite)
             value = getattr(self, name)
             if not 0.0 <= value <= MAX_STEP_WAIT:
                 raise ConfigError(f"optimizer.{name} must be between 0 and {MAX_STEP_WAIT:g} seconds, got {value}")

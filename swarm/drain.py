@@ -16,6 +16,15 @@ the step made instead of a prediction of them (look-ahead), and its samples are 
 it costs no samples/s at batch 16, where rounds are short (README, Learning); where rounds are long (thin
 links), the wait ends at its cap and the forward runs on the look-ahead as before.
 
+So does a forward that comes while this server's forwards in flight already fill the batch (InFlight): its
+backward would come after the step, so it would run ahead, on the parameters the step is predicted to make
+from this server's share of the batch. With replicas that share is often small, or none (the moments alone),
+and such predictions were poor (gradients at a cosine of 0.68-0.90 with the true ones, early in tiny.yaml at
+batch 16), as harmful as a step stale (bench/stage_lag.py). It waits for the step instead, at most
+`optimizer.ahead_wait_seconds`. The forwards in flight it waits for are those of callers whose backwards come:
+a caller with a forward whose backward never came (dropped two steps on) is not counted for `PARDON_SECONDS`,
+so a lone caller holding forwards back cannot make others wait.
+
 Strangers: a caller's forwards whose backward never comes (gone elsewhere, or held back on purpose)
 cost one wait of at most `max_seconds` per batch; a caller whose backwards missed a wait is not waited
 for again until `PARDON_SECONDS` have passed, so a lone caller cannot slow every batch down.
@@ -38,6 +47,49 @@ TRIP_FACTOR = 1.5  # a wait lasts this times the quantile (a trip through a load
 PARDON_SECONDS = 60.0
 MAX_CALLERS = 4096  # callers remembered for missing a wait
 STEP_POLL = 0.005  # how often a waiting forward looks whether its stage has stepped
+
+
+class InFlight:
+    """This server's forwards whose backward is still to come, and how many samples they hold (see the module's
+    docstring). Written on the compute thread; `samples` is read by forwards waiting on the event loop."""
+
+    def __init__(self, limit: int = MAX_PENDING, clock=time.monotonic):
+        self._forwards: collections.OrderedDict[Hashable, tuple[int, int, bool]] = collections.OrderedDict()
+        self._lapsed: collections.OrderedDict[Hashable, float] = collections.OrderedDict()  # caller: when
+        self._limit, self._clock = limit, clock
+        self.samples = 0  # of the forwards counted: their callers' backwards come
+
+    def add(self, key: Hashable, n: int, step: int) -> int:
+        """A forward of `n` samples at `step`; returns the samples counted in flight before it. Forwards of two
+        steps before or more are dropped (their backward never came) and their callers not counted for a while."""
+        now = self._clock()
+        for old in [k for k, (_, at, _) in self._forwards.items() if at < step - 1]:
+            if self._pop(old):
+                self._lapsed[_caller(old)] = now
+                self._lapsed.move_to_end(_caller(old))
+        while len(self._lapsed) > MAX_CALLERS:
+            self._lapsed.popitem(last=False)
+        self._pop(key)  # (the same forward again counts once)
+        before = self.samples
+        lapsed = self._lapsed.get(_caller(key))
+        counted = lapsed is None or now - lapsed >= PARDON_SECONDS
+        self._forwards[key] = (n, step, counted)
+        self.samples += n if counted else 0
+        while len(self._forwards) > self._limit:
+            self._pop(next(iter(self._forwards)))
+        return before
+
+    def returned(self, key: Hashable) -> None:
+        """Its backward came."""
+        self._pop(key)
+
+    def _pop(self, key: Hashable) -> bool:
+        """Forget a forward; whether it was counted."""
+        entry = self._forwards.pop(key, None)
+        if entry is None or not entry[2]:
+            return False
+        self.samples -= entry[0]
+        return True
 
 
 class Pending(NamedTuple):
@@ -145,17 +197,23 @@ class _Stepper(Protocol):
 
 
 async def wait_for_step(stepper: _Stepper, limit: float, clock=time.monotonic, poll: float = STEP_POLL,
-                        sleep=asyncio.sleep) -> bool:
+                        sleep=asyncio.sleep, in_flight: InFlight | None = None, ahead_limit: float = 0.0) -> bool:
     """Wait while the stage's batch is closing (no samples to go, or a round or a download under way), at most
-    `limit` seconds; whether it had to wait. (Its step is what a forward that comes now should run on.)"""
-    deadline, waited = clock() + limit, False
-    while clock() < deadline:
+    `limit` seconds; and while the samples `in_flight` fill what the batch still needs (a forward now would count
+    after the step), at most `ahead_limit` seconds in all. Whether it had to wait. (Its step is what a forward
+    that comes now should run on.)"""
+    started, waited, cap = clock(), False, limit
+    while True:
         try:
             needed = stepper.samples_to_step()
         except Exception:  # noqa: BLE001 - a stepper shutting down: the request goes on and meets that
             return waited
-        if needed is not None and needed > 0:
+        closing = needed is None or needed <= 0
+        if not closing and in_flight is not None and in_flight.samples >= needed:
+            cap = max(cap, ahead_limit)  # (once waiting for the step, also through its round)
+        elif not closing:
+            return waited
+        if clock() - started >= cap:
             return waited
         waited = True
         await sleep(poll)
-    return waited

@@ -361,7 +361,7 @@ class StageRequestHandler(CountingHandler):
     async def forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()
         backend = await self._admit(request)
-        await self._wait_for_step(backend)
+        await self._wait_for_step(backend, ahead=request.backward_follows)
         keep = (request.caller, request.request_id) if request.backward_follows else None
         if keep is not None and self._local:
             self._forwarded[keep] = None
@@ -414,12 +414,15 @@ class StageRequestHandler(CountingHandler):
             info["ahead"] = True
         return StageReply(tensors, server_step=result.step, info=info)
 
-    async def _wait_for_step(self, backend: StageBackend) -> None:
-        """A forward waits while its stage's batch is closing, briefly (swarm.drain); not in the low-communication
-        mode, whose replicas step on their own."""
-        limit = self.server.config.optimizer.step_wait_seconds
-        if limit > 0 and not self._local:
-            await wait_for_step(backend.stepper, limit)
+    async def _wait_for_step(self, backend: StageBackend, ahead: bool = False) -> None:
+        """A forward waits while its stage's batch is closing, briefly, and (`ahead`: its backward follows) while
+        the forwards in flight fill that batch (swarm.drain); not in the low-communication mode, whose replicas
+        step on their own."""
+        optimizer = self.server.config.optimizer
+        in_flight = backend.in_flight if ahead and backend.ahead and not backend.module.is_last else None
+        if not self._local and (optimizer.step_wait_seconds > 0 or in_flight is not None):
+            await wait_for_step(backend.stepper, optimizer.step_wait_seconds, in_flight=in_flight,
+                                ahead_limit=optimizer.ahead_wait_seconds)
 
     def _weight(self, key: tuple) -> float:
         """What a backward's gradient counts for here: in full, unless another replica of a stage in the

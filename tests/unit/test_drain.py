@@ -9,7 +9,7 @@ import torch
 
 from swarm.backend import StageBackend
 from swarm.config import RunConfig
-from swarm.drain import MIN_TRIPS, PARDON_SECONDS, STEP_POLL, TRIP_FACTOR, BatchDrain, wait_for_step
+from swarm.drain import MIN_TRIPS, PARDON_SECONDS, STEP_POLL, TRIP_FACTOR, BatchDrain, InFlight, wait_for_step
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 
@@ -174,3 +174,54 @@ def test_a_forward_waits_while_its_stage_closes_a_batch_and_no_longer_than_its_l
     start = clock.now
     assert asyncio.run(run(Needs(None), 0.1)) is True  # a round that does not end: the wait does
     assert abs(clock.now - start - 0.1) < STEP_POLL + 1e-9
+
+
+def test_a_forward_waits_while_the_forwards_in_flight_fill_the_batch_through_its_round_and_to_its_own_limit():
+    clock = Clock()
+
+    async def tick(_):
+        clock.now += STEP_POLL
+
+    async def run(stepper, in_flight, limit=0.25, ahead_limit=1.0):
+        return await wait_for_step(stepper, limit, clock=clock, poll=STEP_POLL, sleep=tick, in_flight=in_flight,
+                                   ahead_limit=ahead_limit)
+
+    flight = InFlight(clock=clock)
+    flight.add((THEM, 1), 8, step=0)
+    assert asyncio.run(run(Needs(16), flight)) is False  # what is in flight does not fill the batch: at once
+    flight.add((ME, 1), 8, step=0)
+    assert flight.samples == 16
+    start = clock.now
+    # filled by what is in flight, then due, then its round (past step_wait's 0.25 s), then stepped
+    answers = [16] * 20 + [0] * 20 + [None] * 40 + [24]  # (stepped: a batch to fill again)
+    assert asyncio.run(run(Needs(*answers), flight)) is True
+    assert abs(clock.now - start - 80 * STEP_POLL) < 1e-9
+    start = clock.now
+    assert asyncio.run(run(Needs(8), flight)) is True  # a step that never comes: the wait ends at its own limit
+    assert abs(clock.now - start - 1.0) < STEP_POLL + 1e-9
+    assert asyncio.run(run(Needs(8), None)) is False  # (a forward whose backward does not follow: never)
+    flight.returned((ME, 1))
+    assert flight.samples == 8 and asyncio.run(run(Needs(16), flight)) is False
+
+
+def test_in_flight_forgets_backwards_that_never_came_and_does_not_count_their_caller_for_a_while():
+    clock = Clock()
+    flight = InFlight(limit=4, clock=clock)
+    assert flight.add((THEM, 1), 8, step=0) == 0
+    assert flight.add((ME, 1), 8, step=0) == 8
+    flight.returned((ME, 1))
+    assert flight.add((ME, 1), 8, step=0) == 8  # (the same key again counts once)
+    assert flight.add((ME, 1), 8, step=0) == 8 and flight.samples == 16
+    flight.returned((ME, 1))
+    assert flight.add((ME, 2), 8, step=2) == 0  # step 2: the forwards of step 0 never came back
+    assert flight.samples == 8
+    flight.add((THEM, 2), 8, step=2)  # THEM held one back: its forwards are not counted (nobody waits on them)
+    assert flight.samples == 8
+    flight.returned((THEM, 2))
+    assert flight.samples == 8
+    clock.now += PARDON_SECONDS
+    flight.add((THEM, 3), 8, step=2)
+    assert flight.samples == 16
+    for i in range(10):  # bounded: the oldest are forgotten
+        flight.add((ME, 10 + i), 1, step=2)
+    assert flight.samples == 4

@@ -22,8 +22,10 @@ from this server's share of the batch. With replicas that share is often small, 
 and such predictions were poor (gradients at a cosine of 0.68-0.90 with the true ones, early in tiny.yaml at
 batch 16), as harmful as a step stale (bench/stage_lag.py). It waits for the step instead, at most
 `optimizer.ahead_wait_seconds`. The forwards in flight it waits for are those of callers whose backwards come:
-a caller with a forward whose backward never came (dropped two steps on) is not counted for `PARDON_SECONDS`,
-so a lone caller holding forwards back cannot make others wait.
+each backward that comes adds a point to its caller (up to `RETURN_CREDIT`), each forward whose backward never
+came (dropped two steps on) takes `MISS_COST`, and a caller below zero is not counted. Honest trainers miss a
+few (a reply a spot check did not use is retried elsewhere, its backward too); a caller holding back more than
+a third of its forwards cannot make others wait for them.
 
 Strangers: a caller's forwards whose backward never comes (gone elsewhere, or held back on purpose)
 cost one wait of at most `max_seconds` per batch; a caller whose backwards missed a wait is not waited
@@ -45,7 +47,9 @@ MIN_TRIPS = 8  # before this many, a wait lasts max_seconds at most
 TRIP_QUANTILE = 0.9
 TRIP_FACTOR = 1.5  # a wait lasts this times the quantile (a trip through a loaded pipeline varies)
 PARDON_SECONDS = 60.0
-MAX_CALLERS = 4096  # callers remembered for missing a wait
+MAX_CALLERS = 4096  # callers remembered for missing a wait, or for their forwards' backwards (InFlight)
+RETURN_CREDIT = 16  # InFlight: the most a caller's returned backwards stand for
+MISS_COST = 2  # InFlight: what a forward whose backward never came costs its caller
 STEP_POLL = 0.005  # how often a waiting forward looks whether its stage has stepped
 
 
@@ -53,26 +57,21 @@ class InFlight:
     """This server's forwards whose backward is still to come, and how many samples they hold (see the module's
     docstring). Written on the compute thread; `samples` is read by forwards waiting on the event loop."""
 
-    def __init__(self, limit: int = MAX_PENDING, clock=time.monotonic):
+    def __init__(self, limit: int = MAX_PENDING):
         self._forwards: collections.OrderedDict[Hashable, tuple[int, int, bool]] = collections.OrderedDict()
-        self._lapsed: collections.OrderedDict[Hashable, float] = collections.OrderedDict()  # caller: when
-        self._limit, self._clock = limit, clock
+        self._credit: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # caller: its points
+        self._limit = limit
         self.samples = 0  # of the forwards counted: their callers' backwards come
 
     def add(self, key: Hashable, n: int, step: int) -> int:
         """A forward of `n` samples at `step`; returns the samples counted in flight before it. Forwards of two
-        steps before or more are dropped (their backward never came) and their callers not counted for a while."""
-        now = self._clock()
+        steps before or more are dropped: their backward never came, which costs their callers."""
         for old in [k for k, (_, at, _) in self._forwards.items() if at < step - 1]:
-            if self._pop(old):
-                self._lapsed[_caller(old)] = now
-                self._lapsed.move_to_end(_caller(old))
-        while len(self._lapsed) > MAX_CALLERS:
-            self._lapsed.popitem(last=False)
+            self._pop(old)
+            self._add_credit(_caller(old), -MISS_COST)
         self._pop(key)  # (the same forward again counts once)
         before = self.samples
-        lapsed = self._lapsed.get(_caller(key))
-        counted = lapsed is None or now - lapsed >= PARDON_SECONDS
+        counted = self._credit.get(_caller(key), 0) >= 0
         self._forwards[key] = (n, step, counted)
         self.samples += n if counted else 0
         while len(self._forwards) > self._limit:
@@ -81,15 +80,20 @@ class InFlight:
 
     def returned(self, key: Hashable) -> None:
         """Its backward came."""
-        self._pop(key)
+        if key in self._forwards:
+            self._pop(key)
+            self._add_credit(_caller(key), 1)
 
-    def _pop(self, key: Hashable) -> bool:
-        """Forget a forward; whether it was counted."""
+    def _pop(self, key: Hashable) -> None:
         entry = self._forwards.pop(key, None)
-        if entry is None or not entry[2]:
-            return False
-        self.samples -= entry[0]
-        return True
+        if entry is not None and entry[2]:
+            self.samples -= entry[0]
+
+    def _add_credit(self, caller: Hashable, points: int) -> None:
+        self._credit[caller] = min(RETURN_CREDIT, self._credit.get(caller, 0) + points)
+        self._credit.move_to_end(caller)
+        while len(self._credit) > MAX_CALLERS:
+            self._credit.popitem(last=False)
 
 
 class Pending(NamedTuple):

@@ -186,7 +186,7 @@ def test_a_forward_waits_while_the_forwards_in_flight_fill_the_batch_through_its
         return await wait_for_step(stepper, limit, clock=clock, poll=STEP_POLL, sleep=tick, in_flight=in_flight,
                                    ahead_limit=ahead_limit)
 
-    flight = InFlight(clock=clock)
+    flight = InFlight()
     flight.add((THEM, 1), 8, step=0)
     assert asyncio.run(run(Needs(16), flight)) is False  # what is in flight does not fill the batch: at once
     flight.add((ME, 1), 8, step=0)
@@ -204,24 +204,34 @@ def test_a_forward_waits_while_the_forwards_in_flight_fill_the_batch_through_its
     assert flight.samples == 8 and asyncio.run(run(Needs(16), flight)) is False
 
 
-def test_in_flight_forgets_backwards_that_never_came_and_does_not_count_their_caller_for_a_while():
-    clock = Clock()
-    flight = InFlight(limit=4, clock=clock)
+def test_in_flight_forgets_backwards_that_never_came_and_counts_no_caller_that_holds_back_a_third():
+    flight = InFlight(limit=4)
     assert flight.add((THEM, 1), 8, step=0) == 0
     assert flight.add((ME, 1), 8, step=0) == 8
     flight.returned((ME, 1))
-    assert flight.add((ME, 1), 8, step=0) == 8  # (the same key again counts once)
-    assert flight.add((ME, 1), 8, step=0) == 8 and flight.samples == 16
-    flight.returned((ME, 1))
-    assert flight.add((ME, 2), 8, step=2) == 0  # step 2: the forwards of step 0 never came back
+    assert flight.add((ME, 2), 8, step=0) == 8
+    assert flight.add((ME, 2), 8, step=0) == 8 and flight.samples == 16  # (the same forward again counts once)
+    flight.returned((ME, 2))
+    assert flight.add((ME, 3), 8, step=2) == 0  # step 2: THEM's forward of step 0 never came back
     assert flight.samples == 8
-    flight.add((THEM, 2), 8, step=2)  # THEM held one back: its forwards are not counted (nobody waits on them)
+    flight.add((THEM, 2), 8, step=2)  # THEM held back one forward of one: not counted (nobody waits on it)
     assert flight.samples == 8
-    flight.returned((THEM, 2))
-    assert flight.samples == 8
-    clock.now += PARDON_SECONDS
+    flight.returned((THEM, 2))  # one backward back: THEM is still below zero
     flight.add((THEM, 3), 8, step=2)
+    assert flight.samples == 8
+    flight.returned((THEM, 3))  # two: counted again
+    flight.add((THEM, 4), 8, step=2)
     assert flight.samples == 16
+    flight.returned((ME, 3))
+    flight.returned((THEM, 4))
+    flight.returned((THEM, 4))  # (a backward that comes twice, or for a forward never seen, earns nothing)
+    flight.returned((THEM, 99))
+    flight.add((THEM, 5), 8, step=2)
+    flight.add((THEM, 6), 8, step=2)
+    flight.add((THEM, 7), 8, step=2)
+    flight.returned((THEM, 7))
+    flight.add((THEM, 8), 8, step=4)  # two more missed (-4) against two more back (+2): below zero
+    assert flight.samples == 0
     for i in range(10):  # bounded: the oldest are forgotten
-        flight.add((ME, 10 + i), 1, step=2)
+        flight.add((ME, 10 + i), 1, step=4)
     assert flight.samples == 4

@@ -239,9 +239,11 @@ class StageBackend(Worker):
         # A due batch waits (briefly) for the backwards of forwards run on its parameters (optimizer.drain_seconds)
         drain = optimizer.config.drain_seconds
         self.drain = BatchDrain(drain, self.request_step) if drain > 0 and not module.is_last else None
-        # Whether the module's parameters are look-ahead ones now (a round under way, optimizer.lookahead): set by
-        # the server that owns the stage's state (StageState.lookahead_base); replies say so (Forwarded)
+        # Whether the module's parameters are look-ahead ones now (a round under way, optimizer.lookahead), and the
+        # parameters the state is at meanwhile: set by the server that owns the stage's state (StageState.
+        # lookahead_base); replies say so (Forwarded)
         self.in_look_ahead: Callable[[], bool] = lambda: False
+        self.base_params: Callable[[], list[torch.Tensor] | None] = lambda: None
         # Forward graphs kept for their backward (never for the last stage: it runs both in one call)
         # ... nor for a stage with MoE blocks: their aux loss is a second root of the backward, which a
         # kept graph does not hold (the backward recomputes the forward instead).
@@ -357,12 +359,13 @@ class StageBackend(Worker):
             result = self._backward_cached(entry, grad_output) if usable else None
             cached = result is not None
             stashed = cached and bool(staleness)  # (a graph built on the frozen copy of then)
+            # (a forward of this step run elsewhere, on the parameters of the step: not on this one's look-ahead)
+            on_base = not cached and predicted is None and look_ahead and forward_step == self.step and \
+                not self.delays.ran_ahead(key)
             if not cached:  # on the parameters its forward ran on (or, last, runs on): predicted, stashed or now's
-                if predicted is None:
-                    stashed = on_stash
-                else:
-                    stashed = not module.is_last
-                on = predicted if predicted is not None else self._stash if stashed else None
+                stashed = on_stash if predicted is None else not module.is_last
+                on = predicted if predicted is not None else self._stash if stashed else \
+                    self.base_params() if on_base else None
                 result = self._backward_recomputed(x, grad_output, targets, n, on)
             grads, loss, grad_input = result
         finally:  # a request that fails changes nothing
@@ -386,7 +389,7 @@ class StageBackend(Worker):
             early = predicted is not None and (module.is_last or forward_step == step)
             lands = self.stepper.accumulate(grads, counted, awaited=awaited, predicted=early)
             self.delays.counted(key, step if forward_step is None else forward_step,
-                                predicted is not None or look_ahead, step, lands, counted)
+                                predicted is not None or (look_ahead and not on_base), step, lands, counted)
         self.samples_processed += n
         stats = self._step_if_ready()
         grad_input = None if grad_input is None else self._to_host(grad_input)

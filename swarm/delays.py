@@ -36,6 +36,10 @@ class GradientDelays:
         while len(self._ahead) > MAX_TRACKED:
             self._ahead.popitem(last=False)
 
+    def ran_ahead(self, key: Hashable | None) -> bool:
+        """Whether this server ran the forward of `key` on look-ahead parameters (False too if it did not run it)."""
+        return key is not None and self._ahead.get(key, False)
+
     def counted(self, key: Hashable | None, forward_step: int, ahead_now: bool, step: int, lands: int, n: int) -> None:
         """`n` samples counted at `step` towards the `lands`-th step from now, their forward at `forward_step` (on
         look-ahead parameters if that forward said so, else if `ahead_now`: the last stage runs both in one call)."""

@@ -8,8 +8,9 @@ Servers keep no per-request state: a backward carries the stage input again and 
 recomputes the forward. So when the server that did a stage's forward is gone, the backward goes
 to another server of that stage, which re-runs the forward from the saved input before the
 backward; the micro-batch completes instead of being dropped. A backward goes to the server that ran
-its forward if that one is about as fast; in the low-communication mode (averaging.mode local, whose
-replicas differ between outer steps) whenever it can take it (`PipelineSettings.pin_backward`).
+its forward if that one is about as fast; whenever it can take it when the forward ran on look-ahead
+parameters (its reply says `ahead`: no other server has them), and in the low-communication mode
+(averaging.mode local, whose replicas differ between outer steps; `PipelineSettings.pin_backward`).
 
 Each call goes to the server of its stage where it should be answered first, given this trainer's
 work already outstanding there (see StageBalancer). The balancer's ticket for the call is handed
@@ -165,21 +166,25 @@ class RemotePipeline:
 
     async def train(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
         """Forward and backward of one micro-batch through every stage; returns its mean loss."""
-        inputs, steps, servers, lost = [x], [], [], []
+        inputs, steps, servers, lost, ahead = [x], [], [], [], []
         for stage in range(self.num_stages - 1):
             reply = await self._call(stage, FORWARD, request_id, inputs[stage], backward_follows=True)
             inputs.append(reply.tensors[0])
             steps.append(reply.server_step)
             servers.append(reply.server)
+            ahead.append(reply.info.get("ahead") is True)
             lost.append(reply.info.get("moe_lost"))  # experts the forward went without: so will the backward
         last = self.num_stages - 1
         reply = await self._call(last, BACKWARD, request_id, inputs[last], targets=y)
         loss = float(reply.info["loss"])
         for stage in range(last - 1, -1, -1):
             grad = reply.tensors[0]
-            # The server that ran the forward holds its graph: the backward there needs no recomputation.
+            # The server that ran the forward holds its graph: the backward there needs no recomputation. One
+            # that ran it on look-ahead parameters (its own prediction of the step) is the only one that can
+            # give its gradient: pinned there while it can take it.
             reply = await self._call(stage, BACKWARD, request_id, inputs[stage], grad_outputs=grad,
-                                     forward_step=steps[stage], prefer=servers[stage], moe_lost=lost[stage])
+                                     forward_step=steps[stage], prefer=servers[stage], moe_lost=lost[stage],
+                                     pin=ahead[stage])
         return loss
 
     async def evaluate(self, x: torch.Tensor, y: torch.Tensor, request_id: str) -> float:
@@ -203,8 +208,10 @@ class RemotePipeline:
         backward_follows: bool = False,
         prefer: str | None = None,
         moe_lost: list | None = None,
+        pin: bool = False,
     ) -> StageReply:
-        """One call on some server of `stage` (`prefer`red if it is not much slower), retried on others."""
+        """One call on some server of `stage` (`prefer`red if it is not much slower, or `pin`ned there while it can
+        take it), retried on others."""
         request = StageRequest(kind, stage, request_id, inputs, targets=targets, grad_outputs=grad_outputs,
                                wire_dtype=self.wire_dtype, forward_step=forward_step,
                                backward_follows=backward_follows, moe_lost=moe_lost)
@@ -216,7 +223,7 @@ class RemotePipeline:
         pause = self.settings.retry_pause
         while True:
             ticket = balancer.choose(size, kind, exclude=tried | refused.keys(), prefer=prefer,
-                                     pin=self.settings.pin_backward)
+                                     pin=pin or self.settings.pin_backward)
             if ticket is None and balancer.listed():
                 self._check_refusals(stage, kind, refused)
                 # Every server of the stage is banned or was tried: rather than sit out the whole ban

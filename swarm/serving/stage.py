@@ -168,6 +168,7 @@ class StageServer(ServerLifecycle):
         self.backend.hand_over(self.stage_state.owner, LOOP_CALL_TIMEOUT)
         state = self.stage_state
         self.backend.in_look_ahead = lambda: state.lookahead_base is not None
+        self.backend.base_params = lambda: state.lookahead_base
         self.throughput = self.measure_now() * self.options.throughput_scale
         self.metrics.throughput.set(self.throughput)
         self._reach_experts(module)

@@ -394,7 +394,7 @@ class StageBackend(Worker):
         stats = self._step_if_ready()
         grad_input = None if grad_input is None else self._to_host(grad_input)
         return BackwardResult(grad_input, loss, self.step, stats, staleness, stashed, cached,
-                              ahead=predicted is not None or look_ahead)
+                              ahead=predicted is not None or (look_ahead and not on_base))
 
     def _usable(self, entry: CachedForward, x: torch.Tensor, forward_step: int | None, on_stash: bool) -> bool:
         """Whether a kept graph gives this backward's gradient (its forward's parameters, same input): one on a frozen

@@ -327,3 +327,35 @@ def test_a_backward_during_a_rounds_look_ahead_and_after_its_step_takes_the_grad
         then(tokens(seed)).backward(grad_out)
         for g, p in zip(got, then.parameters()):
             torch.testing.assert_close(g, p.grad)
+
+
+def test_a_backward_whose_forward_ran_on_another_replica_takes_the_steps_parameters_not_the_look_ahead():
+    """A backward may come to a replica that did not run its forward (the trainer sends it where it will be
+    answered first). During this replica's round its module holds look-ahead parameters; a forward of the same step
+    run elsewhere, before that replica's own round, ran on the step's parameters: the recomputation takes those
+    (StageState.lookahead_base), or the gradient would not be of the output the next stage saw. A forward that ran
+    here on the look-ahead, its graph gone, is recomputed on the look-ahead as before."""
+    b = backend()
+    then = copy.deepcopy(b.module)
+    base = [p.detach().clone() for p in b.optimizer.params]
+    grad_out = hidden(9)
+    with torch.no_grad():  # what StageState.enter_look_ahead does
+        for p in b.optimizer.params:
+            p.mul_(0.5)
+    b.in_look_ahead, b.base_params = (lambda: True), (lambda: base)
+    b.forward_at(tokens(2), keep=(ME, "here, ahead"))
+    b.cache.discard((ME, "here, ahead"))  # (its graph gone: recomputed)
+    ahead = copy.deepcopy(b.module)
+    elsewhere = b.backward(tokens(1), grad_out, forward_step=b.step, key=(OTHER, "elsewhere"))
+    assert not elsewhere.cached and not elsewhere.ahead
+    got_elsewhere = grads(b)
+    b.optimizer.zero_grad()
+    here = b.backward(tokens(2), grad_out, forward_step=b.step, key=(ME, "here, ahead"))
+    assert not here.cached and here.ahead
+    for model, seed, got in ((then, 1, got_elsewhere), (ahead, 2, grads(b))):
+        model.zero_grad(set_to_none=True)
+        model(tokens(seed)).backward(grad_out)
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad)
+    # counted: the first fresh on its step's parameters, the second on a prediction (here, with no round, early)
+    assert b.delays.samples[(False, 0)] == 2 and sum(n for (ahead, _), n in b.delays.samples.items() if ahead) == 2

@@ -316,3 +316,30 @@ def test_backward_and_forward_are_timed_separately():
     pipeline.trip()
     assert set(pipeline.balancers[0].servers["a0"].service) == {FORWARD, BACKWARD}
     assert set(pipeline.balancers[1].servers["a1"].service) == {BACKWARD}  # the fused last stage
+
+
+def test_a_backward_is_pinned_to_the_server_whose_forward_ran_on_look_ahead_parameters():
+    """Only the server that ran a forward on its own prediction of the step (its reply says `ahead`) can give that
+    forward's gradient: the backward goes there whenever it can take it, not merely when it is about as fast."""
+    ahead = {"t:0:1": True, "t:0:2": False}
+
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        reply = answer(stage, request, 2)
+        if stage == 0 and request.kind == FORWARD and ahead[request.request_id]:
+            reply.info["ahead"] = True
+        return reply
+
+    p = FakePipeline({0: ["a", "b"], 1: ["c"]}, behaviour)
+    pins = []
+    choose = p.balancers[0].choose
+
+    def spy(size, kind, exclude=(), prefer=None, pin=False):
+        if kind == BACKWARD:
+            pins.append(pin)
+        return choose(size, kind, exclude=exclude, prefer=prefer, pin=pin)
+
+    p.balancers[0].choose = spy
+    p.trip("t:0:1")
+    p.trip("t:0:2")
+    assert pins == [True, False]
+    assert p.open_tickets() == 0

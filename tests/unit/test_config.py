@@ -54,6 +54,8 @@ def test_small_config_has_tens_of_millions_of_parameters():
         ({"optimizer": {"batch_size": 0}}, "optimizer.batch_size"),
         ({"optimizer": {"lr": "fast"}}, "optimizer.lr"),
         ({"optimizer": {"micro_batch_size": 64, "batch_size": 32}}, "optimizer.micro_batch_size"),
+        ({"optimizer": {"ahead_wait_seconds": -1.0}}, "optimizer.ahead_wait_seconds"),
+        ({"optimizer": {"ahead_wait_seconds": 60.0}}, "optimizer.ahead_wait_seconds"),
         ({"model": {"n_layer": True}}, "model.n_layer"),
         ({"model": {"d_model": 100, "n_head": 3}}, "model.d_model"),
         ({"stages": {"wire_dtype": "int8"}}, "stages.wire_dtype"),

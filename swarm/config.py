@@ -207,10 +207,10 @@ class OptimizerConfig:
     # A forward (or the last stage's call) that comes while its stage's batch is closing (due, or its round under
     # way) waits for the step, at most this long, then runs on the look-ahead. 0: never waits.
     step_wait_seconds: float = 0.25
-    # A forward that comes while this server's forwards in flight fill what its stage's batch still needs (its
-    # backward would come after the step) waits for the step, at most this long, then runs ahead on the parameters
-    # the step is predicted to make from this server's share of the batch: with replicas often a small share, and
-    # then a poor prediction (swarm/drain.py). 0: never waits.
+    # A forward that comes, in a stage with other servers, while this server's forwards in flight fill what the
+    # batch still needs (its backward would come after the step) waits for the step, at most this long, then runs
+    # ahead on the parameters the step is predicted to make from this server's share of the batch: often a small
+    # share, and then a poor prediction (swarm/drain.py). 0: never waits.
     ahead_wait_seconds: float = 1.0
 
     def __post_init__(self) -> None:

@@ -16,11 +16,11 @@ the step made instead of a prediction of them (look-ahead), and its samples are 
 it costs no samples/s at batch 16, where rounds are short (README, Learning); where rounds are long (thin
 links), the wait ends at its cap and the forward runs on the look-ahead as before.
 
-So does a forward that comes while this server's forwards in flight already fill the batch (InFlight): its
-backward would come after the step, so it would run ahead, on the parameters the step is predicted to make
-from this server's share of the batch. With replicas that share is often small, or none (the moments alone),
-and such predictions were poor (gradients at a cosine of 0.68-0.90 with the true ones, early in tiny.yaml at
-batch 16), as harmful as a step stale (bench/stage_lag.py). It waits for the step instead, at most
+So does a forward that comes, in a stage with other servers, while this server's forwards in flight already
+fill the batch (InFlight): its backward would come after the step, so it would run ahead, on the parameters the
+step is predicted to make from this server's share of the batch. That share is often small, or none (the
+moments alone), and such predictions were poor (gradients at a cosine of 0.68-0.90 with the true ones, early
+in tiny.yaml at batch 16), as harmful as a step stale (bench/stage_lag.py). It waits for the step instead, at most
 `optimizer.ahead_wait_seconds`. The forwards in flight it waits for are those of callers whose backwards come:
 each backward that comes adds a point to its caller (up to `RETURN_CREDIT`), each forward whose backward never
 came (dropped two steps on) takes `MISS_COST`, and a caller below zero is not counted. Honest trainers miss a

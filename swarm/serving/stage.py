@@ -417,10 +417,12 @@ class StageRequestHandler(CountingHandler):
 
     async def _wait_for_step(self, backend: StageBackend, ahead: bool = False) -> None:
         """A forward waits while its stage's batch is closing, briefly, and (`ahead`: its backward follows) while
-        the forwards in flight fill that batch (swarm.drain); not in the low-communication mode, whose replicas
-        step on their own."""
+        the forwards in flight fill that batch if the stage has other servers (a server alone predicts the step from
+        all of the batch so far, a replica from its share: swarm.drain); not in the low-communication mode, whose
+        replicas step on their own."""
         optimizer = self.server.config.optimizer
-        in_flight = backend.in_flight if ahead and backend.ahead and not backend.module.is_last else None
+        in_flight = backend.in_flight if ahead and backend.ahead and not backend.module.is_last and \
+            _replicated(backend.stepper) else None
         if not self._local and (optimizer.step_wait_seconds > 0 or in_flight is not None):
             await wait_for_step(backend.stepper, optimizer.step_wait_seconds, in_flight=in_flight,
                                 ahead_limit=optimizer.ahead_wait_seconds)
@@ -459,6 +461,15 @@ class StageRequestHandler(CountingHandler):
     @property
     def worker(self) -> StageBackend:
         return self.server.backend
+
+
+def _replicated(stepper: object) -> bool:
+    """Whether the stage has other servers at this one's step (as far as its progress view says)."""
+    view = getattr(stepper, "view", None)
+    try:
+        return view is not None and view().group_size > 1
+    except Exception:  # noqa: BLE001 - a stepper shutting down: no wait, the request meets that
+        return False
 
 
 def _in_call(fn, samples: int | None = None, lost_in=None, backend: StageBackend | None = None):

@@ -235,3 +235,19 @@ def test_in_flight_forgets_backwards_that_never_came_and_counts_no_caller_that_h
     for i in range(10):  # bounded: the oldest are forgotten
         flight.add((ME, 10 + i), 1, step=4)
     assert flight.samples == 4
+
+
+def test_only_a_replica_waits_for_forwards_in_flight_a_server_alone_in_its_stage_runs_ahead():
+    """A server alone predicts the step from all of the batch so far; a replica from its share (often none)."""
+    from types import SimpleNamespace
+
+    from swarm.serving.stage import _replicated
+
+    def stepper(group_size):
+        return SimpleNamespace(view=lambda: SimpleNamespace(group_size=group_size))
+
+    def broken():
+        raise RuntimeError("shutting down")
+
+    assert _replicated(stepper(2)) and not _replicated(stepper(1))
+    assert not _replicated(object()) and not _replicated(SimpleNamespace(view=broken))  # (no averaging; closing)

@@ -133,9 +133,20 @@ def measure(config_path: Path, stages: int, latency_ms: float, rate: float, fixe
                     "pieces": value(end_samples, "swarm_trainer_micro_batch_pieces"),
                     "stale_share": max((s for s in stale if s is not None), default=None),
                     "round_seconds": sum(took) / sum(count) if sum(count) else None,
+                    "stage_round_seconds": stage_means(servers, took, count),
                     "rounds": sum(count)}
         finally:
             procs.stop_all()
+
+
+def stage_means(servers: list, took: list[float], count: list[float]) -> dict[int, float]:
+    """Each stage's mean round in the window (its servers' rounds together)."""
+    means = {}
+    for k in sorted({k for k, _ in servers}):
+        n = sum(c for (j, _), c in zip(servers, count) if j == k)
+        if n:
+            means[k] = sum(t for (j, _), t in zip(servers, took) if j == k) / n
+    return means
 
 
 def base(results: list[dict], rate: float, through_delayer: bool, transport: str, mode: str) -> float | None:
@@ -164,6 +175,9 @@ def rounds_line(r: dict, config: RunConfig, n: int) -> str:
         line += (f" ({r['round_seconds'] / bound:.2f} and {r['all_reduce_seconds'] / bound:.2f} x the bound "
                  f"2(n-1)/n x {'pseudo-' if r.get('mode') == 'local' else ''}gradient ({codec}) / rate = "
                  f"{bound:.2f} s)")
+        stages = r.get("stage_round_seconds") or {}
+        if len(stages) > 1:
+            line += "; by stage " + ", ".join(f"{k}: {t:.2f} s ({t / bound:.2f} x)" for k, t in stages.items())
     return line
 
 

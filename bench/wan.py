@@ -12,12 +12,12 @@ latency and rate the trainer's samples/s is measured over one window after a war
 against the same swarm at 0 ms and the same rate, with the micro-batches in flight the trainer chose
 (swarm_trainer_in_flight, `--in-flight auto`) and the share of backwards a stage ran one or more steps
 stale. With --fixed, each point is also run with the trainer's default fixed count (a sixteenth of a
-batch), side by side. With --nat-stage K, stage K's servers sit behind NAT and are reached through
-the coordinator's relay; with --nat-trainer the trainer sits behind a NAT of its own, and
---hub-latency puts latency on the coordinator's link alone (a relayed call pays it, a direct one
-not). Also printed: how long after the coordinator every server was serving
+batch), side by side, and with --in-flight N ... at each count N. With --nat-stage K, stage K's servers
+sit behind NAT and are reached through the coordinator's relay; with --nat-trainer the trainer sits behind a
+NAT of its own, and --hub-latency puts latency on the coordinator's link alone (a relayed call pays it, a
+direct one not). Also printed: how long after the coordinator every server was serving
 (the join), and the mean averaging round in the window (matchmaking included), against the
-bytes-over-rate bound 2(n-1)/n x stage 0's gradient bytes / rate when a rate is set. With
+bytes-over-rate bound 2(n-1)/n x stage 0's gradient bytes / rate when a rate is set (and each stage's). With
 --delayer-control, a 0 ms point with every link through the lab's userspace delayer is run too, and
 each point is also printed against it: latency needs the delayer, a Python process per link that
 handles every packet on the cores the swarm shares, and the plain 0 ms point pays nothing for it.
@@ -189,6 +189,8 @@ def main() -> None:
     p.add_argument("--latencies", type=float, nargs="+", default=[0, 10, 50, 100], help="one-way ms between hosts")
     p.add_argument("--rates", type=float, nargs="+", default=[0, 100, 20], help="Mbit/s each way per host; 0: none")
     p.add_argument("--fixed", action="store_true", help="also run each point with the old fixed in-flight count")
+    p.add_argument("--in-flight", type=int, nargs="+", default=[], metavar="N",
+                   help="also run each point with the trainer's in-flight count fixed at each N")
     p.add_argument("--warmup", type=float, default=15.0)
     p.add_argument("--window", type=float, default=40.0)
     p.add_argument("--servers-per-stage", type=int, default=1, help="servers of each stage, each on its own host")
@@ -237,8 +239,9 @@ def main() -> None:
         if args.delayer_control:  # right after the plain 0 ms point (or first)
             at = next((i + 1 for i, (latency, _) in enumerate(points) if latency == 0), 0)
             points.insert(at, (0.0, True))
+        counts = [None, *([old] if args.fixed else []), *(n for n in args.in_flight if n != old or not args.fixed)]
         for transport, rate in itertools.product(args.transports, args.rates):
-            for (latency, queued), fixed, mode in itertools.product(points, [None, old] if args.fixed else [None],
+            for (latency, queued), fixed, mode in itertools.product(points, counts,
                                                                      args.modes):
                 workdir = Path(tmp) / f"{transport}-r{rate}-l{latency}-{fixed}-{'q' if queued else 'd'}-{mode}"
                 workdir.mkdir()

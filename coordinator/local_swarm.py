@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -23,6 +22,7 @@ from swarm.reference import EVAL_BATCHES
 from swarm.routing import PipelineSettings, RemotePipeline
 
 from .launcher import Child, end_all
+from .ports import free_port
 from .progress import ProgressLine
 from .status import build_status
 
@@ -40,12 +40,6 @@ def deal_experts(num_experts: int, servers: int) -> list[list[int]]:
         return []
     per = -(-num_experts // servers)
     return [sorted({(i * per + j) % num_experts for j in range(per)}) for i in range(servers)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalSwarm:

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -23,6 +21,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.ports import free_port  # noqa: F401 - the tests take it from here
 from tests.helpers import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,43 +32,6 @@ TAIL_CHARS = 3000  # output shown when a wait fails
 
 _running: set[Proc] = set()  # started and not yet stopped; see kill_all()
 _counter = itertools.count()
-
-
-FREE_PORTS_FROM = 20000  # free_port picks from here up to the kernel's ephemeral range
-FREE_PORT_TRIES = 1000
-_handed_out: set[int] = set()
-_port_rng = random.Random()  # not the global one: a test that seeds it must not change our picks
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out for a bind to port 0."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for --metrics-port), never handed out before here.
-
-    It lies below the kernel's ephemeral range: a port taken from that range (a bind to port 0) is free
-    again once closed, and a p2p daemon listening on /tcp/0 could be given it before our program binds it
-    (seen: a container's metrics server found its port taken by its own daemon)."""
-    high = _ephemeral_low()
-    for _ in range(FREE_PORT_TRIES if high > FREE_PORTS_FROM + 1000 else 0):
-        port = _port_rng.randrange(FREE_PORTS_FROM, high)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as sock:  # no range below the ephemeral one: the kernel's pick
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def program(name: str) -> str:

@@ -119,6 +119,7 @@ class BatchDrain:
         self.waits = 0  # batches whose close was put off
         self.drained = 0  # backwards that came in time to count towards the batch they were waited for by
         self.timed_out = 0  # waits that ended with backwards still missing
+        self.excused = 0  # forwards of the batch not waited for: their caller had missed a wait lately
 
     def forwarded(self, key: Hashable, step: int, look_ahead: bool) -> None:
         """A forward whose backward follows ran on the step's parameters (or on the look-ahead ones)."""
@@ -151,8 +152,9 @@ class BatchDrain:
         now = self._clock()
         if self._deadline is None:
             limit = self.limit()
-            self._awaited = {key for key, p in self._pending.items()
-                             if self._belongs(p, step) and now - p.started < limit and not self._excused(key, now)}
+            belong = [key for key, p in self._pending.items() if self._belongs(p, step) and now - p.started < limit]
+            self._awaited = {key for key in belong if not self._excused(key, now)}
+            self.excused += len(belong) - len(self._awaited)
             if not self._awaited:
                 return None
             self._deadline = now + limit
@@ -180,6 +182,11 @@ class BatchDrain:
                 self._missed.popitem(last=False)
         self._awaited = set()
         self._deadline = None
+
+    def summary(self) -> str:
+        """What the waits did, for the log when the server stops."""
+        return (f"{self.waits} batches waited, {self.drained} backwards came in time, {self.timed_out} waits ended "
+                f"with some missing; {self.excused} forwards not waited for (their caller had missed a wait)")
 
     @staticmethod
     def _belongs(p: Pending, step: int) -> bool:

@@ -324,6 +324,8 @@ class StageServer(ServerLifecycle):
         if self.backend is not None:
             self.backend.shutdown()
             log.info("gradient delays: %s", self.backend.delays.summary())
+            if self.backend.drain is not None:
+                log.info("batch drain: %s", self.backend.drain.summary())
             cache = self.backend.cache
             if cache is not None and cache.hits + cache.misses:
                 log.info("activation cache: %d of %d backwards used the forward's kept graph (%d recomputed), "

@@ -444,6 +444,14 @@ class RunConfig:
                 f"({self.model.n_layer}) so every stage holds the same number of blocks"
             )
         check_moe_placement(self.model, self.stages.num_stages)
+        wait = max(self.optimizer.step_wait_seconds, self.optimizer.ahead_wait_seconds)
+        if wait >= self.network.timeout_floor / 2:
+            raise ConfigError(
+                f"a forward may wait {wait:g} s for its stage's step (optimizer.step_wait_seconds, "
+                f"ahead_wait_seconds): keep it under half of network.timeout_floor ({self.network.timeout_floor:g} s), "
+                "or callers give up on forwards still waiting, their backwards never come, and the forwards after "
+                "them wait on those"
+            )
         if self.averaging.zero.enabled and self.optimizer.name != "adamw":
             raise ConfigError(f"averaging.zero shards AdamW's moments: set optimizer.name to adamw (got "
                               f"{self.optimizer.name!r}), or turn zero off")

@@ -11,5 +11,6 @@ Map::
     local.py        `swarm-local`: a whole swarm on this machine, or the single-process reference trainer
     local_swarm.py  that swarm: coordinator, stage servers and trainers as separate processes
     launcher.py     child processes of `swarm-local`: start them, read what they print, end them all
+    ports.py        metrics ports for processes started here, below the kernel's ephemeral range (and the tests')
     progress.py     progress for people: one line per update, or a live line on a terminal
 """

@@ -28,12 +28,8 @@ few (a reply a spot check did not use is retried elsewhere, its backward too); a
 a third of its forwards cannot make others wait for them.
 
 Strangers: a caller's forwards whose backward never comes (gone elsewhere, or held back on purpose)
-cost one wait of at most `max_seconds` per batch. The batch waits by the same kind of credit (Credit): each
-backward that comes adds a point, a wait it missed takes one (its backward brings it back if it comes late), a
-forward whose backward never came (two steps on) takes `DRAIN_MISS_COST`, and a caller below zero is not waited
-for: a caller holding back more than a fifth of its backwards is soon not waited for (after at most
-`RETURN_CREDIT` / `DRAIN_MISS_COST` held back), while an honest trainer whose trip ran long under load is waited
-for as before (it was excused for a minute after any miss).
+cost one wait of at most `max_seconds` per batch; a caller whose backwards missed a wait is not waited
+for again until `PARDON_SECONDS` have passed, so a lone caller cannot slow every batch down.
 """
 
 from __future__ import annotations
@@ -50,28 +46,11 @@ TRIPS_KEPT = 64  # forward-to-backward times the wait is measured from
 MIN_TRIPS = 8  # before this many, a wait lasts max_seconds at most
 TRIP_QUANTILE = 0.9
 TRIP_FACTOR = 1.5  # a wait lasts this times the quantile (a trip through a loaded pipeline varies)
+PARDON_SECONDS = 60.0
 MAX_CALLERS = 4096  # callers remembered for missing a wait, or for their forwards' backwards (InFlight)
 RETURN_CREDIT = 16  # InFlight: the most a caller's returned backwards stand for
 MISS_COST = 2  # InFlight: what a forward whose backward never came costs its caller
-DRAIN_MISS_COST = 4  # BatchDrain: what a forward whose backward never came (two steps on) costs its caller
 STEP_POLL = 0.005  # how often a waiting forward looks whether its stage has stepped
-
-
-class Credit:
-    """Points of each caller: backwards that came add, backwards missed take; a caller below zero is not counted on
-    (bounded: the callers heard from last)."""
-
-    def __init__(self) -> None:
-        self._points: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
-
-    def add(self, caller: Hashable, points: int) -> None:
-        self._points[caller] = min(RETURN_CREDIT, self._points.get(caller, 0) + points)
-        self._points.move_to_end(caller)
-        while len(self._points) > MAX_CALLERS:
-            self._points.popitem(last=False)
-
-    def counted(self, caller: Hashable) -> bool:
-        return self._points.get(caller, 0) >= 0
 
 
 class InFlight:
@@ -80,7 +59,7 @@ class InFlight:
 
     def __init__(self, limit: int = MAX_PENDING):
         self._forwards: collections.OrderedDict[Hashable, tuple[int, int, bool]] = collections.OrderedDict()
-        self._credit = Credit()
+        self._credit: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # caller: its points
         self._limit = limit
         self.samples = 0  # of the forwards counted: their callers' backwards come
 
@@ -89,10 +68,10 @@ class InFlight:
         steps before or more are dropped: their backward never came, which costs their callers."""
         for old in [k for k, (_, at, _) in self._forwards.items() if at < step - 1]:
             self._pop(old)
-            self._credit.add(_caller(old), -MISS_COST)
+            self._add_credit(_caller(old), -MISS_COST)
         self._pop(key)  # (the same forward again counts once)
         before = self.samples
-        counted = self._credit.counted(_caller(key))
+        counted = self._credit.get(_caller(key), 0) >= 0
         self._forwards[key] = (n, step, counted)
         self.samples += n if counted else 0
         while len(self._forwards) > self._limit:
@@ -103,12 +82,18 @@ class InFlight:
         """Its backward came."""
         if key in self._forwards:
             self._pop(key)
-            self._credit.add(_caller(key), 1)
+            self._add_credit(_caller(key), 1)
 
     def _pop(self, key: Hashable) -> None:
         entry = self._forwards.pop(key, None)
         if entry is not None and entry[2]:
             self.samples -= entry[0]
+
+    def _add_credit(self, caller: Hashable, points: int) -> None:
+        self._credit[caller] = min(RETURN_CREDIT, self._credit.get(caller, 0) + points)
+        self._credit.move_to_end(caller)
+        while len(self._credit) > MAX_CALLERS:
+            self._credit.popitem(last=False)
 
 
 class Pending(NamedTuple):
@@ -130,11 +115,11 @@ class BatchDrain:
         self._trips: collections.deque[float] = collections.deque(maxlen=TRIPS_KEPT)
         self._awaited: set[Hashable] = set()
         self._deadline: float | None = None
-        self._credit = Credit()  # callers whose backwards are waited for
+        self._missed: collections.OrderedDict[Hashable, float] = collections.OrderedDict()  # caller: when
         self.waits = 0  # batches whose close was put off
         self.drained = 0  # backwards that came in time to count towards the batch they were waited for by
         self.timed_out = 0  # waits that ended with backwards still missing
-        self.excused = 0  # forwards of the batch not waited for: their callers had missed too many waits
+        self.excused = 0  # forwards of the batch not waited for: their caller had missed a wait lately
 
     def forwarded(self, key: Hashable, step: int, look_ahead: bool) -> None:
         """A forward whose backward follows ran on the step's parameters (or on the look-ahead ones)."""
@@ -148,7 +133,6 @@ class BatchDrain:
         pending = self._pending.pop(key, None)
         if pending is not None:
             self._trips.append(self._clock() - pending.started)
-            self._credit.add(_caller(key), 1)
         if key in self._awaited:
             self._awaited.discard(key)
             self.drained += 1
@@ -167,12 +151,9 @@ class BatchDrain:
         seconds left to wait for the backwards of forwards that ran on its parameters."""
         now = self._clock()
         if self._deadline is None:
-            for key in [k for k, p in self._pending.items() if p.step < step - 1]:  # never came: held back, or gone
-                del self._pending[key]
-                self._credit.add(_caller(key), -DRAIN_MISS_COST)
             limit = self.limit()
             belong = [key for key, p in self._pending.items() if self._belongs(p, step) and now - p.started < limit]
-            self._awaited = {key for key in belong if self._credit.counted(_caller(key))}
+            self._awaited = {key for key in belong if not self._excused(key, now)}
             self.excused += len(belong) - len(self._awaited)
             if not self._awaited:
                 return None
@@ -185,28 +166,36 @@ class BatchDrain:
                 self._timer.daemon = True
                 self._timer.start()
             return left
-        self.closed()
+        self.closed(now)
         return None
 
-    def closed(self) -> None:
-        """The batch closed (or the wait ended): callers still awaited missed it (a point each, which their backward
-        brings back if it comes late)."""
+    def closed(self, now: float | None = None) -> None:
+        """The batch closed (or the wait ended): callers still awaited missed it."""
         if self._awaited:
             self.timed_out += 1
+            now = self._clock() if now is None else now
             for key in self._awaited:
-                self._credit.add(_caller(key), -1)
+                caller = _caller(key)
+                self._missed[caller] = now
+                self._missed.move_to_end(caller)
+            while len(self._missed) > MAX_CALLERS:
+                self._missed.popitem(last=False)
         self._awaited = set()
         self._deadline = None
 
     def summary(self) -> str:
         """What the waits did, for the log when the server stops."""
         return (f"{self.waits} batches waited, {self.drained} backwards came in time, {self.timed_out} waits ended "
-                f"with some missing; {self.excused} forwards not waited for (their callers had missed too many)")
+                f"with some missing; {self.excused} forwards not waited for (their caller had missed a wait)")
 
     @staticmethod
     def _belongs(p: Pending, step: int) -> bool:
         # on the parameters of `step`: run at that step, or during the round that made it, on its look-ahead
         return p.step == step or (p.look_ahead and p.step == step - 1)
+
+    def _excused(self, key: Hashable, now: float) -> bool:
+        missed = self._missed.get(_caller(key))
+        return missed is not None and now - missed < PARDON_SECONDS
 
 
 def _caller(key: Hashable) -> Hashable:

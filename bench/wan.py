@@ -239,10 +239,9 @@ def main() -> None:
         if args.delayer_control:  # right after the plain 0 ms point (or first)
             at = next((i + 1 for i, (latency, _) in enumerate(points) if latency == 0), 0)
             points.insert(at, (0.0, True))
-        counts = [None, *([old] if args.fixed else []), *(n for n in args.in_flight if n != old or not args.fixed)]
+        counts = list(dict.fromkeys([None, *([old] if args.fixed else []), *args.in_flight]))  # (each once)
         for transport, rate in itertools.product(args.transports, args.rates):
-            for (latency, queued), fixed, mode in itertools.product(points, counts,
-                                                                     args.modes):
+            for (latency, queued), fixed, mode in itertools.product(points, counts, args.modes):
                 workdir = Path(tmp) / f"{transport}-r{rate}-l{latency}-{fixed}-{'q' if queued else 'd'}-{mode}"
                 workdir.mkdir()
                 r = measure(config_paths[mode], config.stages.num_stages, latency, rate, fixed, args.warmup,

@@ -173,7 +173,8 @@ class StagesConfig:
         return "bfloat16" if self.compute_dtype == "bfloat16" else "float32"
 
 
-MAX_STEP_WAIT = 10.0  # optimizer.drain_seconds, step_wait_seconds, ahead_wait_seconds: longer, a request timed out
+MAX_STEP_WAIT = 10.0  # optimizer.drain_seconds, step_wait_seconds, round_wait_seconds,
+# ahead_wait_seconds: longer, a request timed out
 
 
 @dataclass
@@ -207,6 +208,10 @@ class OptimizerConfig:
     # A forward (or the last stage's call) that comes while its stage's batch is closing (due, or its round under
     # way) waits for the step, at most this long, then runs on the look-ahead. 0: never waits.
     step_wait_seconds: float = 0.25
+    # ...or, while its stage's round runs, until the round has taken what this server's rounds usually take (their
+    # median, a quarter more), at most this long: on thin links a round takes seconds, and the forwards' bytes would
+    # slow it down (swarm/drain.py). 0: step_wait_seconds alone.
+    round_wait_seconds: float = 2.0
     # A forward that comes, in a stage with other servers, while this server's forwards in flight fill what the
     # batch still needs (its backward would come after the step) waits for the step, at most this long, then runs
     # ahead on the parameters the step is predicted to make from this server's share of the batch: often a small
@@ -223,7 +228,7 @@ class OptimizerConfig:
             _positive(self, name, "optimizer")
         for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
             _non_negative(self, name, "optimizer")
-        for name in ("drain_seconds", "step_wait_seconds", "ahead_wait_seconds"):  # (waits in a request: finite)
+        for name in ("drain_seconds", "step_wait_seconds", "round_wait_seconds", "ahead_wait_seconds"):  # (finite)
             value = getattr(self, name)
             if not 0.0 <= value <= MAX_STEP_WAIT:
                 raise ConfigError(f"optimizer.{name} must be between 0 and {MAX_STEP_WAIT:g} seconds, got {value}")
@@ -444,10 +449,11 @@ class RunConfig:
                 f"({self.model.n_layer}) so every stage holds the same number of blocks"
             )
         check_moe_placement(self.model, self.stages.num_stages)
-        wait = max(self.optimizer.step_wait_seconds, self.optimizer.ahead_wait_seconds)
+        optimizer = self.optimizer
+        wait = max(optimizer.step_wait_seconds, optimizer.round_wait_seconds, optimizer.ahead_wait_seconds)
         if wait >= self.network.timeout_floor / 2:
             raise ConfigError(
-                f"a forward may wait {wait:g} s for its stage's step (optimizer.step_wait_seconds, "
+                f"a forward may wait {wait:g} s for its stage's step (optimizer.step_wait_seconds, round_wait_seconds, "
                 f"ahead_wait_seconds): keep it under half of network.timeout_floor ({self.network.timeout_floor:g} s), "
                 "or callers give up on forwards still waiting, their backwards never come, and the forwards after "
                 "them wait on those"

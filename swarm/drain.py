@@ -16,6 +16,13 @@ the step made instead of a prediction of them (look-ahead), and its samples are 
 it costs no samples/s at batch 16, where rounds are short (README, Learning); where rounds are long (thin
 links), the wait ends at its cap and the forward runs on the look-ahead as before.
 
+Where rounds are long (thin links: a round at 20 Mbit/s takes about a second), a forward that comes while the
+round runs waits on past `step_wait_seconds`, for as long as this server's rounds usually take (RoundTimes: the
+median of its last rounds, a quarter more), at most `optimizer.round_wait_seconds`: while it waits, its
+activations and their backward stay off the links the round needs (bench/wan.py: rounds at 1.36-1.41 x their
+bytes-over-rate bound with forwards running beside them, 1.23-1.28 x with forwards held), and its samples are
+fresh. A round that runs past what rounds usually take (stalled: a member gone) is not waited out.
+
 So does a forward that comes, in a stage with other servers, while this server's forwards in flight already
 fill the batch (InFlight): its backward would come after the step, so it would run ahead, on the parameters the
 step is predicted to make from this server's share of the batch. That share is often small, or none (the
@@ -51,6 +58,9 @@ MAX_CALLERS = 4096  # callers remembered for missing a wait, or for their forwar
 RETURN_CREDIT = 16  # InFlight: the most a caller's returned backwards stand for
 MISS_COST = 2  # InFlight: what a forward whose backward never came costs its caller
 STEP_POLL = 0.005  # how often a waiting forward looks whether its stage has stepped
+ROUNDS_KEPT = 9  # RoundTimes: the last rounds whose median is what a round usually takes
+MIN_ROUNDS = 3  # before this many, no round is waited out past step_wait_seconds
+ROUND_MARGIN = 1.25  # a forward waits for a round to this times what rounds usually take
 
 
 class InFlight:
@@ -203,14 +213,47 @@ def _caller(key: Hashable) -> Hashable:
     return key[0] if isinstance(key, tuple) and key else key
 
 
+class RoundTimes:
+    """How long this server's averaging rounds take, and how long the one under way has left by that (rounds run
+    on the averaging thread; forwards read `left` on the event loop)."""
+
+    def __init__(self, kept: int = ROUNDS_KEPT, clock: Callable[[], float] = time.monotonic):
+        self._took: collections.deque[float] = collections.deque(maxlen=kept)
+        self._started: float | None = None
+        self._clock = clock
+
+    def begin(self) -> None:
+        self._started = self._clock()
+
+    def end(self) -> None:
+        started, self._started = self._started, None
+        if started is not None:
+            self._took.append(self._clock() - started)
+
+    def usual(self) -> float | None:
+        """The median of the last rounds (None: fewer than MIN_ROUNDS so far)."""
+        took = sorted(self._took)
+        return took[len(took) // 2] if len(took) >= MIN_ROUNDS else None
+
+    def left(self) -> float | None:
+        """Seconds until the round under way reaches ROUND_MARGIN x what rounds usually take (<= 0: past it);
+        None while no round runs or too few have run."""
+        started, usual = self._started, self.usual()
+        if started is None or usual is None:
+            return None
+        return started + ROUND_MARGIN * usual - self._clock()
+
+
 class _Stepper(Protocol):
     def samples_to_step(self) -> int | None: ...
 
 
 async def wait_for_step(stepper: _Stepper, limit: float, clock=time.monotonic, poll: float = STEP_POLL,
-                        sleep=asyncio.sleep, in_flight: InFlight | None = None, ahead_limit: float = 0.0) -> bool:
+                        sleep=asyncio.sleep, in_flight: InFlight | None = None, ahead_limit: float = 0.0,
+                        rounds: RoundTimes | None = None, round_limit: float = 0.0) -> bool:
     """Wait while the stage's batch is closing (no samples to go, or a round or a download under way), at most
-    `limit` seconds; and while the samples `in_flight` fill what the batch still needs (a forward now would count
+    `limit` seconds, or while a round runs until it has taken what `rounds` usually take, at most `round_limit`
+    seconds in all; and while the samples `in_flight` fill what the batch still needs (a forward now would count
     after the step), at most `ahead_limit` seconds in all. Whether it had to wait. (Its step is what a forward
     that comes now should run on.)"""
     started, waited, cap = clock(), False, limit
@@ -224,6 +267,9 @@ async def wait_for_step(stepper: _Stepper, limit: float, clock=time.monotonic, p
             cap = max(cap, ahead_limit)  # (once waiting for the step, also through its round)
         elif not closing:
             return waited
+        left = rounds.left() if rounds is not None and round_limit > 0 else None
+        if left is not None and left > 0:
+            cap = max(cap, min(round_limit, clock() - started + left))
         if clock() - started >= cap:
             return waited
         waited = True

@@ -65,6 +65,7 @@ from swarm.averaging.sharded import ShardedRound
 from swarm.averaging.tracker import PROGRESS_TTL_PERIODS, StageProgressTracker
 from swarm.config import AveragingConfig
 from swarm.dht.keys import averaging_prefix
+from swarm.drain import RoundTimes
 from swarm.state import StageState
 
 __all__ = ["MAX_FAILED_TRIES", "PROCESS_START_TIMEOUT", "StageAverager", "averaging_prefix"]
@@ -114,6 +115,7 @@ class StageAverager:
         self._jobs = ThreadPoolExecutor(1, thread_name_prefix=f"averaging{stage}")
         self._job: Future | None = None  # the round or download under way (set and cleared on the compute thread)
         self.ledger = SampleLedger()  # late samples, and those held while a batch is due (ledger.py)
+        self.round_times = RoundTimes()  # how long rounds take here: forwards wait one out (swarm.drain)
         self.retries = Retries()
         self._channel: ProgressChannel | None = None
         self._fingerprint: list[float] = []
@@ -360,9 +362,11 @@ class StageAverager:
         """A round's network part, counted in the round metrics (in progress while it runs, and its time)."""
         started = time.monotonic()
         self.metrics.in_round.set(1)
+        self.round_times.begin()
         try:
             yield
         finally:
+            self.round_times.end()
             self.metrics.in_round.set(0)
             self.metrics.round_seconds.observe(time.monotonic() - started)
 

@@ -427,7 +427,9 @@ class StageRequestHandler(CountingHandler):
             _replicated(backend.stepper) else None
         if not self._local and (optimizer.step_wait_seconds > 0 or in_flight is not None):
             await wait_for_step(backend.stepper, optimizer.step_wait_seconds, in_flight=in_flight,
-                                ahead_limit=optimizer.ahead_wait_seconds)
+                                ahead_limit=optimizer.ahead_wait_seconds,
+                                rounds=getattr(backend.stepper, "round_times", None),
+                                round_limit=optimizer.round_wait_seconds)
 
     def _weight(self, key: tuple) -> float:
         """What a backward's gradient counts for here: in full, unless another replica of a stage in the

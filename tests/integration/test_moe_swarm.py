@@ -65,6 +65,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     config.network.announce_period = 1.0
     config.network.record_ttl = 6.0
     config.network.timeout_floor = 3.0
+    config.optimizer.round_wait_seconds = 1.0  # (a forward's wait stays under half of the floor)
     config.data.max_bytes = 300_000
     config.validate()
     workdir = tmp_path_factory.mktemp("moeswarm")

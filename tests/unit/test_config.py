@@ -101,6 +101,7 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
         ({"network": {"ban_seconds": 30.0, "max_ban_seconds": 10.0}}, "network.max_ban_seconds"),
         ({"network": {"timeout_multiplier": 0}}, "network.timeout_multiplier"),
         ({"optimizer": {"ahead_wait_seconds": 3.0}}, "network.timeout_floor"),  # (its default, 5 s)
+        ({"optimizer": {"round_wait_seconds": 2.5}}, "network.timeout_floor"),
         ({"optimizer": {"step_wait_seconds": 1.0}, "network": {"timeout_floor": 2.0}}, "network.timeout_floor"),
     ],
 )

@@ -9,7 +9,18 @@ import torch
 
 from swarm.backend import StageBackend
 from swarm.config import RunConfig
-from swarm.drain import MIN_TRIPS, PARDON_SECONDS, STEP_POLL, TRIP_FACTOR, BatchDrain, InFlight, wait_for_step
+from swarm.drain import (
+    MIN_ROUNDS,
+    MIN_TRIPS,
+    PARDON_SECONDS,
+    ROUND_MARGIN,
+    STEP_POLL,
+    TRIP_FACTOR,
+    BatchDrain,
+    InFlight,
+    RoundTimes,
+    wait_for_step,
+)
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 
@@ -174,6 +185,72 @@ def test_a_forward_waits_while_its_stage_closes_a_batch_and_no_longer_than_its_l
     start = clock.now
     assert asyncio.run(run(Needs(None), 0.1)) is True  # a round that does not end: the wait does
     assert abs(clock.now - start - 0.1) < STEP_POLL + 1e-9
+
+
+def test_round_times_say_what_a_round_usually_takes_and_what_the_one_under_way_has_left():
+    clock = Clock()
+    times = RoundTimes(kept=5, clock=clock)
+    assert times.left() is None  # no round under way
+    for took in [0.8, 9.0][:MIN_ROUNDS - 1]:
+        times.begin()
+        clock.now += took
+        times.end()
+    times.begin()
+    assert times.usual() is None and times.left() is None  # too few rounds to say
+    clock.now += 1.0
+    times.end()
+    assert times.usual() == 1.0  # the median: one stalled round (9 s) does not move it
+    times.begin()
+    clock.now += 0.3
+    assert abs(times.left() - (ROUND_MARGIN * 1.0 - 0.3)) < 1e-9
+    clock.now += 1.0
+    assert times.left() < 0  # past what rounds take: not waited out
+    times.end()
+    assert times.left() is None
+    usual = times.usual()
+    times.end()  # (an end with no round: nothing counted)
+    assert times.usual() == usual
+
+
+def test_a_forward_waits_out_a_round_as_long_as_rounds_take_here_and_no_longer_than_its_limit():
+    clock = Clock()
+    times = RoundTimes(clock=clock)
+    for _ in range(MIN_ROUNDS):
+        times.begin()
+        clock.now += 1.0
+        times.end()
+
+    async def tick(_):
+        clock.now += STEP_POLL
+
+    async def run(stepper, round_limit=2.0):
+        return await wait_for_step(stepper, 0.25, clock=clock, poll=STEP_POLL, sleep=tick, rounds=times,
+                                   round_limit=round_limit)
+
+    times.begin()
+    start = clock.now
+    assert asyncio.run(run(Needs(None))) is True  # a round that does not end: waited until 1.25 s into it
+    assert abs(clock.now - start - ROUND_MARGIN) < STEP_POLL + 1e-9
+    times.end()
+    times.begin()
+    clock.now += 0.5
+    start = clock.now
+    assert asyncio.run(run(Needs(*[None] * 40, 8))) is True  # it steps 0.2 s on: waited for
+    assert abs(clock.now - start - 40 * STEP_POLL) < 1e-9
+    times.end()
+    times.begin()
+    start = clock.now
+    assert asyncio.run(run(Needs(None), round_limit=0.6)) is True  # never longer than round_limit
+    assert abs(clock.now - start - 0.6) < STEP_POLL + 1e-9
+    times.end()
+    times.begin()
+    start = clock.now
+    assert asyncio.run(run(Needs(None), round_limit=0.0)) is True  # 0: step_wait alone
+    assert abs(clock.now - start - 0.25) < STEP_POLL + 1e-9
+    times.end()
+    start = clock.now
+    assert asyncio.run(run(Needs(0))) is True  # due, no round under way yet: step_wait alone
+    assert abs(clock.now - start - 0.25) < STEP_POLL + 1e-9
 
 
 def test_a_forward_waits_while_the_forwards_in_flight_fill_the_batch_through_its_round_and_to_its_own_limit():

@@ -19,9 +19,10 @@ links), the wait ends at its cap and the forward runs on the look-ahead as befor
 Where rounds are long (thin links: a round at 20 Mbit/s takes about a second), a forward that comes while the
 round runs waits on past `step_wait_seconds`, for as long as this server's rounds usually take (RoundTimes: the
 median of its last rounds, a quarter more), at most `optimizer.round_wait_seconds`: while it waits, its
-activations and their backward stay off the links the round needs (bench/wan.py: rounds at 1.36-1.41 x their
-bytes-over-rate bound with forwards running beside them, 1.23-1.28 x with forwards held), and its samples are
-fresh. A round that runs past what rounds usually take (stalled: a member gone) is not waited out.
+activations and their backward stay off the links the round needs (bench/wan.py at 20 Mbit/s: rounds at
+1.34-1.36 x their bytes-over-rate bound with forwards running beside them, 1.22-1.27 x with forwards waiting, for
+14-18% fewer samples/s), and its samples are fresh. A round that runs past what rounds usually take (stalled:
+a member gone) is not waited out.
 
 So does a forward that comes, in a stage with other servers, while this server's forwards in flight already
 fill the batch (InFlight): its backward would come after the step, so it would run ahead, on the parameters the

@@ -13,8 +13,7 @@ next step is predicted to make) belongs to the batch after and is never waited f
 A forward (or the last stage's call) that comes while the stage's batch is closing (due, or its round under
 way) waits for the step, at most `optimizer.step_wait_seconds` (wait_for_step): it then runs on the parameters
 the step made instead of a prediction of them (look-ahead), and its samples are not late. On these two cores
-it costs no samples/s at batch 16, where rounds are short (README, Learning); where rounds are long (thin
-links), the wait ends at its cap and the forward runs on the look-ahead as before.
+it costs no samples/s at batch 16, where rounds are short (README, Learning).
 
 Where rounds are long (thin links: a round at 20 Mbit/s takes about a second), a forward that comes while the
 round runs waits on past `step_wait_seconds`, for as long as this server's rounds usually take (RoundTimes: the
@@ -37,7 +36,10 @@ a third of its forwards cannot make others wait for them.
 
 Strangers: a caller's forwards whose backward never comes (gone elsewhere, or held back on purpose)
 cost one wait of at most `max_seconds` per batch; a caller whose backwards missed a wait is not waited
-for again until `PARDON_SECONDS` have passed, so a lone caller cannot slow every batch down.
+for again until `PARDON_SECONDS` have passed, so a lone caller cannot slow every batch down. The round wait
+is timed by this server's own rounds alone: a member that drags every round out (already slowing the stage's
+steps as much) makes forwards wait at most `round_wait_seconds` a round, and one round it stalls moves the median
+of nine not at all.
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ class RoundTimes:
         self._took: collections.deque[float] = collections.deque(maxlen=kept)
         self._started: float | None = None
         self._clock = clock
+        self._lock = threading.Lock()
 
     def begin(self) -> None:
         self._started = self._clock()
@@ -229,11 +232,13 @@ class RoundTimes:
     def end(self) -> None:
         started, self._started = self._started, None
         if started is not None:
-            self._took.append(self._clock() - started)
+            with self._lock:
+                self._took.append(self._clock() - started)
 
     def usual(self) -> float | None:
         """The median of the last rounds (None: fewer than MIN_ROUNDS so far)."""
-        took = sorted(self._took)
+        with self._lock:
+            took = sorted(self._took)
         return took[len(took) // 2] if len(took) >= MIN_ROUNDS else None
 
     def left(self) -> float | None:

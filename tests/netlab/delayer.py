@@ -7,20 +7,45 @@ after it arrived (in arrival order, so a link never reorders), dropping a `--los
     ip netns exec ROUTER python -m tests.netlab.delayer --queue 3 --delay-ms 25 [--loss 0.01]
 
 It prints "bound" once the queue is its own, and runs until killed.
+
+A lossless link takes the kernel's segmentation-offload packets whole (up to 64 KB of one TCP flow that the
+sender handed its link at once) and only their metadata (the verdict needs no payload): one Python callback per
+~45 wire packets instead of one each. A delayer that took every 1.5 KB packet through Python spent 2.2 s of
+CPU on 60 MB at 25 ms and 100 Mbit/s, against 0.7 s so; in a swarm in the lab that was a quarter of this
+2-core machine's CPU taken from the swarm it measured. A lossy link keeps wire packets, so that its losses stay
+packet by packet.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import select
+import socket
+import struct
 import sys
 import time
 
-from netfilterqueue import NetfilterQueue
+from netfilterqueue import COPY_META, COPY_PACKET, NetfilterQueue
 
 MAX_QUEUED = 65536  # packets the kernel may hold for us; beyond that it drops (a full router buffer)
+# nfnetlink_queue's configuration message (linux/netfilter/nfnetlink_queue.h), which the NetfilterQueue package
+# does not expose: NFQNL_MSG_CONFIG of subsystem NFNL_SUBSYS_QUEUE, attributes NFQA_CFG_MASK and NFQA_CFG_FLAGS
+# with the flag NFQA_CFG_F_GSO (queue offload packets whole).
+NFQNL_CONFIG_TYPE = (3 << 8) | 2
+NFQA_CFG_MASK, NFQA_CFG_FLAGS, NFQA_CFG_F_GSO = 4, 5, 1 << 2
+NLM_F_REQUEST = 1
+
+
+def take_offload_packets_whole(fd: int, queue: int) -> None:
+    """Ask the kernel to queue segmentation-offload packets to this queue unsegmented (a kernel that does not know
+    the flag answers with an error the queue's reader skips, and keeps segmenting: only slower)."""
+    attrs = b"".join(struct.pack("=HH", 8, kind) + struct.pack(">I", NFQA_CFG_F_GSO)
+                     for kind in (NFQA_CFG_MASK, NFQA_CFG_FLAGS))
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(queue)) + attrs
+    os.write(fd, struct.pack("=IHHII", 16 + len(body), NFQNL_CONFIG_TYPE, NLM_F_REQUEST, 0, 0) + body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
             held.append((time.monotonic() + delay, packet))
 
     queue = NetfilterQueue()
-    queue.bind(args.queue, arrived, max_len=MAX_QUEUED)
-    print("bound", flush=True)
+    whole = args.loss == 0
+    queue.bind(args.queue, arrived, max_len=MAX_QUEUED, mode=COPY_META if whole else COPY_PACKET)
     fd = queue.get_fd()
+    if whole:
+        take_offload_packets_whole(fd, args.queue)
+    print("bound", flush=True)
     try:
         while True:
             now = time.monotonic()

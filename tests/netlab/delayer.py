@@ -10,8 +10,8 @@ It prints "bound" once the queue is its own, and runs until killed.
 
 A lossless link takes the kernel's segmentation-offload packets whole (up to 64 KB of one TCP flow that the
 sender handed its link at once) and only their metadata (the verdict needs no payload): one Python callback per
-~45 wire packets instead of one each. A delayer that took every 1.5 KB packet through Python spent 2.2 s of
-CPU on 60 MB at 25 ms and 100 Mbit/s, against 0.7 s so; in a swarm in the lab that was a quarter of this
+~45 wire packets instead of one each. Taking every 1.5 KB packet through Python, it spent 2.2 s of CPU on
+60 MB at 25 ms and 100 Mbit/s, where it now spends 0.7-0.9 s; in a swarm in the lab that was a quarter of this
 2-core machine's CPU taken from the swarm it measured. A lossy link keeps wire packets, so that its losses stay
 packet by packet.
 """
@@ -40,8 +40,8 @@ NLM_F_REQUEST = 1
 
 
 def take_offload_packets_whole(fd: int, queue: int) -> None:
-    """Ask the kernel to queue segmentation-offload packets to this queue unsegmented (a kernel that does not know
-    the flag answers with an error the queue's reader skips, and keeps segmenting: only slower)."""
+    """Ask the kernel to queue segmentation-offload packets to this queue unsegmented (no acknowledgement asked:
+    a kernel that refused would keep segmenting them, which is only slower; this one takes it)."""
     attrs = b"".join(struct.pack("=HH", 8, kind) + struct.pack(">I", NFQA_CFG_F_GSO)
                      for kind in (NFQA_CFG_MASK, NFQA_CFG_FLAGS))
     body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(queue)) + attrs

@@ -151,12 +151,18 @@ def test_a_dead_stage_and_then_a_whole_swarm_resume_from_checkpoints(procs: Proc
     served = fingerprint(servers[1], 1)
     expected = checkpoint_fingerprint(config, tmp_path / "server1-new", 1, resumed)
     assert not fingerprints_differ(served, expected), (served, expected)  # (before any step: no trainer yet)
+    # The weights are the checkpoint's (above); training goes on from them. Stage 0 kept the steps stage 1 lost
+    # (up to EVERY - 1), and the first batches across stages that far apart can come out worse (a CI run: 5.03
+    # over its first two batches, against 3.80 before the kill) until a few steps bring them together again:
+    # the loss is waited for, not read once.
     trainer = swarm.trainer(coordinator)
-    trainer.proc.wait_until(lambda: (trainer.metric("swarm_trainer_samples_total") or 0) >= 2 * 16
-                            and trainer.metric("swarm_trainer_loss") is not None, LOSS_TIMEOUT,
-                            "a new trainer training two batches and publishing its loss")
-    loss = trainer.metric("swarm_trainer_loss")
-    assert loss is not None and loss < initial_loss - 0.5 * (initial_loss - trained_loss), (loss, trained_loss)
+    bound = initial_loss - 0.5 * (initial_loss - trained_loss)
+    first = trainer.proc.wait_until(lambda: trainer.metric("swarm_trainer_loss"), LOSS_TIMEOUT,
+                                    "a new trainer publishing its loss")
+    trainer.proc.wait_until(lambda: (trainer.metric("swarm_trainer_loss") or bound) < bound, LOSS_TIMEOUT,
+                            f"the new trainer's loss back under {bound:.2f} (its first: {first:.2f}; before the "
+                            f"kill {trained_loss:.2f}; stage 1 resumed at step {resumed}, stage 0 at "
+                            f"{step(servers[0]):.0f} now)")
 
     # 2. everything dies at once; the same commands bring the run back
     servers[1].proc.wait_until(lambda: step(servers[1]) >= resumed + EVERY, TRAIN_TIMEOUT,

@@ -48,7 +48,7 @@ import asyncio
 import collections
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple, Protocol
 
 MAX_PENDING = 1024  # forwards remembered (the oldest forgotten first): a caller cannot grow this without bound
@@ -154,10 +154,8 @@ class BatchDrain:
 
     def limit(self) -> float:
         """The longest a due batch waits: TRIP_FACTOR x the TRIP_QUANTILE of the trips measured, at most max_seconds."""
-        if len(self._trips) < MIN_TRIPS:
-            return self.max_seconds
-        trips = sorted(self._trips)
-        return min(self.max_seconds, TRIP_FACTOR * trips[min(len(trips) - 1, int(TRIP_QUANTILE * len(trips)))])
+        trip = _quantile(self._trips, TRIP_QUANTILE, MIN_TRIPS)
+        return self.max_seconds if trip is None else min(self.max_seconds, TRIP_FACTOR * trip)
 
     def hold(self, step: int) -> float | None:
         """The batch of `step` (to be applied to the parameters of `step`) is due: None to close it now, else the
@@ -238,8 +236,8 @@ class RoundTimes:
     def usual(self) -> float | None:
         """The median of the last rounds (None: fewer than MIN_ROUNDS so far)."""
         with self._lock:
-            took = sorted(self._took)
-        return took[len(took) // 2] if len(took) >= MIN_ROUNDS else None
+            took = list(self._took)
+        return _quantile(took, 0.5, MIN_ROUNDS)
 
     def left(self) -> float | None:
         """Seconds until the round under way reaches ROUND_MARGIN x what rounds usually take (<= 0: past it);
@@ -248,6 +246,14 @@ class RoundTimes:
         if started is None or usual is None:
             return None
         return started + ROUND_MARGIN * usual - self._clock()
+
+
+def _quantile(times: Iterable[float], q: float, at_least: int) -> float | None:
+    """The `q` quantile of `times` (the value at that rank, none interpolated); None with fewer than `at_least`."""
+    ordered = sorted(times)
+    if len(ordered) < at_least:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class _Stepper(Protocol):

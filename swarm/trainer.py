@@ -26,6 +26,7 @@ from swarm.protocol import RequestLimits
 from swarm.routing import PipelineError, PipelineSettings, RemotePipeline, StageBalancer
 from swarm.routing.balancer import most_served
 from swarm.routing.inflight import AUTO_IN_FLIGHT, InFlightWindow
+from swarm.routing.pings import PING_TIMEOUT, RoundTrips, ping, stage_wire_bytes
 from swarm.routing.spot_checks import SPOT_CHECK_RATE
 
 log = logging.getLogger("swarm.trainer")
@@ -203,6 +204,8 @@ class Trainer:
         self._first: list[tuple[float, int]] = []
         self.recent: deque[tuple[float, float, int]] = deque(maxlen=256)  # (time, loss, samples)
         self.pipeline: RemotePipeline | None = None
+        self.round_trips = RoundTrips()  # which servers to ping next
+        self._pinging: asyncio.Task | None = None
 
     def _run_step(self) -> int:
         """The furthest step any ONLINE server of the run announces (0 for a new run, or if none is found)."""
@@ -224,6 +227,8 @@ class Trainer:
                                        limits=RequestLimits.of(config).stage,
                                        # with dropout two honest replicas' forwards differ: no witness can judge
                                        spot_check_rate=0.0 if config.model.dropout > 0 else SPOT_CHECK_RATE)
+        for stage, balancer in enumerate(self.pipeline.balancers):  # (untried servers' calls: swarm.routing.pings)
+            balancer.wire_bytes = stage_wire_bytes(config, stage)
         self.metrics.pipeline = self.pipeline
         future = asyncio.run_coroutine_threadsafe(self._main(), self.loop.loop)
         try:
@@ -245,6 +250,8 @@ class Trainer:
         finally:
             refresher.cancel()
             reporter.cancel()
+            if self._pinging is not None:
+                self._pinging.cancel()
 
     async def _worker(self, worker: int) -> None:
         budget = self.options.max_samples
@@ -320,6 +327,26 @@ class Trainer:
             relayed=[r.peer_id for records in servers.values() for r in records if r.reach == RELAYED],
             claims={r.peer_id: r.throughput for records in servers.values() for r in online(records)})
         self.metrics.waiting.set(len(self.pipeline.stats.waiting_stages))
+        if self._pinging is None or self._pinging.done():  # (beside the lookups: a ping round takes its time)
+            self._pinging = asyncio.create_task(
+                self._ping_servers([r.peer_id for records in servers.values() for r in online(records)]))
+
+    async def _ping_servers(self, listed: list[str]) -> None:
+        """Time a round trip to the listed servers not timed lately (swarm.routing.pings), for the balancers."""
+        self.round_trips.forget(listed)
+        due = self.round_trips.due(listed)
+        try:
+            measured = await asyncio.to_thread(ping, self.dht, due, PING_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - untimed servers are estimated as before
+            log.debug("pinging %d servers failed: %s", len(due), e)
+            return
+        for peer, seconds in measured.items():
+            for balancer in self.pipeline.balancers:
+                balancer.measured_round_trip(peer, seconds)
+        if due:
+            trips = sorted(measured.values())
+            log.info("pinged %d servers: %d answered%s", len(due), len(trips),
+                     f", round trips {trips[0] * 1000:.0f}-{trips[-1] * 1000:.0f} ms" if trips else "")
 
     async def _refresh_servers(self) -> None:
         while True:

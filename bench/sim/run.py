@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.sim.swarm import Scenario, Window, simulate  # noqa: E402
 
-ONLY = {"rebalancing": "rebalancing", "static": "no rebalancing", "oracle": "oracle placement"}
+ONLY = {"rebalancing": "rebalancing", "static": "no rebalancing", "oracle": "oracle placement",
+        "oracle-routing": "oracle routing"}
 
 
 def summary(name: str, windows: list[Window], took: float, events: int) -> str:
@@ -39,7 +40,8 @@ def summary(name: str, windows: list[Window], took: float, events: int) -> str:
     oracle = mean("oracle")
     return (f"{name:<16} {mean('samples_per_second'):>9.1f} {mean('bottleneck'):>10.1f} {oracle:>8.1f} "
             f"{mean('bound'):>8.1f} {mean('samples_per_second') / oracle:>11.3f} {mean('bottleneck') / oracle:>11.3f} "
-            f"{mean('routing'):>8.3f} {mean('answered'):>8.3f} {sum(w.moves for w in windows):>6} {took:>6.0f}s "
+            f"{mean('routing'):>8.3f} {mean('answered'):>8.3f} {mean('trip'):>7.2f} {sum(w.moves for w in windows):>6} "
+            f"{took:>6.0f}s "
             f"{events / 1e6:>6.1f}M")
 
 
@@ -58,6 +60,8 @@ def main() -> None:
                    help="tasks a server queues before it refuses more as busy (swarm-peer's max_queue; default: none)")
     p.add_argument("--no-claims", action="store_true",
                    help="trainers do not take servers' announced throughput for their speed before measuring it")
+    p.add_argument("--no-pings", action="store_true",
+                   help="trainers do not time a round trip to each server (swarm.routing.pings) for untried ones")
     p.add_argument("--seconds-per-sample", type=float, default=Scenario.seconds_per_sample,
                    help="one forward of one sample of a stage on a speed-1.0 server")
     p.add_argument("--wire-kb", type=float, default=Scenario.wire_bytes_per_sample / 1024,
@@ -65,13 +69,14 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=Scenario.micro_batch)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=float, default=60.0)
-    p.add_argument("--only", choices=("rebalancing", "static", "oracle"),
-                   help="simulate one side only (static: --no-rebalance; oracle: servers placed by the oracle, free "
-                        "moves included)")
+    p.add_argument("--only", choices=tuple(ONLY), nargs="+",
+                   help="simulate these sides only (static: --no-rebalance; oracle: servers placed by the oracle, free "
+                        "moves included; oracle-routing: rebalancing, every call routed by the oracle)")
     p.add_argument("--verbose", action="store_true", help="print every window")
     args = p.parse_args()
     base = Scenario(stages=args.stages, servers=args.servers, trainers=args.trainers, session=args.session,
                     in_flight=args.in_flight, in_flight_cap=args.in_flight_cap, claims=not args.no_claims,
+                    pings=not args.no_pings,
                     max_queue=args.max_queue,
                     seed=args.seed, seconds_per_sample=args.seconds_per_sample,
                     wire_bytes_per_sample=int(args.wire_kb * 1024), micro_batch=args.micro_batch)
@@ -79,9 +84,10 @@ def main() -> None:
           f"sessions of {args.session:.0f} s on average, seed {args.seed}")
     results = []
     sides = (("rebalancing", dict(rebalance=True)), ("no rebalancing", dict(rebalance=False)),
-             ("oracle placement", dict(oracle_placement=True)))
+             ("oracle placement", dict(oracle_placement=True)),
+             ("oracle routing", dict(rebalance=True, oracle_routing=True)))
     for name, change in sides:
-        if args.only is not None and name != ONLY[args.only]:
+        if args.only is not None and name not in {ONLY[o] for o in args.only}:
             continue
         began = time.monotonic()
 
@@ -93,7 +99,7 @@ def main() -> None:
         swarm, windows = simulate(replace(base, **change), args.minutes * 60, args.window, progress=show)
         results.append((name, windows, time.monotonic() - began, swarm.sim.events))
     print(f"{'':<16} {'samples/s':>9} {'bottleneck':>10} {'oracle':>8} {'bound':>8} {'/ oracle':>11} "
-          f"{'bn / oracle':>11} {'routing':>8} {'answered':>8} {'moves':>6} {'took':>7} {'events':>7}")
+          f"{'bn / oracle':>11} {'routing':>8} {'answered':>8} {'trip s':>7} {'moves':>6} {'took':>7} {'events':>7}")
     for result in results:
         print(summary(*result))
     placed = {name: sum(w.samples_per_second for w in windows) / len(windows) for name, windows, _, _ in results}
@@ -102,6 +108,11 @@ def main() -> None:
             if name in placed:
                 print(f"{name} / oracle placement, samples/s the trainers finished: "
                       f"{placed[name] / max(placed['oracle placement'], 1e-9):.3f}")
+    trips = {name: sum(w.trip for w in windows) / len(windows) for name, windows, _, _ in results}
+    if "oracle routing" in placed and "rebalancing" in placed:
+        print(f"rebalancing / oracle routing (the same peers, each call routed by the oracle): samples/s "
+              f"{placed['rebalancing'] / max(placed['oracle routing'], 1e-9):.3f}, a micro-batch's trip "
+              f"{trips['rebalancing'] / max(trips['oracle routing'], 1e-9):.3f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 What is the project's own, imported and run on the simulated clock:
 - routing: each trainer has one swarm.routing.StageBalancer per stage (expected finish, probation, bans,
-  the backward preferring its forward's server), told the stage's ONLINE servers every lookup period;
+  the backward preferring its forward's server), told the stage's ONLINE servers every lookup period, their
+  claims, and (with `pings`) the round trip to each, as a ping (twice the one-way latency) measures it;
 - placement: a joining server takes swarm.serving.placement.choose_stage of the records it sees, after a
   random pause (as swarm-peer does);
 - rebalancing: a server placed by the swarm runs a swarm.serving.rebalance.Rebalancer (its random
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 
 from bench.sim.engine import Sim
 from bench.sim.network import ONE_WAY_MS, REGIONS, Endpoint, Network  # noqa: F401 - ONE_WAY_MS: tests and validate.py set it here
+from bench.sim.oracle import finish_on, oracle_ticket
 from swarm.dht import ServerRecord
 from swarm.dht.schemas import MAX_SERVED_LISTED, PeerMetricsRecord, ServedWork
 from swarm.protocol import BACKWARD, FORWARD
@@ -99,9 +101,13 @@ class Scenario:
     seed: int = 0
     max_queue: int | None = None  # tasks a server queues; it refuses more as busy (NOT_READY), None: no limit
     claims: bool = True  # trainers take a server's announced throughput for it until they measure it
+    pings: bool = True  # trainers time a round trip to each server and count it in an untried server's calls
     # servers placed by an oracle instead (Swarm._oracle_place): joiners to the stage weakest by every server's
     # true speed, and whenever one joins, comes ONLINE or leaves, servers moved free of cost while that helps
     oracle_placement: bool = False
+    # trainers routed by an oracle instead of their StageBalancers: each call to the ONLINE server that would answer
+    # it first, knowing every queue, what each server has on its way to it, every speed and link (Trainer.call)
+    oracle_routing: bool = False
 
 
 @dataclass(eq=False)
@@ -126,6 +132,7 @@ class Server:
     current: Task | None = None  # the task computing now
     rebalancer: Rebalancer | None = None
     moves: int = 0
+    incoming: float = 0.0  # seconds of work sent to it and not arrived yet (what an oracle routing also knows)
 
     def backlog(self, now: float) -> float:
         """Seconds of work queued, and what the one computing has left."""
@@ -154,6 +161,7 @@ class Swarm:
         self.samples = 0  # samples whose micro-batch finished, all trainers
         self.failed_calls = 0  # calls a server failed (it left, or was not serving)
         self.timed_out_calls = 0  # calls the trainer gave up on (the server computes them anyway)
+        self.trips: list[float] = []  # seconds each finished micro-batch took, first forward to last backward
         self.measure_routing = False  # then each call adds (its expected finish, the oracle's best) to routing
         self.routing: list[tuple[float, float]] = []
         # ... and each call answered (how long it took, from its first choice through any refusals, failures and
@@ -379,7 +387,8 @@ class Trainer:
         self.swarm, self.name = swarm, name
         self.link = swarm._endpoint(trainer=True)
         # as swarm.trainer.Trainer's: ties broken by a hash of the trainer's id (its peer id there)
-        self.balancers = [StageBalancer(clock=swarm.sim.clock, tie_salt=name) for _ in range(swarm.s.stages)]
+        self.balancers = [StageBalancer(clock=swarm.sim.clock, tie_salt=name, wire_bytes=self._wire_bytes(stage))
+                          for stage in range(swarm.s.stages)]
         self.samples = 0
         s = swarm.s
         self.window = InFlightWindow(s.in_flight, s.in_flight_cap or s.in_flight, adaptive=s.in_flight_cap is not None)
@@ -391,12 +400,27 @@ class Trainer:
             self.active += 1
             self.swarm.sim.after(self.swarm.rng.uniform(0, 1.0), self.micro_batch)
 
+    def _wire_bytes(self, stage: int) -> dict[str, tuple[float, float]] | None:
+        """What a call to `stage` carries per sample each way, by kind (as Trainer.call sends it)."""
+        s = self.swarm.s
+        if not s.pings:
+            return None
+        wire, tokens = s.wire_bytes_per_sample, s.token_bytes_per_sample
+        inputs = tokens if stage == 0 else wire
+        if stage == s.stages - 1:
+            return {BACKWARD: (inputs + tokens, wire)}
+        return {FORWARD: (inputs, wire), BACKWARD: (inputs + wire, 0 if stage == 0 else wire)}
+
     def refresh(self) -> None:
         for stage, balancer in enumerate(self.balancers):
             online = self.swarm.online(stage)
             balancer.update_servers([s.peer_id for s in online], [s.peer_id for s in online if s.link.relayed],
                                     {s.peer_id: s.throughput(self.swarm.s) for s in online} if self.swarm.s.claims
                                     else None)
+            if self.swarm.s.pings:  # a ping of each server it has not timed yet: a round trip, as swarm.trainer's
+                for server in online:
+                    if balancer.servers[server.peer_id].round_trip is None:
+                        balancer.measured_round_trip(server.peer_id, 2 * self.swarm.net.latency(self.link, server.link))
         self.swarm.sim.after(self.swarm.s.lookup_period, self.refresh)
 
     def micro_batch(self) -> None:
@@ -411,11 +435,6 @@ class Trainer:
         n = s.micro_batch
         last = stage == s.stages - 1
         prefer = forwards[stage] if kind == BACKWARD and not last and stage < len(forwards) else None
-        ticket = self.balancers[stage].choose(n, kind, exclude=exclude, prefer=prefer)
-        if ticket is None:  # nobody serves the stage now: look again shortly
-            sim.after(1.0, self.call, stage, kind, forwards, tries, (), began, first)
-            return
-        server = self.swarm.servers[ticket.peer_id]
         payload = n * s.wire_bytes_per_sample  # hidden states, or their gradients
         tokens = n * s.token_bytes_per_sample
         # a call carries its inputs (token ids into stage 0), a backward the gradients too, and the last stage's
@@ -423,6 +442,14 @@ class Trainer:
         up = (tokens if stage == 0 else payload) + (payload if kind == BACKWARD and not last else 0)
         up += tokens if last else 0
         down = payload if stage > 0 or kind == FORWARD else 0
+        if s.oracle_routing:
+            ticket = oracle_ticket(self, stage, kind, exclude, prefer, up, down)
+        else:
+            ticket = self.balancers[stage].choose(n, kind, exclude=exclude, prefer=prefer)
+        if ticket is None:  # nobody serves the stage now: look again shortly
+            sim.after(1.0, self.call, stage, kind, forwards, tries, (), began, first)
+            return
+        server = self.swarm.servers[ticket.peer_id]
 
         def work(peer: str) -> float:
             if kind == FORWARD:
@@ -430,11 +457,7 @@ class Trainer:
             return 3.0 if last or peer != prefer else 2.0  # (3: one call of both, or recomputing its forward)
 
         def finish(candidate: Server) -> float:
-            """When the call would be answered on `candidate`, knowing every queue and speed now."""
-            seconds = n * s.seconds_per_sample * work(candidate.peer_id) / candidate.speed
-            _, there = self.swarm.net.delivery(self.link, candidate.link, up, after=s.call_overhead)
-            done = max(there, self.swarm.sim.now + candidate.backlog(self.swarm.sim.now)) + seconds
-            return done + self.swarm.net.transit(candidate.link, self.link, down)[1]  # (its uplink taken as free)
+            return finish_on(self, candidate, up, down, work(candidate.peer_id))
 
         if self.swarm.measure_routing:  # the oracle's choice among the stage's ONLINE servers, beside ours
             chosen = finish(server)
@@ -481,8 +504,10 @@ class Trainer:
         task: list[Task | None] = [None]
 
         def arrived() -> None:
+            server.incoming -= seconds
             task[0] = self.swarm.submit(server, seconds, computed, fail)
 
+        server.incoming += seconds
         sim.after(s.call_overhead, self.swarm.net.send, self.link, server.link, up, arrived)
 
     def _failed(self, ticket, stage, kind, forwards, tries, exclude, began, first, brief=False) -> None:
@@ -499,6 +524,7 @@ class Trainer:
             self.samples += self.swarm.s.micro_batch
             self.swarm.samples += self.swarm.s.micro_batch
             self.window.record(self.swarm.sim.now - began)
+            self.swarm.trips.append(self.swarm.sim.now - began)
             self.active -= 1
             while self.active < self.window.limit:  # as the trainer's workers wait on InFlightWindow.acquire
                 self.active += 1
@@ -516,6 +542,7 @@ class Window:
     moves: int  # moves made in the window
     routing: float  # the calls' finish as chosen / the oracle's best finish for them, summed over the window
     answered: float  # how long calls took to be answered, refusals and retries included / the oracle's best finish
+    trip: float  # mean seconds a micro-batch finished in the window took, its first forward to its last backward
 
 
 def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: float = 120.0,
@@ -540,6 +567,7 @@ def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: 
         moves = sum(s.moves for s in swarm.servers.values())
         swarm.routing.clear()
         swarm.answered.clear()
+        swarm.trips.clear()
         readings, step = [], window / 10
         for _ in range(10):
             swarm.sim.run(swarm.sim.now + step)
@@ -548,7 +576,8 @@ def simulate(scenario: Scenario, duration: float, window: float = 60.0, warmup: 
                       *(math.fsum(r[i] for r in readings) / len(readings) for i in range(3)),
                       sum(s.moves for s in swarm.servers.values()) - moves,
                       math.fsum(c for c, _ in swarm.routing) / max(math.fsum(b for _, b in swarm.routing), 1e-9),
-                      math.fsum(c for c, _ in swarm.answered) / max(math.fsum(b for _, b in swarm.answered), 1e-9))
+                      math.fsum(c for c, _ in swarm.answered) / max(math.fsum(b for _, b in swarm.answered), 1e-9),
+                      math.fsum(swarm.trips) / max(len(swarm.trips), 1))
         windows.append(done)
         if progress is not None:
             progress(done)

@@ -12,6 +12,8 @@
                 measures, within a batch's worth
 - ``experts``   a stage server's side of remote experts: which host runs each expert's tokens, and what
                 happens when hosts fail or are slow
+- ``pings``     round trips a trainer times to each server (a DHT ping), which its balancers count for an
+                untried server's calls, one per stream window they carry
 - ``spot_checks``  replies checked against witnesses of the same stage (every probe, 1 in 32 others);
                 the server the other two disagree with is banned
 """

@@ -79,6 +79,11 @@ REPROBE_SPACING = 50  # a server's estimates go stale no sooner than this many t
 # of a measured server is still tried; one claiming less than half of it is not, while the others have room
 CLAIM_OPTIMISM = 2.0
 SERVED_WINDOW = 120.0  # seconds of answered work `served` counts
+# Each call opens a fresh libp2p stream, whose yamux flow-control window starts at 256 KiB (go-yamux's initial
+# stream window): each window of a message past the first waits a round trip for the receiver's update
+# (bench/stream_probe.py: 1.2 MB at 100 ms one way took about five round trips)
+STREAM_WINDOW = 256 * 1024
+MAX_ROUND_TRIP = 60.0  # seconds: a round trip measured longer than this is taken as this
 RELAYED_MARGIN = 1.1  # a relayed server's expected finish counts this much longer when servers are compared
 
 
@@ -108,6 +113,7 @@ class ServerState:
     caught_at: float = float("-inf")  # when it was last caught answering wrongly (`ban`)
     vouched: bool = False  # one of its own replies was used (checked, where anything could check it)
     claim: float | None = None  # samples/s (forward and backward) its record announces, if any
+    round_trip: float | None = None  # seconds, as this trainer last measured it (a ping), if it did
     served: deque = field(default_factory=deque)  # (when answered, work): replies used, the last SERVED_WINDOW s
 
     @property
@@ -130,6 +136,9 @@ class StageBalancer:
         reprobe_after: float | None = 30.0,  # None: estimates never go stale
         clock: Callable[[], float] = time.monotonic,
         tie_salt: str | None = None,  # None: ties go by peer id; else by a hash of this and the peer id
+        # kind -> (bytes a call sends, bytes its reply brings) per sample: with a server's round trip, what its
+        # calls spend on the network before it is measured (None: not counted)
+        wire_bytes: Mapping[str, tuple[float, float]] | None = None,
     ):
         self.ema_alpha = ema_alpha
         self.ban_base = ban_base
@@ -141,6 +150,7 @@ class StageBalancer:
         self.reprobe_after = reprobe_after
         self.clock = clock
         self.tie_salt = tie_salt
+        self.wire_bytes = dict(wire_bytes or {})
         self.servers: dict[str, ServerState] = {}  # listed or recently missing
         self.relayed: set[str] = set()  # listed servers reached through a relay (their records say so)
         self._seq = itertools.count()
@@ -169,6 +179,23 @@ class StageBalancer:
                 state.missing_since = now
             if now - state.missing_since >= self.forget_after:
                 del self.servers[peer_id]
+
+    def measured_round_trip(self, peer_id: str, seconds: float) -> None:
+        """A round trip to the server, as this trainer measured it (a ping): what an untried server's calls are
+        expected to spend on the network. Ignored for a server not listed, or a value not finite and positive."""
+        state = self.servers.get(peer_id)
+        if state is not None and math.isfinite(seconds) and seconds > 0:
+            state.round_trip = min(seconds, MAX_ROUND_TRIP)
+
+    def network_seconds(self, peer_id: str, task_size: int, kind: str) -> float | None:
+        """Seconds a call of `task_size` samples should spend on the network to this server, by its measured round
+        trip: half a round trip each way, and a round trip for each stream window of a message past its first
+        (None without a round trip or the run's wire bytes)."""
+        rtt, per_sample = self.servers[peer_id].round_trip, self.wire_bytes.get(kind)
+        if rtt is None or per_sample is None:
+            return None
+        windows = sum(max(1, math.ceil(task_size * b / STREAM_WINDOW)) for b in per_sample)
+        return rtt * (windows - 1)  # (2 messages: 2 half round trips, and windows - 2 more)
 
     def listed(self) -> list[str]:
         """Servers of the latest lookup, banned or not."""
@@ -253,6 +280,11 @@ class StageBalancer:
 
     def expected_seconds(self, peer_id: str, task_size: int, kind: str) -> float:
         """How long the server should compute a task of `task_size` samples, by our estimate."""
+        state = self.servers[peer_id]
+        if state.claim is not None and self.untried(peer_id):
+            network = self.network_seconds(peer_id, task_size, kind)
+            if network is not None:  # its claim is its compute alone; the network is what this trainer measured
+                return task_size * self._claimed(state.claim, kind) + network
         return task_size * self.expected_seconds_per_sample(peer_id, kind)
 
     def expected_seconds_per_sample(self, peer_id: str, kind: str) -> float:

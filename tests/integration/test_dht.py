@@ -40,6 +40,7 @@ from swarm.dht import (
     visible_maddrs,
 )
 from swarm.dht.keys import dht_key
+from swarm.routing.pings import ping
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -234,3 +235,12 @@ def test_metrics_are_visible_to_the_coordinator(swarm):
     )
     assert swarm.node3.records.publish_metrics(metrics, ttl=60)
     wait_until(lambda: metrics in swarm.coordinator.records.lookup_metrics(), PROPAGATION_TIMEOUT, 0.2, "metrics")
+
+
+def test_a_trainer_times_a_round_trip_to_servers_and_skips_those_that_do_not_answer(swarm):
+    # swarm.routing.pings: a DHT ping of each server, for routing to servers not tried yet
+    nobody = _made_up_peer_id()
+    trips = ping(swarm.node3.dht, [swarm.node2.peer_id, swarm.coordinator.peer_id, nobody], timeout=2.0)
+    assert set(trips) == {swarm.node2.peer_id, swarm.coordinator.peer_id}
+    assert all(0 < seconds < 2.0 for seconds in trips.values())
+    assert ping(swarm.node3.dht, []) == {}

@@ -58,6 +58,7 @@ from swarm.dht.schemas import MAX_SERVED_LISTED, PeerMetricsRecord, ServedWork
 from swarm.protocol import BACKWARD, FORWARD
 from swarm.routing.balancer import StageBalancer, most_served
 from swarm.routing.inflight import InFlightWindow
+from swarm.routing.pings import RoundTrips
 from swarm.serving.placement import choose_stage
 from swarm.serving.rebalance import Move, Rebalancer, served_on
 
@@ -390,6 +391,7 @@ class Trainer:
         self.balancers = [StageBalancer(clock=swarm.sim.clock, tie_salt=name, wire_bytes=self._wire_bytes(stage))
                           for stage in range(swarm.s.stages)]
         self.samples = 0
+        self.round_trips = RoundTrips(swarm.sim.clock, random.Random(name))
         s = swarm.s
         self.window = InFlightWindow(s.in_flight, s.in_flight_cap or s.in_flight, adaptive=s.in_flight_cap is not None)
         self.active = 0  # micro-batches going
@@ -417,10 +419,12 @@ class Trainer:
             balancer.update_servers([s.peer_id for s in online], [s.peer_id for s in online if s.link.relayed],
                                     {s.peer_id: s.throughput(self.swarm.s) for s in online} if self.swarm.s.claims
                                     else None)
-            if self.swarm.s.pings:  # a ping of each server it has not timed yet: a round trip, as swarm.trainer's
-                for server in online:
-                    if balancer.servers[server.peer_id].round_trip is None:
-                        balancer.measured_round_trip(server.peer_id, 2 * self.swarm.net.latency(self.link, server.link))
+        if self.swarm.s.pings:  # pings of the servers due one (RoundTrips, as swarm.trainer's): a round trip each
+            listed = {s.peer_id: s for stage in range(self.swarm.s.stages) for s in self.swarm.online(stage)}
+            self.round_trips.forget(listed)
+            for peer in self.round_trips.due(listed):
+                for balancer in self.balancers:
+                    balancer.measured_round_trip(peer, 2 * self.swarm.net.latency(self.link, listed[peer].link))
         self.swarm.sim.after(self.swarm.s.lookup_period, self.refresh)
 
     def micro_batch(self) -> None:

@@ -6,7 +6,7 @@ a fresh libp2p stream, and each 256 KiB window of a message past its first waits
 pings each server it has not timed (its DHT node, which shares the server's p2p daemon and so its links and
 relays) and the balancer counts that round trip for each window of what the call carries
 (`StageBalancer.network_seconds`). bench/sim found it: with speeds tenfold apart and peers on four continents,
-trainers that knew each untried server's round trip finished their micro-batches 1.24 x later than trainers
+trainers that knew each untried server's round trip finished their micro-batches 1.23 x later than trainers
 routed by an oracle where they had been 1.62 x (README, A simulator of a large swarm).
 
 A ping only sets where a server stands until it is measured, as a claim does: a server answering pings fast

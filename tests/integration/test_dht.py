@@ -240,7 +240,8 @@ def test_metrics_are_visible_to_the_coordinator(swarm):
 def test_a_trainer_times_a_round_trip_to_servers_and_skips_those_that_do_not_answer(swarm):
     # swarm.routing.pings: a DHT ping of each server, for routing to servers not tried yet
     nobody = _made_up_peer_id()
-    trips = ping(swarm.node3.dht, [swarm.node2.peer_id, swarm.coordinator.peer_id, nobody], timeout=2.0)
+    # (the bound is for a loaded machine; a round trip on loopback takes milliseconds)
+    trips = ping(swarm.node3.dht, [swarm.node2.peer_id, swarm.coordinator.peer_id, nobody], timeout=10.0)
     assert set(trips) == {swarm.node2.peer_id, swarm.coordinator.peer_id}
-    assert all(0 < seconds < 2.0 for seconds in trips.values())
+    assert all(0 < seconds < 10.0 for seconds in trips.values())
     assert ping(swarm.node3.dht, []) == {}

@@ -403,15 +403,22 @@ class Trainer:
             self.swarm.sim.after(self.swarm.rng.uniform(0, 1.0), self.micro_batch)
 
     def _wire_bytes(self, stage: int) -> dict[str, tuple[float, float]] | None:
-        """What a call to `stage` carries per sample each way, by kind (as Trainer.call sends it)."""
-        s = self.swarm.s
-        if not s.pings:
+        """What a call to `stage` carries per sample each way, by kind (as `call` sends it)."""
+        if not self.swarm.s.pings:
             return None
-        wire, tokens = s.wire_bytes_per_sample, s.token_bytes_per_sample
-        inputs = tokens if stage == 0 else wire
-        if stage == s.stages - 1:
-            return {BACKWARD: (inputs + tokens, wire)}
-        return {FORWARD: (inputs, wire), BACKWARD: (inputs + wire, 0 if stage == 0 else wire)}
+        kinds = (BACKWARD,) if stage == self.swarm.s.stages - 1 else (FORWARD, BACKWARD)
+        return {kind: self._message_bytes(stage, kind, 1) for kind in kinds}
+
+    def _message_bytes(self, stage: int, kind: str, n: int) -> tuple[float, float]:
+        """(bytes a call of `n` samples sends, bytes its reply brings): its inputs (token ids into stage 0), a
+        backward's gradients too, the last stage's targets; back, a forward's outputs or the inputs' gradients
+        (none for token ids)."""
+        s = self.swarm.s
+        last = stage == s.stages - 1
+        payload, tokens = n * s.wire_bytes_per_sample, n * s.token_bytes_per_sample
+        up = (tokens if stage == 0 else payload) + (payload if kind == BACKWARD and not last else 0)
+        up += tokens if last else 0
+        return up, payload if stage > 0 or kind == FORWARD else 0
 
     def refresh(self) -> None:
         for stage, balancer in enumerate(self.balancers):
@@ -439,13 +446,7 @@ class Trainer:
         n = s.micro_batch
         last = stage == s.stages - 1
         prefer = forwards[stage] if kind == BACKWARD and not last and stage < len(forwards) else None
-        payload = n * s.wire_bytes_per_sample  # hidden states, or their gradients
-        tokens = n * s.token_bytes_per_sample
-        # a call carries its inputs (token ids into stage 0), a backward the gradients too, and the last stage's
-        # call the targets; back come the outputs of a forward, or the inputs' gradients (none for token ids)
-        up = (tokens if stage == 0 else payload) + (payload if kind == BACKWARD and not last else 0)
-        up += tokens if last else 0
-        down = payload if stage > 0 or kind == FORWARD else 0
+        up, down = self._message_bytes(stage, kind, n)
         if s.oracle_routing:
             ticket = oracle_ticket(self, stage, kind, exclude, prefer, up, down)
         else:

@@ -61,9 +61,12 @@ class RefusingHandler(StageHandler):
 
     def __init__(self):
         self.calls = 0
+        self.first_at: float | None = None  # time.monotonic() of the first call, as the server saw it
 
     async def forward(self, request: StageRequest) -> StageReply:
         self.calls += 1
+        if self.first_at is None:
+            self.first_at = time.monotonic()
         raise RequestRejected(BAD_REQUEST, "every request is bad here")
 
     async def backward(self, request: StageRequest) -> StageReply:
@@ -138,7 +141,8 @@ def test_a_server_refusing_every_call_gets_its_probes_and_training_goes_on(
         try:
             trainer.proc.wait_until(lambda: stranger.handler.calls >= 1, FIRST_CALL_TIMEOUT,
                                     "the trainer to call the stranger's server")
-            first_call = time.monotonic()
+            # (from the call itself, not from when the wait saw it: a probe at the ban's end must count in)
+            first_call = stranger.handler.first_at
             failed_before, honest_before = count(trainer, FAILED), ok_requests(honest)
             # Measured past the stranger's first ban, so its next probe is paid for in the windows too.
             last_window = first_call + config.network.ban_seconds + PROBE_SLACK

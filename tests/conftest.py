@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarm.config import RunConfig
 from swarm.threads import CHECK_ENV
@@ -15,6 +16,11 @@ from tests.procs import REPO_ROOT, ProcSet, kill_all
 
 # Mutators check they run on their owner's thread, here and in every process the tests start (swarm.threads)
 os.environ[CHECK_ENV] = "1"
+
+# One torch thread per test process: make test runs two of them on two cores beside the programs the
+# integration tests start. With torch's default (a thread per core) a worker's OpenMP threads wait on
+# each other whenever one is descheduled, and a 3 s unit test took over 60 s on a loaded CI machine.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

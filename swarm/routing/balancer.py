@@ -42,6 +42,13 @@ than the others gets nothing once it has been measured (bar a rare re-test, belo
   resets the count. A `brief` failure (the server said it is full: busy, not ready) counts the same
   but bans from `brief_ban_base` instead: a loaded honest server is back within a second or two,
   one that only ever says so is soon banned for `ban_max` too.
+- Refusals: a server full of other trainers' work refuses (busy), and each refusal costs a round trip before
+  the call goes elsewhere. Only choosing weighs it: a server's expected finish counts the odds that it refuses
+  (its refusals over its answers, halving every REFUSALS_HALF_LIFE, read against the stage's rate, which is
+  all an untried server has) times how long its refusals took (else a round trip to it). Without it, every
+  trainer kept trying the fast servers the others kept full (bench/sim, 1,000 peers with one task queued a
+  server: eight refusals a call, and the slowest servers idle). A server only moves its own odds, and the
+  stage's rate a little (a call a ban: one refusing everything is banned for longer each time).
 - Relayed servers (behind NAT, reached through another peer's relay, as their records say) lose ties:
   once measured, one is chosen only where it should finish sooner than every direct server by
   RELAYED_MARGIN, since its relay also carries other peers' traffic and may go away.
@@ -84,6 +91,9 @@ SERVED_WINDOW = 120.0  # seconds of answered work `served` counts
 # (bench/stream_probe.py: 1.2 MB at 100 ms one way took about five round trips)
 STREAM_WINDOW = 256 * 1024
 MAX_ROUND_TRIP = 60.0  # seconds: a round trip measured longer than this is taken as this
+REFUSALS_HALF_LIFE = 60.0  # seconds: how fast what a server's refusals said of its load fades
+PRIOR_WEIGHT = 1.0  # a server's refusals are read against the stage's as if the stage's rate were one call of its own
+MAX_REFUSED = 0.95  # a refusal rate taken as at most this (a choice costs at most 19 refusals' round trips)
 RELAYED_MARGIN = 1.1  # a relayed server's expected finish counts this much longer when servers are compared
 
 
@@ -97,6 +107,32 @@ class Ticket:
     sent: float  # balancer clock
     seq: int  # send order within the balancer
     first_in_line: bool  # nothing else of this trainer's was outstanding on the server when sent
+
+
+@dataclass
+class Refusals:
+    """Calls refused as busy and calls answered, each count halving every REFUSALS_HALF_LIFE seconds, and how
+    long a refusal took to come back (an EMA): what choosing a server that may refuse should cost."""
+
+    refused: float = 0.0
+    answered: float = 0.0
+    seconds: float | None = None
+    at: float = 0.0  # when the counts were last decayed
+
+    def decay(self, now: float) -> None:
+        factor = 0.5 ** (max(0.0, now - self.at) / REFUSALS_HALF_LIFE)
+        self.refused *= factor
+        self.answered *= factor
+        self.at = now
+
+    def count(self, now: float, refused: bool, took: float | None = None, alpha: float = 0.1) -> None:
+        self.decay(now)
+        if not refused:
+            self.answered += 1
+            return
+        self.refused += 1
+        if took is not None:
+            self.seconds = took if self.seconds is None else self.seconds + alpha * (took - self.seconds)
 
 
 @dataclass
@@ -115,6 +151,7 @@ class ServerState:
     claim: float | None = None  # samples/s (forward and backward) its record announces, if any
     round_trip: float | None = None  # seconds, as this trainer last measured it (a ping), if it did
     served: deque = field(default_factory=deque)  # (when answered, work): replies used, the last SERVED_WINDOW s
+    refusals: Refusals = field(default_factory=Refusals)
 
     @property
     def measured(self) -> bool:
@@ -155,6 +192,7 @@ class StageBalancer:
         self.relayed: set[str] = set()  # listed servers reached through a relay (their records say so)
         self._seq = itertools.count()
         self._calibrated: dict[str, float] = {}  # kind -> _calibration's value, until an estimate or claim changes
+        self.refusals = Refusals()  # the stage's, all servers together
 
     # --- which servers there are -----------------------------------------------------------------
 
@@ -234,7 +272,8 @@ class StageBalancer:
         best = min(candidates, key=lambda p: (self._ranked_finish(p, task_size, kind), not self.untried(p),
                                               self._tie(p)))
         if prefer is not None and prefer != best and prefer in candidates:
-            saving = self.expected_seconds(prefer, task_size, FORWARD)
+            saving = self.expected_seconds(prefer, task_size, FORWARD) + self.refusal_cost(best) - \
+                self.refusal_cost(prefer)
             if pin or self.expected_finish(prefer, task_size, kind) - saving <= \
                     self.expected_finish(best, task_size, kind):
                 best = prefer
@@ -248,7 +287,23 @@ class StageBalancer:
     def _ranked_finish(self, peer_id: str, task_size: int, kind: str) -> float:
         finish = self.expected_finish(peer_id, task_size, kind)
         # an untried one is still tried at once, as any newcomer: the margin applies to what was measured
-        return finish * RELAYED_MARGIN if peer_id in self.relayed and not self.untried(peer_id) else finish
+        finish = finish * RELAYED_MARGIN if peer_id in self.relayed and not self.untried(peer_id) else finish
+        return finish + self.refusal_cost(peer_id)
+
+    def refusal_cost(self, peer_id: str) -> float:
+        """Seconds the refusals a call to this server should meet cost, by the odds that it refuses (its own
+        refusals and answers, read against the stage's rate) times how long a refusal of it took (else a round
+        trip to it, else the stage's refusals' time). 0 while no server of the stage refused lately."""
+        stage = self.refusals
+        if stage.refused <= 0 or stage.seconds is None:
+            return 0.0
+        own = self.servers[peer_id].refusals
+        now = self.clock()
+        stage.decay(now)
+        own.decay(now)
+        prior = stage.refused / (stage.refused + stage.answered + 1)  # (+1: a rate of faded counts fades too)
+        p = min((own.refused + PRIOR_WEIGHT * prior) / (own.refused + own.answered + PRIOR_WEIGHT), MAX_REFUSED)
+        return p / (1 - p) * (own.seconds or self.servers[peer_id].round_trip or stage.seconds)
 
     def on_probation(self, peer_id: str) -> bool:
         """Whether the server has yet to answer us successfully with a reply of its own (its answers as a
@@ -369,6 +424,8 @@ class StageBalancer:
             state.stale_at = done + max(self.reprobe_after, REPROBE_SPACING * (done - ticket.sent))
         state.failures = 0
         state.banned_until = 0.0
+        state.refusals.count(self.clock(), refused=False)
+        self.refusals.count(self.clock(), refused=False)
         state.vouched = state.vouched or vouch
         if vouch:
             state.served.append((done, size * (self.backward_ratio if ticket.kind == BACKWARD else 1.0)))
@@ -389,13 +446,18 @@ class StageBalancer:
         while state.served and state.served[0][0] < now - SERVED_WINDOW:
             state.served.popleft()
 
-    def report_failure(self, ticket: Ticket, brief: bool = False) -> float:
+    def report_failure(self, ticket: Ticket, brief: bool = False, refused: bool | None = None) -> float:
         """Ban the server with exponential backoff (from `brief_ban_base` if `brief`); returns the ban's
-        length in seconds."""
+        length in seconds. A `refused` call (by default, a `brief` failure: the server said it is full) also
+        counts toward its refusal rate (refusal_cost)."""
         state = self._close(ticket)
         if state is None:
             return 0.0
         state.failures += 1
+        if (brief if refused is None else refused):
+            now = self.clock()
+            state.refusals.count(now, True, now - ticket.sent, self.ema_alpha)
+            self.refusals.count(now, True, now - ticket.sent, self.ema_alpha)
         base = min(self.brief_ban_base, self.ban_base) if brief else self.ban_base
         duration = min(base * 2 ** (state.failures - 1), self.ban_max)
         state.banned_until = max(state.banned_until, self.clock() + duration)

@@ -258,7 +258,7 @@ class RemotePipeline:
                         reply = None  # not used: retried on another server, like a failure
                         self.stats.rejected += 1
                         if verdict is Verdict.UNLIKE:  # no lie shown, none disproved: held off as a busy server
-                            balancer.report_failure(ticket, brief=True)
+                            balancer.report_failure(ticket, brief=True, refused=False)
             finally:
                 # After a failure, a refused request or a cancellation the task is no longer the
                 # server's; a reported success already closed the ticket, so this does nothing then.

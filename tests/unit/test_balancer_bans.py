@@ -257,3 +257,74 @@ def test_a_server_caught_answering_wrongly_is_banned_and_measured_anew():
     b.report_success(probe)
     assert not b.on_probation("0-liar")
     b.ban("gone", 300)  # a server the balancer does not know: nothing to do
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+def _refuse(b, clock, peer: str, times: int, took: float, **kwargs) -> None:
+    """`times` calls to `peer` refused `took` seconds after sending, each after its ban ended."""
+    for _ in range(times):
+        clock.now = max(clock.now, b.servers[peer].banned_until)
+        ticket = b.charge(peer, SIZE, FORWARD)
+        clock.now += took
+        b.report_failure(ticket, brief=True, **kwargs)
+
+
+def test_a_server_that_keeps_refusing_loses_choices_to_one_that_answers_and_gets_them_back_later():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b")
+    measured(b, clock, "a", 0.1)
+    measured(b, clock, "b", 0.1)
+    b.charge("a", SIZE, FORWARD)  # one task of ours outstanding on a: b, as fast, would finish first
+    assert b.choose(SIZE, FORWARD, exclude=()).peer_id == "b" and b.refusal_cost("b") == 0.0
+    b.release(next(iter(b.servers["b"].open.values())))
+    _refuse(b, clock, "b", 3, took=1.0)  # full of others' work each time we asked
+    clock.now = b.servers["b"].banned_until
+    assert b.refusal_cost("b") > SIZE * 0.1  # more round trips wasted, by the odds, than a's queue costs
+    assert b.refusal_cost("a") < 0.25 * b.refusal_cost("b")  # a answered: its odds stay far lower
+    assert b.choose(SIZE, FORWARD).peer_id == "a"
+    clock.now += 20 * 60.0  # twenty half-lives: what the refusals said of b's load has faded
+    assert b.refusal_cost("b") < 0.01
+    assert b.choose(SIZE, FORWARD).peer_id == "b"
+
+
+def test_an_untried_server_is_weighed_by_the_stages_refusal_rate_and_its_round_trip():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b", "new")
+    measured(b, clock, "a", 0.1)
+    assert b.refusal_cost("new") == 0.0  # no server of the stage refused lately
+    _refuse(b, clock, "b", 4, took=0.5)
+    b.measured_round_trip("new", 0.2)
+    odds = b.refusal_cost("new") / 0.2  # by its own round trip: it never refused us
+    assert 0.5 < odds < 4  # the stage's rate (4 refusals against a's 2 answers), as one call of its own
+    assert b.refusal_cost("b") > b.refusal_cost("new")  # b's own refusals weigh more
+
+
+def test_only_refusals_count_not_other_failures_or_an_unlike_verdict():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b")
+    measured(b, clock, "a", 0.1)
+    ticket = b.charge("b", SIZE, FORWARD)
+    clock.now += 1
+    b.report_failure(ticket)  # silence, a broken reply: a ban, not a refusal
+    _refuse(b, clock, "b", 2, took=1.0, refused=False)  # held off as busy (a spot check's unlike verdict)
+    assert b.refusal_cost("a") == b.refusal_cost("b") == 0.0
+    assert b.servers["b"].failures == 3
+
+
+def test_one_server_refusing_everything_barely_moves_the_others_costs():
+    clock = FakeClock()
+    b = balancer(clock, "a", "b", "liar")
+    b.measured_round_trip("a", 0.05)
+    refusals = 0
+    while clock.now < 1000.0 + 600:  # ten minutes of calls, one at a time; the liar gets one whenever it may
+        if b.servers["liar"].banned_until <= clock.now:
+            ticket = b.charge("liar", SIZE, FORWARD)
+            clock.now += 0.05
+            b.report_failure(ticket, brief=True)
+            refusals += 1
+        ticket = b.choose(SIZE, FORWARD, exclude=("liar",))
+        clock.now += 0.3
+        b.report_success(ticket)
+    assert refusals <= 10  # one call a ban, the ban doubling each time: 1, 2, 4 ... 300 s
+    assert b.refusal_cost("a") < 0.01 * b.expected_seconds("a", SIZE, FORWARD)

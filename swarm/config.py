@@ -408,16 +408,19 @@ class CheckpointConfig:
     """How often a server writes its stage's state to its disk, and how many it keeps.
 
     A checkpoint is written when `every_steps` optimizer steps or `every_seconds` seconds have
-    passed since the last one (whichever comes first; 0 turns that trigger off).
+    passed since the last one (whichever comes first; 0 turns that trigger off), and when the stage
+    has not stepped for `idle_seconds` with steps no checkpoint holds (its trainers gone; 0: never).
     """
 
     every_steps: int = 50
     every_seconds: float = 600.0
     keep: int = 3  # checkpoints kept per stage; the newest verified one is never deleted
+    idle_seconds: float = 30.0
 
     def validate(self) -> None:
         _non_negative(self, "every_steps", "checkpoint")
         _non_negative(self, "every_seconds", "checkpoint")
+        _non_negative(self, "idle_seconds", "checkpoint")
         _positive(self, "keep", "checkpoint")
         if self.every_steps == 0 and self.every_seconds == 0:
             raise ConfigError("checkpoint.every_steps and checkpoint.every_seconds are both 0: set one of them "

@@ -1,7 +1,9 @@
 """StageKeeper: a server's checkpoints of its stage, written, announced, served, and restored from.
 
 - written: every ``checkpoint.every_steps`` steps or ``checkpoint.every_seconds`` seconds (whichever
-  comes first), and once more when the server stops. The state is copied on the stage's compute
+  comes first), once more when the server stops, and when the stage has stopped stepping for
+  ``checkpoint.idle_seconds`` with steps no checkpoint holds (its trainers gone: a server killed then loses
+  nothing). The state is copied on the stage's compute
   thread right after a step (the only moment it is known whole) and written to disk on a thread of
   its own, so compute never waits for the disk; a write still under way when the next is due is
   not queued behind (the next step after it finishes is written instead);
@@ -110,6 +112,9 @@ class StageKeeper:
         self._service: Any = None
         self._serving = False  # start() ran: this keeper's checkpoints are announced (and served)
         self._p2p: Any = None
+        self._submitting = threading.Lock()  # the compute thread's writes and the idle ones, one at a time
+        self._stepped_at: float | None = None  # when the last step came (time.monotonic), None before any
+        self._idle_snapshot: Callable[[], tuple[StateInfo, dict[str, torch.Tensor]]] | None = None
         self.written = 0  # checkpoints written by this server (for metrics and tests)
 
     # restore (before the server goes ONLINE)
@@ -180,17 +185,21 @@ class StageKeeper:
         return manifest, tensors, path
 
     # serving
-    def start(self, p2p: Any, serve: bool | Callable[[str], Path | None] = True, renew: bool = True) -> None:
+    def start(self, p2p: Any, serve: bool | Callable[[str], Path | None] = True, renew: bool = True,
+              idle_snapshot: Callable[[], tuple[StateInfo, dict[str, torch.Tensor]]] | None = None) -> None:
         """Announce this stage's checkpoints in the DHT, and serve them to peers: `serve` True serves this
         keeper's, a function (manifest id -> directory) serves what it resolves (the keepers of one server
         share one service), False serves nothing (another keeper's service does). With `renew` False no
         thread of its own renews the record: the owner calls announce() (the keepers of one server, from
-        its announcer); a new checkpoint is announced as soon as it is written either way."""
+        its announcer); a new checkpoint is announced as soon as it is written either way. With `idle_snapshot`
+        (the state, read on the compute thread) the renewing thread also writes steps left unsaved once the stage
+        has not stepped for `checkpoint.idle_seconds` (save_idle)."""
         if serve:
             resolve = self.store.path_for if serve is True else serve
             self._service = self.loop.run(serve_checkpoints(p2p, self.scope.run_id, resolve), LOOP_CALL_TIMEOUT)
         self._serving = True
         self._p2p = p2p
+        self._idle_snapshot = idle_snapshot
         self.schedule.restart_clock()
         if renew:
             self._announcer = threading.Thread(target=self._announce_forever, name="checkpoints", daemon=True)
@@ -198,10 +207,31 @@ class StageKeeper:
 
     def after_step(self, step: int) -> None:
         """Called on the compute thread after every step: copy the state and write it, if one is due."""
-        if self._stop.is_set() or (self._writing is not None and not self._writing.done()):
-            return
-        if self.schedule.due(step):
-            self._writing = self._writer.submit(self._write, *self.state.state_dict())
+        self._stepped_at = time.monotonic()
+        with self._submitting:
+            if self._stop.is_set() or (self._writing is not None and not self._writing.done()):
+                return
+            if self.schedule.due(step):
+                self._writing = self._writer.submit(self._write, *self.state.state_dict())
+
+    def save_idle(self, snapshot: Callable[[], tuple[StateInfo, dict[str, torch.Tensor]]]) -> bool:
+        """Write the state if it holds steps no checkpoint does and the stage has not stepped for idle_seconds:
+        a stage whose trainers left would otherwise keep those steps in memory only. Whether a write began."""
+        stepped = self._stepped_at
+        idle = self.settings.idle_seconds
+        if (self._stop.is_set() or not self._serving or stepped is None or idle <= 0
+                or self.state.step <= self.schedule.last_step or time.monotonic() - stepped < idle
+                or (self._writing is not None and not self._writing.done())):
+            return False
+        info, tensors = snapshot()  # (on the compute thread, which may take it between two requests: no lock held)
+        with self._submitting:
+            if self._stop.is_set() or info.step <= self.schedule.last_step or \
+                    (self._writing is not None and not self._writing.done()):
+                return False
+            log.info("%s: no step for %.0fs; writing step %d, which no checkpoint holds", self.label,
+                     time.monotonic() - stepped, info.step)
+            self._writing = self._writer.submit(self._write, info, tensors)
+            return True
 
     def close(self, snapshot: Callable[[], tuple[StateInfo, dict[str, torch.Tensor]]] | None = None) -> None:
         """Stop announcing; with `snapshot` (the state, read between two requests), write a last checkpoint
@@ -251,6 +281,11 @@ class StageKeeper:
 
     def _announce_forever(self) -> None:
         while not self._stop.wait(self.scope.announce_period):
+            if self._idle_snapshot is not None:
+                try:
+                    self.save_idle(self._idle_snapshot)
+                except Exception as e:  # noqa: BLE001 - the compute thread busy or stopping: the next period tries
+                    log.warning("%s: an idle checkpoint could not be taken: %s", self.label, e)
             try:
                 self.announce()
             except Exception as e:  # noqa: BLE001 - a DHT hiccup must not stop the renewals

@@ -137,10 +137,12 @@ class ExpertServer(ServerLifecycle):
         if self.keepers and now - self._renewed >= self.config.network.record_ttl / 2:
             self._renewed = now
             for e, keeper in self.keepers.items():
-                try:
+                try:  # steps left unsaved when the stage servers stop calling are written, as a stage's are
+                    keeper.save_idle(lambda state=self.states[e]: self.host.submit(state.state_dict).result(
+                        LOOP_CALL_TIMEOUT))
                     keeper.announce()
                 except Exception as err:  # noqa: BLE001 - a DHT hiccup: the next tick tries again
-                    log.warning("expert %d: announcing its checkpoints failed: %s", e, err)
+                    log.warning("expert %d: writing or announcing its checkpoints failed: %s", e, err)
 
     def _checkpoint_path(self, manifest_id: str) -> Path | None:
         """The checkpoint directory of any hosted expert whose manifest has this id (what the service serves)."""

@@ -179,8 +179,9 @@ class StageServer(ServerLifecycle):
                                          self.options.concurrency_cap()))
         channel = ProgressChannel(self._p2p, self.loop, averaging_prefix(self.config.run_id, stage))
         self.averager.start(self.backend.request_step, channel)
-        if self.keeper is not None:
-            self.keeper.start(self._p2p)
+        if self.keeper is not None:  # (steps left unsaved when the trainers stop are written, read between requests)
+            self.keeper.start(self._p2p, idle_snapshot=lambda: self.backend.call(self.stage_state.state_dict,
+                                                                                 LOOP_CALL_TIMEOUT))
         self._go_online()
         log.info("serving stage %d of %d (%.1f samples/s measured) as %s", stage, n, self.throughput, self.peer_id)
 

@@ -100,3 +100,30 @@ def test_an_expert_keeper_saves_every_n_steps(tmp_path):
         for step in range(1, 80):
             step_to(step)
         assert written(keeper) == [25, 50, 75]
+
+
+def test_steps_left_unsaved_are_written_once_the_stage_has_been_idle(tmp_path):
+    with expert_keeper(50, 0, tmp_path) as (keeper, step_to):
+        snapshot = keeper.state.state_dict
+        assert not keeper.save_idle(snapshot)  # never stepped: nothing of its own to save
+        for step in range(1, 8):
+            step_to(step)
+        assert written(keeper) == []  # 50 steps apart: none due yet
+        assert not keeper.save_idle(snapshot)  # it stepped a moment ago: more steps may come
+        keeper._stepped_at -= keeper.settings.idle_seconds
+        assert keeper.save_idle(snapshot)
+        keeper._writing.result(30)
+        assert written(keeper) == [7]
+        assert not keeper.save_idle(snapshot)  # step 7 is saved: nothing more to write while idle
+        step_to(8)
+        keeper._stepped_at -= keeper.settings.idle_seconds
+        keeper._stop.set()  # stopping: the last checkpoint is close()'s to write
+        assert not keeper.save_idle(snapshot)
+
+
+def test_idle_seconds_zero_never_writes_while_idle(tmp_path):
+    with expert_keeper(50, 0, tmp_path) as (keeper, step_to):
+        keeper.settings.idle_seconds = 0
+        step_to(3)
+        keeper._stepped_at -= 3600
+        assert not keeper.save_idle(keeper.state.state_dict) and written(keeper) == []

@@ -52,7 +52,7 @@ from swarm.protocol import (
     experts_namespace,
 )
 from swarm.routing.balancer import StageBalancer, Ticket
-from swarm.routing.pipeline import PipelineSettings
+from swarm.routing.pipeline import FULL_CODES, PipelineSettings
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +211,9 @@ class ExpertDispatcher:
                 raise StageUnavailable(f"a reply of {len(reply.tensors)} tensor(s) that does not fit the request")
         except (StageUnavailable, RemoteStageError) as e:
             self.stats.failures[layer, kind] += 1
+            full = isinstance(e, RemoteStageError) and e.code in FULL_CODES  # a brief ban, as a stage server's
             for expert, ticket in items:
-                self.balancers[expert].report_failure(ticket)
+                self.balancers[expert].report_failure(ticket, brief=full)
                 self.balancers[expert].release(ticket)
             log.log(logging.DEBUG if quiet else logging.WARNING, "expert %s of block %d on %s failed (%s)", kind,
                     layer, peer[-8:], e)

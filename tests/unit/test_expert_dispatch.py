@@ -34,6 +34,7 @@ from swarm.protocol import (
     BACKWARD,
     BAD_REQUEST,
     FORWARD,
+    NOT_READY,
     RemoteStageError,
     StageReply,
     StageRequest,
@@ -75,6 +76,7 @@ class Network:
         self.failing: set[str] = set()
         self.corrupt: set[str] = set()
         self.hanging: set[str] = set()  # never answer (until the call is cancelled)
+        self.full: set[str] = set()  # answer not_ready, as a host whose queue is full does
         self.entered: asyncio.Event | None = None  # set when a hanging peer got a call
         self.requests: list[tuple[str, StageRequest]] = []  # (peer, request as received), in arrival order
 
@@ -101,6 +103,8 @@ class FakeClient:
         self.network.requests.append((self.peer, received))
         if self.peer in self.network.failing:
             raise StageUnavailable(f"{self.peer} did not answer")
+        if self.peer in self.network.full:
+            raise RemoteStageError(NOT_READY, f"{self.peer} has its queue full; try later")
         if self.peer in self.network.hanging:
             self.network.entered.set()
             await asyncio.Event().wait()
@@ -528,6 +532,17 @@ def test_a_refused_request_bans_the_host_like_a_failure(make_swarm):
     assert sorted(outputs) == [0] and dispatcher.balancers[0].available() == ["hostB"]
     assert dispatcher.stats.failures[LAYER, FORWARD] == 1
     assert [peer for peer, _ in network.requests] == ["hostA", "hostB"]
+
+
+def test_a_host_with_its_queue_full_is_held_off_briefly_and_counted_as_a_refusal(make_swarm):
+    dispatcher, network = make_swarm({"hostA": [0], "hostB": [0], "hostC": [0]})
+    network.full.add("hostA")
+    network.failing.add("hostB")
+    assert sorted(asyncio.run(dispatcher.forward(LAYER, rows_of([2, 0, 0, 0])))) == [0]
+    balancer = dispatcher.balancers[0]
+    bans = {peer: balancer.servers[peer].banned_until - balancer.clock() for peer in ("hostA", "hostB")}
+    assert bans == {"hostA": balancer.brief_ban_base, "hostB": balancer.ban_base}  # 1 s, as a stage's; 15 s
+    assert balancer.servers["hostA"].refusals.refused == 1 and balancer.servers["hostB"].refusals.refused == 0
 
 
 def test_an_expert_whose_only_host_is_banned_still_tries_it_once_per_forward(make_swarm):

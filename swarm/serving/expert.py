@@ -137,9 +137,10 @@ class ExpertServer(ServerLifecycle):
         if self.keepers and now - self._renewed >= self.config.network.record_ttl / 2:
             self._renewed = now
             for e, keeper in self.keepers.items():
-                try:  # steps left unsaved when the stage servers stop calling are written, as a stage's are
-                    keeper.save_idle(lambda state=self.states[e]: self.host.submit(state.state_dict).result(
-                        LOOP_CALL_TIMEOUT))
+                try:  # steps left unsaved when the stage servers stop calling are written, as a stage's are (not
+                    if self.host.queue_depth == 0:  # behind queued work: this thread also renews the records)
+                        keeper.save_idle(lambda state=self.states[e]: self.host.submit(state.state_dict).result(
+                            LOOP_CALL_TIMEOUT))
                     keeper.announce()
                 except Exception as err:  # noqa: BLE001 - a DHT hiccup: the next tick tries again
                     log.warning("expert %d: writing or announcing its checkpoints failed: %s", e, err)

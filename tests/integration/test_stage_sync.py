@@ -48,8 +48,12 @@ ONLINE_TIMEOUT = 30.0  # every trainer sees every server ONLINE
 SETTLE_TIMEOUT = 30.0  # after the trainers end, every replica has taken its last step (or caught up)
 # Replicas step on the same averaged gradient, equal up to rounding: hivemind hands each member
 # its own values plus (mean - own), and AdamW scales a rounding difference up where its second
-# moment is tiny (seen: 2.9e-6 in 1 of 8192 weights, in 1 of 10 runs)
+# moment is tiny (seen: 2.9e-6 in 1 of 8192 weights, in 1 of 10 runs; 2.8e-5 in one CI run). So a
+# few weights of a tensor (ROUNDED_OFF of its elements, at least one) may be apart by up to AMPLIFIED;
+# a replica a step apart, or one whose round was not applied, differs in most weights by ~lr (1e-2).
 EXACT = dict(atol=1e-5, rtol=1e-4)
+ROUNDED_OFF = 1e-3
+AMPLIFIED = 1e-3
 MOMENTS = dict(atol=1e-8, rtol=1e-5)  # AdamW moments are ~1e-4..1e-2: a tighter atol
 # The reference takes the swarm's steps (as many, each of as many samples) but not its samples: the
 # two trainers draw with their own sampler seeds, the reference with one. On this config, after 6
@@ -135,6 +139,19 @@ def snapshot(server: StageServer) -> dict:
                 "step": backend.step}
 
     return backend.call(read, BACKEND_CALL_TIMEOUT)
+
+
+def assert_equal_but_for_rounding(b: dict[str, torch.Tensor], a: dict[str, torch.Tensor]) -> None:
+    """Every tensor within EXACT, but for at most ROUNDED_OFF of its elements (one at least), within AMPLIFIED."""
+    assert b.keys() == a.keys()
+    for name, x in a.items():
+        y = b[name]
+        assert y.shape == x.shape and y.dtype == x.dtype, name
+        apart = (y - x).abs()
+        off = apart > EXACT["atol"] + EXACT["rtol"] * x.abs()
+        allowed = max(1, int(ROUNDED_OFF * x.numel()))
+        assert int(off.sum()) <= allowed and float(apart.max()) <= AMPLIFIED, \
+            (name, int(off.sum()), allowed, float(apart.max()))
 
 
 def samples_served(server: StageServer) -> float:
@@ -241,7 +258,7 @@ def test_replicas_stay_equal_and_swarm_learns_like_the_reference():
         (a, b), (steps_a, steps_b), (caught_a, caught_b) = [
             [x for x, s in zip(xs, STAGES) if s == stage] for xs in (states, steps, caught_up)]
         assert a["step"] == b["step"]
-        torch.testing.assert_close(b["params"], a["params"], **EXACT)
+        assert_equal_but_for_rounding(b["params"], a["params"])
         torch.testing.assert_close(b["optimizer"], a["optimizer"], **MOMENTS)
         # Every step is recorded by the replicas that took it, in order, once. A replica whose round came
         # back incomplete (a lost last part, on loaded cores) retries it while the other steps, then

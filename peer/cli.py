@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server, expert: tasks queued for compute before more are refused as busy, so callers go "
                    "to another server (default: 64). In a large swarm whose trainers keep many micro-batches in "
                    "flight, 1-2 spread the load (bench/sim: README, A simulator of a large swarm)")
+    p.add_argument("--max-wait", type=positive_float, default=None, metavar="SECONDS",
+                   help="server, expert: refuse a request as busy while the work queued ahead of it would hold it "
+                   "longer than this (default: never), so callers go to a server that starts it sooner. For "
+                   "large swarms with several servers a stage (bench/sim: about one or two of a fast server's "
+                   "tasks; README, A simulator of a large swarm); a server alone in its stage only makes its callers "
+                   "wait and retry")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-slowdown", type=at_least_one, default=1.0, metavar="FACTOR",
@@ -310,6 +316,7 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
                                 choose_delay=random.uniform(0, JOIN_SPREAD))
         if args.max_queue is not None:
             options.max_queue = args.max_queue
+        options.max_wait = args.max_wait
         if args.activation_cache_mb is not None:
             options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
         if args.activation_cache_ttl is not None:
@@ -354,6 +361,7 @@ def run_expert(args, config, dht, records, loop, device, registry, stop, metrics
                             coordinator_peer_id=coordinator)
     if args.max_queue is not None:
         options.max_queue = args.max_queue
+    options.max_wait = args.max_wait
     serve_until(ExpertServer(config, dht, records, loop, options, registry), stop)
 
 

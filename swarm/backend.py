@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 UTILIZATION_WINDOW = 30.0  # seconds over which utilization() is measured
 UTILIZATION_MARK_PERIOD = 1.0
+TASK_SECONDS_ALPHA = 0.2  # weight of the newest task in the worker's mean task time (expected_wait)
 
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -110,9 +111,21 @@ class Forwarded(tuple):
         return made
 
 
+def wait_ahead(queued: int, mean: float | None, running_for: float | None) -> float:
+    """Seconds a task given now should wait before it starts, behind `queued` tasks not done (the running one, if
+    any, included) that take `mean` seconds each; the running one has run `running_for` seconds (None: none runs,
+    between two tasks). 0 before a task has run (`mean` None): nothing to go by."""
+    if queued <= 0 or mean is None:
+        return 0.0
+    if running_for is None:
+        return queued * mean
+    return (queued - 1) * mean + max(0.0, mean - running_for)
+
+
 class Worker:
     """One worker thread that runs tasks in order, at most `max_queue` of them queued (more are refused
-    at once with Overloaded), and how busy it was: what a stage backend and an expert host share.
+    at once with Overloaded), how busy it was, and how long a task given now should wait to start
+    (`expected_wait`): what a stage backend and an expert host share.
 
     `slowdown` (fault injection, `swarm-peer --inject-slowdown`): each task holds the thread that many
     times as long as it computed, as on hardware that much slower; unlike `--inject-delay`, which delays
@@ -129,6 +142,8 @@ class Worker:
         self._lock = threading.Lock()
         self._queued = 0
         self.busy_seconds = 0.0  # compute time spent, for throughput estimates
+        self.task_seconds: float | None = None  # mean seconds a task held the worker (TASK_SECONDS_ALPHA), once one ran
+        self._running_since: float | None = None  # perf_counter when the task running now started
         self.cpu_seconds = 0.0  # CPU time the worker thread spent on tasks (torch's own threads not counted)
         self._busy_marks: deque[tuple[float, float]] = deque([(time.monotonic(), 0.0)])  # (when, busy_seconds)
 
@@ -152,14 +167,26 @@ class Worker:
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         started, cpu = time.perf_counter(), time.thread_time()
+        self._running_since = started
         try:
             return fn(*args)
         finally:
             if self.slowdown > 1.0:  # injected: the worker stays busy as slower hardware would
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
-            self.busy_seconds += time.perf_counter() - started
+            took = time.perf_counter() - started
+            self.busy_seconds += took
             self.cpu_seconds += time.thread_time() - cpu
+            mean = self.task_seconds
+            self.task_seconds = took if mean is None else mean + TASK_SECONDS_ALPHA * (took - mean)
+            self._running_since = None
             self._mark_busy()
+
+    def expected_wait(self) -> float:
+        """Seconds a task submitted now should wait before it starts (`wait_ahead`)."""
+        with self._lock:
+            queued = self._queued
+        since = self._running_since
+        return wait_ahead(queued, self.task_seconds, None if since is None else time.perf_counter() - since)
 
     def _mark_busy(self) -> None:
         now = time.monotonic()

@@ -50,6 +50,7 @@ class ExpertOptions:
     count: int | None = None  # auto: how many experts to host; None: half the experts of a block, at least 1
     device: str = "cpu"
     max_queue: int = 64
+    max_wait: float | None = None  # as ServerOptions.max_wait
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
     inject_slowdown: float = 1.0  # compute held this many times as long, throughput announced that much lower (same)
     inject_failure_rate: float = 0.0  # fraction of requests answered with an error (fault injection)
@@ -253,10 +254,7 @@ class ExpertRequestHandler(CountingHandler):
 
     def admit(self, kind: str, meta: dict) -> None:
         self._check_serving(kind)
-        host = self.server.host
-        if host.queue_depth >= host.max_queue:
-            self._count(kind, NOT_READY)
-            raise RequestRejected(NOT_READY, f"the expert server has {host.queue_depth} tasks queued; try later")
+        self._check_room(kind, "the expert server", self.server.options.max_wait)
 
     async def forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()

@@ -69,6 +69,7 @@ class ServerOptions:
     choose_delay: float = 0.0  # with stage None, seconds to wait before choosing (joiners of one wave spread)
     device: str = "cpu"
     max_queue: int = 64
+    max_wait: float | None = None  # seconds of queued work past which requests are refused (not_ready); None: none
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
     inject_slowdown: float = 1.0  # compute held this many times as long, throughput announced that much lower (same)
     # what its JOINING record announces: a moving server's throughput as measured on the stage it left, so
@@ -356,11 +357,7 @@ class StageRequestHandler(CountingHandler):
         stage = meta.get("stage")
         known = isinstance(stage, int) and not isinstance(stage, bool) and stage >= 0  # else parsing refuses it
         self._check_serving(kind, stage if known else None)
-        backend = self.server.backend
-        if backend.queue_depth >= backend.max_queue:  # the backend would refuse it (Overloaded) once read
-            self._count(kind, NOT_READY)
-            raise RequestRejected(NOT_READY, f"stage {self.server.stage} has {backend.queue_depth} tasks queued, "
-                                             f"its limit (max_queue {backend.max_queue}); try again later")
+        self._check_room(kind, f"stage {self.server.stage}", self.server.options.max_wait)
 
     async def forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()

@@ -134,7 +134,8 @@ def test_in_flight_must_be_positive(procs: ProcSet, coordinator: Coordinator):
     ("--activation-cache-mb", "nan", "finite number"), ("--activation-cache-ttl", "0", "finite number"),
     ("--rebalance-period", "0", "finite number"), ("--rebalance-period", "inf", "finite number"),
     ("--max-queue", "0", "at least 1"), ("--max-queue", "2.5", "whole number"),
-    ("--inject-slowdown", "0.5", ">= 1"), ("--inject-slowdown", "inf", ">= 1")])
+    ("--inject-slowdown", "0.5", ">= 1"), ("--inject-slowdown", "inf", ">= 1"),
+    ("--max-wait", "0", "> 0"), ("--max-wait", "nan", "> 0")])
 def test_server_flags_must_be_sane(procs: ProcSet, coordinator: Coordinator, flag: str, value: str, expected: str):
     proc = procs.run("swarm-peer", "--initial-peers", coordinator.maddrs[0], "--role", "server", flag, value,
                      *LOCALHOST, timeout=ERROR_EXIT_TIMEOUT)

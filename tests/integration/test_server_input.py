@@ -373,6 +373,32 @@ def test_request_before_online_is_not_ready_then_served(swarm, monkeypatch):
             server.shutdown()
 
 
+def test_with_max_wait_a_request_is_refused_from_its_metadata_while_the_work_ahead_would_hold_it_longer(swarm):
+    """--max-wait: refused (not_ready, before its tensors arrive) while the work queued ahead would make it wait
+    longer than the limit; answered once that work is done."""
+    server, stub = swarm.servers[0], swarm.stubs[0]
+    backend, release, started = server.backend, threading.Event(), threading.Event()
+    server.options.max_wait = 1.0
+    try:
+        check_good_reply(0, good_reply(swarm, stub, 0))  # nothing queued: served at once
+        backend.task_seconds = 30.0  # as if its tasks took 30 s: one running is 30 s of work ahead
+        held = backend.submit(lambda: (started.set(), release.wait(CALL_TIMEOUT)))
+        assert started.wait(CALL_TIMEOUT)
+        request = StageRequest(FORWARD, 0, "waits", torch.randint(0, VOCAB, (MICRO, SEQ)))
+        frames = list(request_frames(request, WireLimits(part_bytes=64)))
+        with pytest.raises(RemoteStageError) as error:
+            swarm.call(send_and_hold(stub, frames[:2]))
+        assert error.value.code == NOT_READY
+        assert "of work queued ahead, past its limit (max_wait 1s)" in error.value.message
+        release.set()
+        held.result(CALL_TIMEOUT)
+        wait_until(lambda: backend.queue_depth == 0, CALL_TIMEOUT, what="the queue to empty")
+        check_good_reply(0, good_reply(swarm, stub, 0))
+    finally:
+        release.set()
+        server.options.max_wait = None
+
+
 def test_a_request_is_refused_from_its_metadata_while_the_queue_is_full(swarm):
     """Refused before its tensors arrive: the stream is held open after the first part of its tensor."""
     server, stub = swarm.servers[0], swarm.stubs[0]

@@ -11,6 +11,7 @@ from swarm.backend import Overloaded, StageBackend, Worker
 from swarm.config import RunConfig
 from swarm.model import build_stage, build_stages
 from swarm.optim import StageOptimizer
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,6 +97,35 @@ def test_queue_is_bounded():
     assert all(f.result(timeout=30) for f in blocked)
     assert backend.call(lambda: backend.queue_depth, timeout=30) == 1  # only this call is queued
     backend.shutdown()
+
+
+def test_expected_wait_counts_the_tasks_ahead_at_the_mean_task_time_and_what_the_running_one_has_left():
+    worker, gate = Worker("w", max_queue=8), threading.Event()
+    try:
+        assert worker.expected_wait() == 0.0  # nothing queued
+        worker.submit(time.sleep, 0.05).result(timeout=30)
+        mean = worker.task_seconds
+        assert mean is not None and mean >= 0.05
+        assert worker.expected_wait() == 0.0  # nothing queued: a task given now starts at once
+        started = threading.Event()
+        held = worker.submit(lambda: (started.set(), gate.wait(30)))
+        assert started.wait(30)
+        ahead = [worker.submit(lambda: None) for _ in range(3)]
+        assert 3 * mean <= worker.expected_wait() <= 4 * mean  # three queued, and up to a mean for the held one
+        # the held task has outrun the mean: only the three queued behind it count now (the mean stands until a
+        # task ends)
+        wait_until(lambda: worker.expected_wait() == pytest.approx(3 * mean), 30,
+                   what="the held task to outrun the mean")
+        gate.set()
+        held.result(timeout=30)
+        for future in ahead:
+            future.result(timeout=30)
+        wait_until(lambda: worker.queue_depth == 0, 30, what="the queue to empty")
+        assert worker.expected_wait() == 0.0
+        assert worker.task_seconds != mean  # the held task and the three quick ones moved the mean
+    finally:
+        gate.set()
+        worker.shutdown()
 
 
 def test_a_backward_that_fails_midway_leaves_the_accumulated_gradients_as_they_were():

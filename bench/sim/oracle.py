@@ -34,8 +34,7 @@ def oracle_ticket(trainer: Trainer, stage: int, kind: str, exclude: tuple, prefe
     best, best_finish = None, math.inf
     listed = set(trainer.balancers[stage].listed())
     for c in trainer.swarm.online(stage):
-        full = s.max_queue is not None and len(c.queue) >= s.max_queue
-        if c.peer_id in exclude or c.peer_id not in listed or full:
+        if c.peer_id in exclude or c.peer_id not in listed or trainer.swarm.full(c):
             continue
         work = 1.0 if kind == FORWARD else (3.0 if last or c.peer_id != prefer else 2.0)
         done = finish_on(trainer, c, up, down, work, incoming=True)

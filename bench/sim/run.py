@@ -58,6 +58,9 @@ def main() -> None:
                         "auto does (swarm.routing.inflight.InFlightWindow)")
     p.add_argument("--max-queue", type=int,
                    help="tasks a server queues before it refuses more as busy (swarm-peer's max_queue; default: none)")
+    p.add_argument("--max-wait", type=float,
+                   help="seconds of work queued ahead past which a server refuses a call as busy (swarm-peer's "
+                        "--max-wait; default: none)")
     p.add_argument("--no-claims", action="store_true",
                    help="trainers do not take servers' announced throughput for their speed before measuring it")
     p.add_argument("--no-pings", action="store_true",
@@ -77,7 +80,7 @@ def main() -> None:
     base = Scenario(stages=args.stages, servers=args.servers, trainers=args.trainers, session=args.session,
                     in_flight=args.in_flight, in_flight_cap=args.in_flight_cap, claims=not args.no_claims,
                     pings=not args.no_pings,
-                    max_queue=args.max_queue,
+                    max_queue=args.max_queue, max_wait=args.max_wait,
                     seed=args.seed, seconds_per_sample=args.seconds_per_sample,
                     wire_bytes_per_sample=int(args.wire_kb * 1024), micro_batch=args.micro_batch)
     print(f"{args.servers} servers, {args.trainers} trainers, {args.stages} stages, {args.minutes:.0f} min, "

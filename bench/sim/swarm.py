@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from bench.sim.engine import Sim
 from bench.sim.network import ONE_WAY_MS, REGIONS, Endpoint, Network  # noqa: F401 - ONE_WAY_MS: tests and validate.py set it here
 from bench.sim.oracle import finish_on, oracle_ticket
+from swarm.backend import TASK_SECONDS_ALPHA, wait_ahead
 from swarm.dht import ServerRecord
 from swarm.dht.schemas import MAX_SERVED_LISTED, PeerMetricsRecord, ServedWork
 from swarm.protocol import BACKWARD, FORWARD
@@ -101,6 +102,8 @@ class Scenario:
     regions: Sequence[str] = REGIONS  # where peers are, drawn uniformly
     seed: int = 0
     max_queue: int | None = None  # tasks a server queues; it refuses more as busy (NOT_READY), None: no limit
+    # seconds of work queued ahead past which a server refuses a call as busy (swarm-peer --max-wait), None: no limit
+    max_wait: float | None = None
     claims: bool = True  # trainers take a server's announced throughput for it until they measure it
     pings: bool = True  # trainers time a round trip to each server and count it in an untried server's calls
     # servers placed by an oracle instead (Swarm._oracle_place): joiners to the stage weakest by every server's
@@ -133,6 +136,7 @@ class Server:
     current: Task | None = None  # the task computing now
     rebalancer: Rebalancer | None = None
     moves: int = 0
+    task_seconds: float | None = None  # its mean task time, as a real server's worker keeps it (Worker.task_seconds)
     incoming: float = 0.0  # seconds of work sent to it and not arrived yet (what an oracle routing also knows)
 
     def backlog(self, now: float) -> float:
@@ -213,6 +217,7 @@ class Swarm:
     def _join(self, server: Server, stage: int) -> None:
         self._version += 1
         server.stage, server.state = stage, "JOINING"
+        server.task_seconds = None  # (a new worker: swarm-peer starts the stage's server anew)
         download = self.s.stage_state_bytes / server.link.down + self.s.join_overhead
         self.sim.after(download, self._online, server, stage)
 
@@ -349,12 +354,25 @@ class Swarm:
         return min(sum(s.throughput(self.s) for s in self.online(k)) for k in range(self.s.stages))
 
     # --- compute --------------------------------------------------------------------------------------
+    def full(self, server: Server) -> bool:
+        """Whether the server refuses a call now as busy: its queue at max_queue, or more than max_wait seconds of
+        work ahead, as a real server estimates it (swarm.backend.wait_ahead: its tasks at their mean time)."""
+        s = self.s
+        if s.max_queue is not None and len(server.queue) >= s.max_queue:
+            return True
+        if s.max_wait is None:
+            return False
+        running = server.current is not None
+        queued = sum(not t.cancelled for t in server.queue) + running
+        started = server.current.ends - server.current.seconds if running else None
+        return wait_ahead(queued, server.task_seconds, None if started is None else self.sim.now - started) > s.max_wait
+
     def submit(self, server: Server, seconds: float, done: Callable[[], None], fail: Callable[[], None]
                ) -> Task | None:
         if not server.alive or server.state != "ONLINE":
             self.sim.after(0.0, fail)
             return None
-        if self.s.max_queue is not None and len(server.queue) >= self.s.max_queue:
+        if self.full(server):
             self.sim.after(0.0, fail, True)
             return None
         task = Task(seconds, done, fail)
@@ -377,6 +395,8 @@ class Swarm:
         if server.current is not task:  # it left (or moved) meanwhile: the task was failed then
             return
         server.current = None
+        mean = server.task_seconds
+        server.task_seconds = task.seconds if mean is None else mean + TASK_SECONDS_ALPHA * (task.seconds - mean)
         task.done()
         self._next_task(server)
 
@@ -469,7 +489,7 @@ class Trainer:
             finishes = {c: finish(c) for c in self.swarm.online(stage)}
             self.swarm.routing.append((chosen - sim.now, min([chosen, *finishes.values()]) - sim.now))
             if first is None:  # the oracle sends it where it would be answered first, to a server that takes it
-                room = [f for c, f in finishes.items() if s.max_queue is None or len(c.queue) < s.max_queue]
+                room = [f for c, f in finishes.items() if not self.swarm.full(c)]
                 # (with no server ONLINE, the one chosen: the trainer's last lookup still lists it)
                 first = (sim.now, min(room or [*finishes.values()] or [chosen]))
         seconds = n * s.seconds_per_sample * work(ticket.peer_id) / server.speed

@@ -55,6 +55,22 @@ def test_a_servers_backlog_counts_what_its_running_task_has_left():
     assert server.backlog(swarm.sim.now) == pytest.approx(1.5 + 2.0)
 
 
+def test_with_max_wait_a_server_refuses_while_its_tasks_ahead_at_their_mean_time_would_hold_a_call_longer():
+    swarm = model.Swarm(Scenario(max_wait=1.0, **QUIET))
+    server = swarm.add_server(0, 1.0)
+    server.state = "ONLINE"
+    refused = []
+    submit = lambda name: swarm.submit(server, 0.5, lambda: None, lambda *brief: refused.append((name, brief)))  # noqa: E731
+    submit("first")  # nothing to go by yet: taken
+    swarm.sim.run(1.0)
+    assert server.task_seconds == pytest.approx(0.5)
+    for name in ("a", "b", "c", "d"):  # a runs; b waits 0.5 s, c 1.0 s (taken), d would wait 1.5 s
+        submit(name)
+    swarm.sim.run(swarm.sim.now)
+    assert refused == [("d", (True,))]
+    assert len(server.queue) == 2
+
+
 def test_answered_counts_the_refusals_and_retries_of_a_call_from_its_first_choice():
     # two equal servers a stage, one refusing beyond one task queued: calls that are refused are answered later
     # than the oracle (which sends work only where it is taken) expected at their first choice

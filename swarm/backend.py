@@ -15,12 +15,13 @@ pinned buffers on a copy stream, and nothing waits for the device but the copy o
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,6 +35,7 @@ from swarm.drain import BatchDrain, InFlight
 from swarm.model import StageModule
 from swarm.model.moe import MoERecord, record_moe, total_aux_loss
 from swarm.optim import StageOptimizer
+from swarm.protocol.messages import BACKWARD, FORWARD
 from swarm.threads import Owner
 
 if TYPE_CHECKING:
@@ -111,21 +113,34 @@ class Forwarded(tuple):
         return made
 
 
-def wait_ahead(queued: int, mean: float | None, running_for: float | None) -> float:
-    """Seconds a task given now should wait before it starts, behind `queued` tasks not done (the running one, if
-    any, included) that take `mean` seconds each; the running one has run `running_for` seconds (None: none runs,
-    between two tasks). 0 before a task has run (`mean` None): nothing to go by."""
-    if queued <= 0 or mean is None:
+OTHER_TASK = "other"  # the kind of a task submitted without one (state reads, steps, cache upkeep)
+
+
+def wait_ahead(waiting: Mapping[str, int], means: Mapping[str, float], running: tuple[str, float] | None) -> float:
+    """Seconds a task given now should wait before it starts: the tasks `waiting` (not started, by kind) at their
+    kind's mean time (`means`; a kind not timed yet at the longest mean known), and what the `running` one (its
+    kind, seconds it has run) has left of its kind's mean. 0 while no mean is known: nothing to go by."""
+    if not means:
         return 0.0
-    if running_for is None:
-        return queued * mean
-    return (queued - 1) * mean + max(0.0, mean - running_for)
+    longest = max(means.values())
+    ahead = sum(n * means.get(kind, longest) for kind, n in waiting.items())
+    if running is not None:
+        kind, ran = running
+        ahead += max(0.0, means.get(kind, longest) - ran)
+    return ahead
+
+
+def seed_means(pair_seconds: float, last: bool) -> dict[str, float]:
+    """A stage's mean task times before any request was timed, from its start-up measure (a forward and backward
+    of a micro-batch took `pair_seconds`): a forward a third of it, a backward the rest (the whole of it on the
+    last stage, whose one call does both)."""
+    return {FORWARD: pair_seconds / 3, BACKWARD: pair_seconds if last else 2 * pair_seconds / 3}
 
 
 class Worker:
     """One worker thread that runs tasks in order, at most `max_queue` of them queued (more are refused
     at once with Overloaded), how busy it was, and how long a task given now should wait to start
-    (`expected_wait`): what a stage backend and an expert host share.
+    (`expected_wait`, from each kind's mean task time): what a stage backend and an expert host share.
 
     `slowdown` (fault injection, `swarm-peer --inject-slowdown`): each task holds the thread that many
     times as long as it computed, as on hardware that much slower; unlike `--inject-delay`, which delays
@@ -142,8 +157,10 @@ class Worker:
         self._lock = threading.Lock()
         self._queued = 0
         self.busy_seconds = 0.0  # compute time spent, for throughput estimates
-        self.task_seconds: float | None = None  # mean seconds a task held the worker (TASK_SECONDS_ALPHA), once one ran
-        self._running_since: float | None = None  # perf_counter when the task running now started
+        # kind -> mean seconds its tasks held the worker (TASK_SECONDS_ALPHA), once one ran (or seeded: seed_means)
+        self.task_seconds: dict[str, float] = {}
+        self._waiting: Counter[str] = Counter()  # tasks submitted and not started, by kind
+        self._running: tuple[str, float] | None = None  # (kind, perf_counter when it started) of the task running
         self.cpu_seconds = 0.0  # CPU time the worker thread spent on tasks (torch's own threads not counted)
         self._busy_marks: deque[tuple[float, float]] = deque([(time.monotonic(), 0.0)])  # (when, busy_seconds)
 
@@ -151,23 +168,31 @@ class Worker:
     def queue_depth(self) -> int:
         return self._queued
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Queue `fn(*args)` on the worker thread, or raise Overloaded if the queue is full."""
+    def submit(self, fn: Callable[..., T], *args: Any, kind: str = OTHER_TASK) -> Future[T]:
+        """Queue `fn(*args)` on the worker thread, or raise Overloaded if the queue is full; `kind` (a request's:
+        forward, backward) keeps a mean time of its own (expected_wait)."""
         with self._lock:
             if self._queued >= self.max_queue:
                 raise Overloaded(f"{self.name} has {self._queued} tasks queued; try again later")
             self._queued += 1
-        future = self._executor.submit(self._timed, fn, *args)
-        future.add_done_callback(self._task_done)
+            self._waiting[kind] += 1
+        started = [False]
+        future = self._executor.submit(self._timed, kind, started, fn, *args)
+        future.add_done_callback(functools.partial(self._task_done, kind, started))
         return future
 
-    def _task_done(self, _: Future) -> None:
+    def _task_done(self, kind: str, started: list[bool], _: Future) -> None:
         with self._lock:
             self._queued -= 1
+            if not started[0]:  # cancelled before it ran
+                self._waiting[kind] -= 1
 
-    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+    def _timed(self, kind: str, flag: list[bool], fn: Callable[..., T], *args: Any) -> T:
         started, cpu = time.perf_counter(), time.thread_time()
-        self._running_since = started
+        with self._lock:
+            self._waiting[kind] -= 1
+            flag[0] = True
+            self._running = (kind, started)
         try:
             return fn(*args)
         finally:
@@ -176,17 +201,17 @@ class Worker:
             took = time.perf_counter() - started
             self.busy_seconds += took
             self.cpu_seconds += time.thread_time() - cpu
-            mean = self.task_seconds
-            self.task_seconds = took if mean is None else mean + TASK_SECONDS_ALPHA * (took - mean)
-            self._running_since = None
+            with self._lock:
+                mean = self.task_seconds.get(kind)
+                self.task_seconds[kind] = took if mean is None else mean + TASK_SECONDS_ALPHA * (took - mean)
+                self._running = None
             self._mark_busy()
 
     def expected_wait(self) -> float:
         """Seconds a task submitted now should wait before it starts (`wait_ahead`)."""
         with self._lock:
-            queued = self._queued
-        since = self._running_since
-        return wait_ahead(queued, self.task_seconds, None if since is None else time.perf_counter() - since)
+            waiting, means, running = dict(self._waiting), dict(self.task_seconds), self._running
+        return wait_ahead(waiting, means, None if running is None else (running[0], time.perf_counter() - running[1]))
 
     def _mark_busy(self) -> None:
         now = time.monotonic()

@@ -46,14 +46,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench.sim.engine import Sim
 from bench.sim.network import ONE_WAY_MS, REGIONS, Endpoint, Network  # noqa: F401 - ONE_WAY_MS: tests and validate.py set it here
 from bench.sim.oracle import finish_on, oracle_ticket
-from swarm.backend import TASK_SECONDS_ALPHA, wait_ahead
+from swarm.backend import TASK_SECONDS_ALPHA, seed_means, wait_ahead
 from swarm.dht import ServerRecord
 from swarm.dht.schemas import MAX_SERVED_LISTED, PeerMetricsRecord, ServedWork
 from swarm.protocol import BACKWARD, FORWARD
@@ -120,6 +120,7 @@ class Task:
     done: Callable[[], None]
     fail: Callable[[], None]
     cancelled: bool = False  # its caller gave up before it started: it is skipped
+    kind: str = FORWARD  # its call's (a real server's worker keeps a mean time per kind)
     ends: float | None = None  # when it is done, once it has started
 
 
@@ -136,7 +137,8 @@ class Server:
     current: Task | None = None  # the task computing now
     rebalancer: Rebalancer | None = None
     moves: int = 0
-    task_seconds: float | None = None  # its mean task time, as a real server's worker keeps it (Worker.task_seconds)
+    task_seconds: dict[str, float] = field(default_factory=dict)  # its mean task time by kind, as a real server's
+    # worker keeps it (Worker.task_seconds), seeded from its measured throughput as StageServer seeds it
     incoming: float = 0.0  # seconds of work sent to it and not arrived yet (what an oracle routing also knows)
 
     def backlog(self, now: float) -> float:
@@ -217,7 +219,8 @@ class Swarm:
     def _join(self, server: Server, stage: int) -> None:
         self._version += 1
         server.stage, server.state = stage, "JOINING"
-        server.task_seconds = None  # (a new worker: swarm-peer starts the stage's server anew)
+        # (a new worker: swarm-peer starts the stage's server anew, and seeds its means from what it measured there)
+        server.task_seconds = seed_means(self.s.micro_batch / server.throughput(self.s), stage == self.s.stages - 1)
         download = self.s.stage_state_bytes / server.link.down + self.s.join_overhead
         self.sim.after(download, self._online, server, stage)
 
@@ -362,20 +365,20 @@ class Swarm:
             return True
         if s.max_wait is None:
             return False
-        running = server.current is not None
-        queued = sum(not t.cancelled for t in server.queue) + running
-        started = server.current.ends - server.current.seconds if running else None
-        return wait_ahead(queued, server.task_seconds, None if started is None else self.sim.now - started) > s.max_wait
+        waiting = Counter(t.kind for t in server.queue if not t.cancelled)
+        task = server.current
+        running = None if task is None else (task.kind, self.sim.now - (task.ends - task.seconds))
+        return wait_ahead(waiting, server.task_seconds, running) > s.max_wait
 
-    def submit(self, server: Server, seconds: float, done: Callable[[], None], fail: Callable[[], None]
-               ) -> Task | None:
+    def submit(self, server: Server, seconds: float, done: Callable[[], None], fail: Callable[[], None],
+               kind: str = FORWARD) -> Task | None:
         if not server.alive or server.state != "ONLINE":
             self.sim.after(0.0, fail)
             return None
         if self.full(server):
             self.sim.after(0.0, fail, True)
             return None
-        task = Task(seconds, done, fail)
+        task = Task(seconds, done, fail, kind=kind)
         server.queue.append(task)
         if server.current is None:
             self._next_task(server)
@@ -395,8 +398,9 @@ class Swarm:
         if server.current is not task:  # it left (or moved) meanwhile: the task was failed then
             return
         server.current = None
-        mean = server.task_seconds
-        server.task_seconds = task.seconds if mean is None else mean + TASK_SECONDS_ALPHA * (task.seconds - mean)
+        mean = server.task_seconds.get(task.kind)
+        server.task_seconds[task.kind] = task.seconds if mean is None else \
+            mean + TASK_SECONDS_ALPHA * (task.seconds - mean)
         task.done()
         self._next_task(server)
 
@@ -530,7 +534,7 @@ class Trainer:
 
         def arrived() -> None:
             server.incoming -= seconds
-            task[0] = self.swarm.submit(server, seconds, computed, fail)
+            task[0] = self.swarm.submit(server, seconds, computed, fail, kind)
 
         server.incoming += seconds
         sim.after(s.call_overhead, self.swarm.net.send, self.link, server.link, up, arrived)

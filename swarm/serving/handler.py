@@ -42,7 +42,7 @@ class CountingHandler(StageHandler):
     async def _run(self, request: StageRequest, fn, *args):
         """`fn(*args)` on the worker; what it refuses becomes the error reply the caller can act on."""
         try:
-            return await asyncio.wrap_future(self.worker.submit(fn, *args))
+            return await asyncio.wrap_future(self.worker.submit(fn, *args, kind=request.kind))
         except (Overloaded, ExpertsUnavailable) as e:  # full, or too few experts answered: later, or elsewhere
             self._count(request.kind, NOT_READY)
             raise RequestRejected(NOT_READY, str(e)) from None

@@ -24,7 +24,7 @@ from swarm.averaging import (
     StateDownloadError,
     averaging_prefix,
 )
-from swarm.backend import Overloaded, StageBackend
+from swarm.backend import Overloaded, StageBackend, seed_means
 from swarm.checkpoint.keeper import KeeperScope, StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, online, online_steps
@@ -172,6 +172,10 @@ class StageServer(ServerLifecycle):
         self.backend.base_params = lambda: state.lookahead_base
         self.throughput = self.measure_now() * self.options.throughput_scale
         self.metrics.throughput.set(self.throughput)
+        if self.throughput > 0:  # what --max-wait goes by until requests are timed
+            for kind, seconds in seed_means(self.config.optimizer.micro_batch_size / self.throughput,
+                                            module.is_last).items():
+                self.backend.task_seconds.setdefault(kind, seconds)
         self._reach_experts(module)
         handler = InFlight(with_faults(StageRequestHandler(self), self.options.inject_delay,
                                        self.options.inject_failure_rate), self.metrics.in_flight)

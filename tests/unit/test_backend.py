@@ -7,10 +7,11 @@ import time
 import pytest
 import torch
 
-from swarm.backend import Overloaded, StageBackend, Worker
+from swarm.backend import Overloaded, StageBackend, Worker, seed_means, wait_ahead
 from swarm.config import RunConfig
 from swarm.model import build_stage, build_stages
 from swarm.optim import StageOptimizer
+from swarm.protocol import BACKWARD, FORWARD
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,22 +100,25 @@ def test_queue_is_bounded():
     backend.shutdown()
 
 
-def test_expected_wait_counts_the_tasks_ahead_at_the_mean_task_time_and_what_the_running_one_has_left():
+def test_expected_wait_counts_the_tasks_ahead_at_their_kinds_mean_time_and_what_the_running_one_has_left():
     worker, gate = Worker("w", max_queue=8), threading.Event()
     try:
         assert worker.expected_wait() == 0.0  # nothing queued
-        worker.submit(time.sleep, 0.05).result(timeout=30)
-        mean = worker.task_seconds
-        assert mean is not None and mean >= 0.05
+        worker.submit(time.sleep, 0.05, kind=FORWARD).result(timeout=30)
+        worker.submit(time.sleep, 0.1, kind=BACKWARD).result(timeout=30)
+        forward, backward = worker.task_seconds[FORWARD], worker.task_seconds[BACKWARD]
+        assert 0.05 <= forward < backward
         assert worker.expected_wait() == 0.0  # nothing queued: a task given now starts at once
         started = threading.Event()
-        held = worker.submit(lambda: (started.set(), gate.wait(30)))
+        held = worker.submit(lambda: (started.set(), gate.wait(30)), kind=BACKWARD)
         assert started.wait(30)
-        ahead = [worker.submit(lambda: None) for _ in range(3)]
-        assert 3 * mean <= worker.expected_wait() <= 4 * mean  # three queued, and up to a mean for the held one
-        # the held task has outrun the mean: only the three queued behind it count now (the mean stands until a
+        ahead = [worker.submit(lambda: None, kind=k) for k in (FORWARD, FORWARD, BACKWARD)]
+        ahead.append(worker.submit(lambda: None))  # a kind not timed yet: taken as long as the longest timed
+        queued = 2 * forward + 2 * backward
+        assert queued <= worker.expected_wait() <= queued + backward  # and up to a backward's mean for the held one
+        # the held task has outrun its kind's mean: only those queued behind it count now (the means stand until a
         # task ends)
-        wait_until(lambda: worker.expected_wait() == pytest.approx(3 * mean), 30,
+        wait_until(lambda: worker.expected_wait() == pytest.approx(queued), 30,
                    what="the held task to outrun the mean")
         gate.set()
         held.result(timeout=30)
@@ -122,10 +126,20 @@ def test_expected_wait_counts_the_tasks_ahead_at_the_mean_task_time_and_what_the
             future.result(timeout=30)
         wait_until(lambda: worker.queue_depth == 0, 30, what="the queue to empty")
         assert worker.expected_wait() == 0.0
-        assert worker.task_seconds != mean  # the held task and the three quick ones moved the mean
+        assert worker.task_seconds[BACKWARD] != backward  # the held one moved its kind's mean
     finally:
         gate.set()
         worker.shutdown()
+
+
+def test_wait_ahead_by_hand_and_the_seeds_a_stage_starts_with():
+    means = {FORWARD: 1.0, BACKWARD: 2.0}
+    assert wait_ahead({}, {}, None) == 0.0  # no mean: nothing to go by
+    assert wait_ahead({FORWARD: 2, BACKWARD: 1}, means, None) == 4.0
+    assert wait_ahead({FORWARD: 1, "other": 1}, means, (BACKWARD, 0.5)) == 1.0 + 2.0 + 1.5
+    assert wait_ahead({}, means, (FORWARD, 3.0)) == 0.0  # outran its mean: nothing left counted
+    assert seed_means(3.0, last=False) == {FORWARD: 1.0, BACKWARD: 2.0}
+    assert seed_means(3.0, last=True) == {FORWARD: 1.0, BACKWARD: 3.0}
 
 
 def test_a_backward_that_fails_midway_leaves_the_accumulated_gradients_as_they_were():

@@ -13,6 +13,7 @@ from bench.sim import swarm as model
 from bench.sim.swarm import Scenario, simulate
 from bench.sim.validate import DEFAULT, simulated
 from bench.sim.validate import LAB_RECORD as LAB
+from swarm.protocol import BACKWARD, FORWARD
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,19 +57,23 @@ def test_a_servers_backlog_counts_what_its_running_task_has_left():
 
 
 def test_with_max_wait_a_server_refuses_while_its_tasks_ahead_at_their_mean_time_would_hold_a_call_longer():
-    swarm = model.Swarm(Scenario(max_wait=1.0, **QUIET))
+    # a forward of 50 samples at 0.01 s on a speed-1 server: 0.5 s, the mean the server starts with (seed_means,
+    # from the throughput it measures: a forward and backward, 1.5 s)
+    swarm = model.Swarm(Scenario(max_wait=1.0, micro_batch=50, seconds_per_sample=0.01, **QUIET))
     server = swarm.add_server(0, 1.0)
+    assert server.task_seconds == {FORWARD: 0.5, BACKWARD: 1.0}
     server.state = "ONLINE"
     refused = []
-    submit = lambda name: swarm.submit(server, 0.5, lambda: None, lambda *brief: refused.append((name, brief)))  # noqa: E731
-    submit("first")  # nothing to go by yet: taken
-    swarm.sim.run(1.0)
-    assert server.task_seconds == pytest.approx(0.5)
     for name in ("a", "b", "c", "d"):  # a runs; b waits 0.5 s, c 1.0 s (taken), d would wait 1.5 s
-        submit(name)
+        swarm.submit(server, 0.5, lambda: None, lambda *brief, name=name: refused.append((name, brief)))
+    swarm.submit(server, 1.0, lambda: None, lambda *brief: refused.append(("a backward", brief)), BACKWARD)
     swarm.sim.run(swarm.sim.now)
-    assert refused == [("d", (True,))]
+    assert refused == [("d", (True,)), ("a backward", (True,))]
     assert len(server.queue) == 2
+    swarm.sim.run(swarm.sim.now + 0.75)  # a done, b half done: c waits 0.25 s more
+    swarm.submit(server, 1.0, lambda: None, lambda *brief: refused.append(("then", brief)), BACKWARD)
+    swarm.sim.run(swarm.sim.now)
+    assert len(refused) == 2 and len(server.queue) == 2  # taken
 
 
 def test_answered_counts_the_refusals_and_retries_of_a_call_from_its_first_choice():

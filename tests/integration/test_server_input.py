@@ -381,9 +381,9 @@ def test_with_max_wait_a_request_is_refused_from_its_metadata_while_the_work_ahe
     server.options.max_wait = 1.0
     try:
         check_good_reply(0, good_reply(swarm, stub, 0))  # nothing queued: served at once
-        backend.task_seconds.update({FORWARD: 30.0, BACKWARD: 30.0})  # as if its tasks took 30 s: one running is
-        # 30 s of work ahead (a kind not timed is taken as long as the longest timed)
-        held = backend.submit(lambda: (started.set(), release.wait(CALL_TIMEOUT)))
+        backend.task_seconds.update({FORWARD: 30.0, BACKWARD: 30.0})  # as if its requests took 30 s: a backward
+        # running is 30 s of work ahead
+        held = backend.submit(lambda: (started.set(), release.wait(CALL_TIMEOUT)), kind=BACKWARD)
         assert started.wait(CALL_TIMEOUT)
         request = StageRequest(FORWARD, 0, "waits", torch.randint(0, VOCAB, (MICRO, SEQ)))
         frames = list(request_frames(request, WireLimits(part_bytes=64)))

@@ -13,7 +13,9 @@ What is the project's own, imported and run on the simulated clock:
 What is modelled, not run (the constants are the Scenario's):
 - compute: a server does one task at a time, first come first served; a task of n samples takes
   n x seconds_per_sample x (1 forward, 2 for a backward from the kept graph, 3 for the last stage's
-  forward and backward in one call or a backward that recomputes its forward) / the server's speed;
+  forward and backward in one call or a backward that recomputes its forward) / the server's speed; with
+  `max_queue` or `max_wait` a server refuses a call as busy when its queue is that long, or when the work ahead
+  of the call, as a real server estimates it (swarm.backend.wait_ahead, seed_means), is longer than that;
 - the network: a message waits for its sender's uplink (each uplink sends one message at a time, first
   come first served: busy whenever it has bytes, as a fair share is), moves at the lesser of that uplink
   and the receiver's downlink (downlinks are not shared), a STREAM_WINDOW at a time (each window past the

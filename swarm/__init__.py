@@ -26,6 +26,7 @@ tests/unit/test_layers.py keeps every import going down these layers)::
     ``swarm.averaging`` averaging among the servers of one stage
     ``swarm.checkpoint``  checkpoints of stages and runs: written, announced, fetched, verified
     ``swarm.routing``   the trainer's side of the pipeline: which server gets each call, retries, spot checks
+    ``swarm.worker``    one compute thread a server runs its tasks on: bounded queue, how busy, how long a wait
     ``swarm.backend``   a stage's compute: forward, backward, accumulation, steps
     ``swarm.export``    a trained run as a Hugging Face GPT-2 model
     ``swarm.trainer``   a trainer: its share of the data, micro-batches in flight through the remote pipeline

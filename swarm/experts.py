@@ -8,9 +8,9 @@ sends every micro-batch's backward to every expert of its block, also those it r
 and steps, exactly when the stages do; an expert with no token in a whole batch has no gradient,
 and AdamW leaves it alone, as in the reference.
 
-Every task runs on one worker thread (:class:`~swarm.backend.Worker`: the experts, their gradients
+Every task runs on one worker thread (:class:`~swarm.worker.Worker`: the experts, their gradients
 and optimizers are only touched there); at most ``max_queue`` wait, more are refused with
-:class:`~swarm.backend.Overloaded`.
+:class:`~swarm.worker.Overloaded`.
 Inputs are checked before any compute: the block and experts must be hosted here, the rows
 ``[n, d_model]`` floats, finite, at most ``max_rows``.
 """
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from swarm.backend import Worker
 from swarm.config import RunConfig
 from swarm.model import make_expert
 from swarm.optim import StageOptimizer
 from swarm.state import StateInfo, StateRejected
 from swarm.threads import Owner
+from swarm.worker import Worker
 
 
 class ExpertHost(Worker):

@@ -15,7 +15,7 @@ What is modelled, not run (the constants are the Scenario's):
   n x seconds_per_sample x (1 forward, 2 for a backward from the kept graph, 3 for the last stage's
   forward and backward in one call or a backward that recomputes its forward) / the server's speed; with
   `max_queue` or `max_wait` a server refuses a call as busy when its queue is that long, or when the work ahead
-  of the call, as a real server estimates it (swarm.backend.wait_ahead, seed_means), is longer than that;
+  of the call, as a real server estimates it (swarm.worker.wait_ahead, seed_means), is longer than that;
 - the network: a message waits for its sender's uplink (each uplink sends one message at a time, first
   come first served: busy whenever it has bytes, as a fair share is), moves at the lesser of that uplink
   and the receiver's downlink (downlinks are not shared), a STREAM_WINDOW at a time (each window past the
@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 from bench.sim.engine import Sim
 from bench.sim.network import ONE_WAY_MS, REGIONS, Endpoint, Network  # noqa: F401 - ONE_WAY_MS: tests and validate.py set it here
 from bench.sim.oracle import finish_on, oracle_ticket
-from swarm.backend import TASK_SECONDS_ALPHA, seed_means, wait_ahead
 from swarm.dht import ServerRecord
 from swarm.dht.schemas import MAX_SERVED_LISTED, PeerMetricsRecord, ServedWork
 from swarm.protocol import BACKWARD, FORWARD
@@ -64,6 +63,7 @@ from swarm.routing.inflight import InFlightWindow
 from swarm.routing.pings import RoundTrips
 from swarm.serving.placement import choose_stage
 from swarm.serving.rebalance import Move, Rebalancer, served_on
+from swarm.worker import TASK_SECONDS_ALPHA, seed_means, wait_ahead
 
 METRICS_PERIOD = 5.0  # seconds between a trainer's metrics records (swarm.trainer's default)
 
@@ -361,7 +361,7 @@ class Swarm:
     # --- compute --------------------------------------------------------------------------------------
     def full(self, server: Server) -> bool:
         """Whether the server refuses a call now as busy: its queue at max_queue, or more than max_wait seconds of
-        work ahead, as a real server estimates it (swarm.backend.wait_ahead: its tasks at their mean time)."""
+        work ahead, as a real server estimates it (swarm.worker.wait_ahead: its tasks at their mean time)."""
         s = self.s
         if s.max_queue is not None and len(server.queue) >= s.max_queue:
             return True

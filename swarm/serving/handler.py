@@ -12,7 +12,6 @@ from typing import Any
 import hivemind
 from prometheus_client import Gauge
 
-from swarm.backend import Overloaded, Worker
 from swarm.protocol import (
     BAD_REQUEST,
     INTERNAL,
@@ -26,6 +25,7 @@ from swarm.protocol import (
     register,
 )
 from swarm.routing.experts import ExpertsUnavailable
+from swarm.worker import Overloaded, Worker
 
 
 class CountingHandler(StageHandler):

@@ -24,7 +24,7 @@ from swarm.averaging import (
     StateDownloadError,
     averaging_prefix,
 )
-from swarm.backend import Overloaded, StageBackend, seed_means
+from swarm.backend import StageBackend
 from swarm.checkpoint.keeper import KeeperScope, StageKeeper
 from swarm.config import RunConfig
 from swarm.dht import BackgroundLoop, ServerRecord, ServerState, SwarmRecords, online, online_steps
@@ -48,6 +48,7 @@ from swarm.protocol import (
 from swarm.routing.experts import ExpertDispatcher, RemoteExperts, expert_call
 from swarm.routing.pipeline import PipelineSettings
 from swarm.state import StageState
+from swarm.worker import Overloaded, seed_means
 
 from .backwards import BACKWARD_CACHE_BYTES, BACKWARD_CACHE_SIZE, RecentBackwards
 from .handler import CountingHandler, InFlight, serve, with_faults

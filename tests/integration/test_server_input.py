@@ -24,7 +24,6 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
 import swarm.serving.handler as serving_handler
-from swarm.backend import Overloaded
 from swarm.dht import ServerState, visible_maddrs
 from swarm.protocol import (
     BACKWARD,
@@ -46,6 +45,7 @@ from swarm.protocol import (
 )
 from swarm.protocol.framing import WireLimits, encode_metadata
 from swarm.serving import ServerOptions, StageServer
+from swarm.worker import Overloaded
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     Peer,

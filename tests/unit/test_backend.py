@@ -7,11 +7,12 @@ import time
 import pytest
 import torch
 
-from swarm.backend import Overloaded, StageBackend, Worker, seed_means, wait_ahead
+from swarm.backend import StageBackend
 from swarm.config import RunConfig
 from swarm.model import build_stage, build_stages
 from swarm.optim import StageOptimizer
 from swarm.protocol import BACKWARD, FORWARD
+from swarm.worker import Overloaded, Worker, seed_means, wait_ahead
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
      "swarm.threads", "swarm.tasks"},
     {"swarm.traffic", "swarm.model", "swarm.data", "swarm.optim"},
     {"swarm.state", "swarm.dht", "swarm.protocol"},
-    {"swarm.averaging", "swarm.checkpoint", "swarm.routing"},
+    {"swarm.averaging", "swarm.checkpoint", "swarm.routing", "swarm.worker"},
     {"swarm.backend", "swarm.export", "swarm.trainer"},
     {"swarm.experts", "swarm.reference"},
     {"swarm.serving"},

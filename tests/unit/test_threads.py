@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.backend import Worker
 from swarm.config import ModelConfig, OptimizerConfig, RunConfig
 from swarm.model import build_stage
 from swarm.optim import StageOptimizer
 from swarm.state import StageState
 from swarm.threads import CHECK_ENV, WrongThread, checks_on
+from swarm.worker import Worker
 
 CONFIG = RunConfig(model=ModelConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16),
                    optimizer=OptimizerConfig(batch_size=2, micro_batch_size=1)).validate()

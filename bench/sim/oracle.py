@@ -10,7 +10,8 @@ from swarm.protocol import FORWARD
 from swarm.routing.balancer import Ticket
 
 if TYPE_CHECKING:
-    from bench.sim.swarm import Server, Trainer
+    from bench.sim.servers import Server
+    from bench.sim.swarm import Trainer
 
 
 def finish_on(trainer: Trainer, candidate: Server, up: float, down: float, work: float,

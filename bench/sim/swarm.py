@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bench.sim.engine import Sim
 from bench.sim.network import ONE_WAY_MS, REGIONS, Endpoint, Network  # noqa: F401 - ONE_WAY_MS: tests and validate.py set it here
 from bench.sim.oracle import finish_on, oracle_ticket
+from bench.sim.servers import Server, Task
 from swarm.dht import ServerRecord
 from swarm.dht.schemas import MAX_SERVED_LISTED, PeerMetricsRecord, ServedWork
 from swarm.protocol import BACKWARD, FORWARD
@@ -114,43 +115,6 @@ class Scenario:
     # trainers routed by an oracle instead of their StageBalancers: each call to the ONLINE server that would answer
     # it first, knowing every queue, what each server has on its way to it, every speed and link (Trainer.call)
     oracle_routing: bool = False
-
-
-@dataclass(eq=False)
-class Task:
-    seconds: float
-    done: Callable[[], None]
-    fail: Callable[[], None]
-    cancelled: bool = False  # its caller gave up before it started: it is skipped
-    kind: str = FORWARD  # its call's (a real server's worker keeps a mean time per kind)
-    ends: float | None = None  # when it is done, once it has started
-
-
-@dataclass(eq=False)
-class Server:
-    peer_id: str
-    speed: float
-    link: Endpoint
-    pinned: bool = False
-    stage: int | None = None
-    state: str = "JOINING"
-    alive: bool = True
-    queue: deque = field(default_factory=deque)  # tasks waiting, first come first served
-    current: Task | None = None  # the task computing now
-    rebalancer: Rebalancer | None = None
-    moves: int = 0
-    task_seconds: dict[str, float] = field(default_factory=dict)  # its mean task time by kind, as a real server's
-    # worker keeps it (Worker.task_seconds), seeded from its measured throughput as StageServer seeds it
-    incoming: float = 0.0  # seconds of work sent to it and not arrived yet (what an oracle routing also knows)
-
-    def backlog(self, now: float) -> float:
-        """Seconds of work queued, and what the one computing has left."""
-        left = max(0.0, self.current.ends - now) if self.current is not None else 0.0
-        return sum(t.seconds for t in self.queue if not t.cancelled) + left
-
-    def throughput(self, scenario: Scenario) -> float:
-        """Samples/s of a forward and backward, as the server announces (its own measure)."""
-        return self.speed / (3 * scenario.seconds_per_sample)
 
 
 # a trainer's call timeout, as swarm.config.NetworkConfig's defaults: 5 x its expected finish, within [5 s, 60 s]

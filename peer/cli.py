@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "flight, 1-2 spread the load (bench/sim: README, A simulator of a large swarm)")
     p.add_argument("--max-wait", type=positive_float, default=None, metavar="SECONDS",
                    help="server, expert: refuse a request as busy while the work queued ahead of it would hold it "
-                   "longer than this (default: never), so callers go to a server that starts it sooner. For "
+                   "longer than this (default: the run config's network.max_wait, else never), so callers go to a "
+                   "server that starts it sooner. For "
                    "large swarms with several servers a stage (bench/sim: about one or two of a fast server's "
                    "tasks; README, A simulator of a large swarm); a server alone in its stage only makes its callers "
                    "wait and retry")
@@ -316,7 +317,7 @@ def run_server(args, config, dht, records, loop, device, registry, stop, metrics
                                 choose_delay=random.uniform(0, JOIN_SPREAD))
         if args.max_queue is not None:
             options.max_queue = args.max_queue
-        options.max_wait = args.max_wait
+        options.max_wait = max_wait(args, config)
         if args.activation_cache_mb is not None:
             options.activation_cache_bytes = int(args.activation_cache_mb * 2**20)
         if args.activation_cache_ttl is not None:
@@ -361,8 +362,13 @@ def run_expert(args, config, dht, records, loop, device, registry, stop, metrics
                             coordinator_peer_id=coordinator)
     if args.max_queue is not None:
         options.max_queue = args.max_queue
-    options.max_wait = args.max_wait
+    options.max_wait = max_wait(args, config)
     serve_until(ExpertServer(config, dht, records, loop, options, registry), stop)
+
+
+def max_wait(args, config) -> float | None:
+    """The seconds of queued work past which this server refuses a request: --max-wait, else the run's setting."""
+    return args.max_wait if args.max_wait is not None else config.network.max_wait
 
 
 def serve_until(server, stop: threading.Event, rebalancer=None):

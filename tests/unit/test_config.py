@@ -100,6 +100,9 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
         ({"network": {"timeout_floor": 90.0, "request_timeout": 60.0}}, "network.timeout_floor"),
         ({"network": {"ban_seconds": 30.0, "max_ban_seconds": 10.0}}, "network.max_ban_seconds"),
         ({"network": {"timeout_multiplier": 0}}, "network.timeout_multiplier"),
+        ({"network": {"max_wait": 0.0}}, "network.max_wait"),
+        ({"network": {"max_wait": float("nan")}}, "network.max_wait"),
+        ({"network": {"max_wait": float("inf")}}, "network.max_wait"),
         ({"optimizer": {"ahead_wait_seconds": 3.0}}, "network.timeout_floor"),  # (its default, 5 s)
         ({"optimizer": {"round_wait_seconds": 2.5}}, "network.timeout_floor"),
         ({"optimizer": {"step_wait_seconds": 1.0}, "network": {"timeout_floor": 2.0}}, "network.timeout_floor"),
@@ -108,6 +111,19 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
 def test_bad_routing_settings_are_rejected(data, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         RunConfig.from_dict(data)
+
+
+def test_a_run_sets_max_wait_for_its_servers_and_a_servers_flag_overrides_it():
+    from argparse import Namespace
+
+    from peer.cli import max_wait
+
+    assert RunConfig().network.max_wait is None
+    config = RunConfig.from_dict({"network": {"max_wait": 1.5}})
+    assert config.network.max_wait == 1.5
+    assert max_wait(Namespace(max_wait=None), config) == 1.5
+    assert max_wait(Namespace(max_wait=0.5), config) == 0.5
+    assert max_wait(Namespace(max_wait=None), RunConfig()) is None
 
 
 def test_a_published_config_with_settings_of_a_newer_version_is_used_without_them(caplog):

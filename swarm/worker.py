@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -20,6 +21,10 @@ T = TypeVar("T")
 UTILIZATION_WINDOW = 30.0  # seconds over which utilization() is measured
 UTILIZATION_MARK_PERIOD = 1.0
 TASK_SECONDS_ALPHA = 0.2  # weight of the newest task in the worker's mean task time (expected_wait)
+# Refusing by time with no limit set (auto_max_wait): a server refuses a caller that has another server to go to
+# while more than this many forwards of its stage's median server are queued ahead of the call...
+AUTO_WAIT_FORWARDS = 0.5
+AUTO_WAIT_FLOOR = 0.5  # ...and never below this many seconds: a refusal costs the caller a round trip and a brief ban
 
 
 class Overloaded(RuntimeError):
@@ -48,6 +53,21 @@ def seed_means(pair_seconds: float, last: bool) -> dict[str, float]:
     of a micro-batch took `pair_seconds`): a forward a third of it, a backward the rest (the whole of it on the
     last stage, whose one call does both)."""
     return {FORWARD: pair_seconds / 3, BACKWARD: pair_seconds if last else 2 * pair_seconds / 3}
+
+
+def auto_max_wait(forward_seconds: float | None, own_throughput: float, stage_throughputs: Iterable[float]
+                  ) -> float | None:
+    """The wait past which a stage server refuses a caller that could go elsewhere, when the run sets no max_wait:
+    AUTO_WAIT_FORWARDS forwards of the stage's median server (this server's mean forward, `forward_seconds`,
+    scaled by its throughput over the median of the stage's announced `stage_throughputs`, its own among them),
+    at least AUTO_WAIT_FLOOR. A fast server then turns callers away before a short queue that a slow one would
+    still take: the bench/sim found one wait in seconds for every server (--max-wait 1.0) put trainers' trips at
+    1.08 of an oracle's routing at 1,000 peers, and none at 1.27; the median is of claims, which a minority of
+    liars does not move. None (no refusing by time) until the server has a forward time and a throughput."""
+    claims = [t for t in stage_throughputs if math.isfinite(t) and t > 0]
+    if forward_seconds is None or not (math.isfinite(own_throughput) and own_throughput > 0) or not claims:
+        return None
+    return max(AUTO_WAIT_FLOOR, AUTO_WAIT_FORWARDS * forward_seconds * own_throughput / statistics.median(claims))
 
 
 class Worker:

@@ -26,19 +26,24 @@ def finish_on(trainer: Trainer, candidate: Server, up: float, down: float, work:
 
 
 def oracle_ticket(trainer: Trainer, stage: int, kind: str, exclude: tuple, prefer: str | None, up: float,
-                  down: float) -> Ticket | None:
-    """The oracle's choice: the ONLINE server the trainer knows of (its last lookup), not among `exclude` and with
-    room in its queue, that would answer the call first, counting what is already on its way to it; charged to
-    the trainer's balancer so that timeouts and reports work as for its own choice. None if there is none."""
+                  down: float) -> tuple[Ticket | None, bool]:
+    """The oracle's choice: the ONLINE server the trainer knows of (its last lookup), not among `exclude`, that
+    would answer the call first, counting what is already on its way to it, among those that would take it now
+    (room in the queue, no refusal by time); if none would, the one answering first among those with room, asked
+    to wait (patient). Charged to the trainer's balancer so that timeouts and reports work as for its own choice.
+    (None, False) if there is none."""
     s = trainer.swarm.s
     n, last = s.micro_batch, stage == s.stages - 1
-    best, best_finish = None, math.inf
+    best: dict[bool, tuple[float, Server | None]] = {False: (math.inf, None), True: (math.inf, None)}
     listed = set(trainer.balancers[stage].listed())
     for c in trainer.swarm.online(stage):
-        if c.peer_id in exclude or c.peer_id not in listed or trainer.swarm.full(c):
+        if c.peer_id in exclude or c.peer_id not in listed or trainer.swarm.full(c, patient=True):
             continue
         work = 1.0 if kind == FORWARD else (3.0 if last or c.peer_id != prefer else 2.0)
         done = finish_on(trainer, c, up, down, work, incoming=True)
-        if done < best_finish:
-            best, best_finish = c, done
-    return None if best is None else trainer.balancers[stage].charge(best.peer_id, n, kind)
+        patient = trainer.swarm.full(c)
+        if done < best[patient][0]:
+            best[patient] = (done, c)
+    patient = best[False][1] is None
+    chosen = best[patient][1]
+    return (None, False) if chosen is None else (trainer.balancers[stage].charge(chosen.peer_id, n, kind), patient)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.sim.swarm import Scenario, Window, simulate  # noqa: E402
+from bench.sim.swarm import AUTO, Scenario, Window, simulate  # noqa: E402
 
 ONLY = {"rebalancing": "rebalancing", "static": "no rebalancing", "oracle": "oracle placement",
         "oracle-routing": "oracle routing"}
@@ -45,6 +45,15 @@ def summary(name: str, windows: list[Window], took: float, events: int) -> str:
             f"{events / 1e6:>6.1f}M")
 
 
+def max_wait(value: str) -> float | str | None:
+    if value in (AUTO, "none"):
+        return None if value == "none" else AUTO
+    seconds = float(value)
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"--max-wait must be 'auto', 'none' or seconds > 0, got {value}")
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", type=int, default=900)
@@ -58,9 +67,10 @@ def main() -> None:
                         "auto does (swarm.routing.inflight.InFlightWindow)")
     p.add_argument("--max-queue", type=int,
                    help="tasks a server queues before it refuses more as busy (swarm-peer's max_queue; default: none)")
-    p.add_argument("--max-wait", type=float,
-                   help="seconds of work queued ahead past which a server refuses a call as busy (swarm-peer's "
-                        "--max-wait; default: none)")
+    p.add_argument("--max-wait", type=max_wait, default=AUTO,
+                   help="seconds of work queued ahead past which a server refuses a call as busy, unless the caller "
+                        "has no other server to go to (swarm-peer's --max-wait); 'auto' (default): as a server with "
+                        "none set, swarm.worker.auto_max_wait; 'none': never")
     p.add_argument("--no-claims", action="store_true",
                    help="trainers do not take servers' announced throughput for their speed before measuring it")
     p.add_argument("--no-pings", action="store_true",
@@ -84,7 +94,7 @@ def main() -> None:
                     seed=args.seed, seconds_per_sample=args.seconds_per_sample,
                     wire_bytes_per_sample=int(args.wire_kb * 1024), micro_batch=args.micro_batch)
     print(f"{args.servers} servers, {args.trainers} trainers, {args.stages} stages, {args.minutes:.0f} min, "
-          f"sessions of {args.session:.0f} s on average, seed {args.seed}")
+          f"sessions of {args.session:.0f} s on average, seed {args.seed}, max wait {args.max_wait}")
     results = []
     sides = (("rebalancing", dict(rebalance=True)), ("no rebalancing", dict(rebalance=False)),
              ("oracle placement", dict(oracle_placement=True)),

@@ -64,7 +64,9 @@ from swarm.routing.inflight import InFlightWindow
 from swarm.routing.pings import RoundTrips
 from swarm.serving.placement import choose_stage
 from swarm.serving.rebalance import Move, Rebalancer, served_on
-from swarm.worker import TASK_SECONDS_ALPHA, seed_means, wait_ahead
+from swarm.worker import TASK_SECONDS_ALPHA, auto_max_wait, seed_means, wait_ahead
+
+AUTO = "auto"  # Scenario.max_wait: what a stage server does with no max_wait set
 
 METRICS_PERIOD = 5.0  # seconds between a trainer's metrics records (swarm.trainer's default)
 
@@ -105,8 +107,9 @@ class Scenario:
     regions: Sequence[str] = REGIONS  # where peers are, drawn uniformly
     seed: int = 0
     max_queue: int | None = None  # tasks a server queues; it refuses more as busy (NOT_READY), None: no limit
-    # seconds of work queued ahead past which a server refuses a call as busy (swarm-peer --max-wait), None: no limit
-    max_wait: float | None = None
+    # seconds of work queued ahead past which a server refuses a call as busy (swarm-peer --max-wait), None: no limit,
+    # AUTO: as a server with none set (swarm.worker.auto_max_wait); either way a caller with nowhere else to go waits
+    max_wait: float | str | None = None
     claims: bool = True  # trainers take a server's announced throughput for it until they measure it
     pings: bool = True  # trainers time a round trip to each server and count it in an untried server's calls
     # servers placed by an oracle instead (Swarm._oracle_place): joiners to the stage weakest by every server's
@@ -143,6 +146,7 @@ class Swarm:
         self._ids = 0
         self._records: tuple[int, dict] | None = None  # (version, records) while no server changes state
         self._version = 0  # bumped whenever a server's stage or state changes
+        self._auto: tuple[int, dict[str, float | None]] = (-1, {})  # (version, each server's auto max_wait)
 
     # --- peers --------------------------------------------------------------------------------------
     def _pick(self, table):
@@ -323,25 +327,38 @@ class Swarm:
         return min(sum(s.throughput(self.s) for s in self.online(k)) for k in range(self.s.stages))
 
     # --- compute --------------------------------------------------------------------------------------
-    def full(self, server: Server) -> bool:
-        """Whether the server refuses a call now as busy: its queue at max_queue, or more than max_wait seconds of
-        work ahead, as a real server estimates it (swarm.worker.wait_ahead: its tasks at their mean time)."""
+    def full(self, server: Server, patient: bool = False) -> bool:
+        """Whether the server refuses a call now as busy: its queue at max_queue, or, unless the caller is `patient`
+        (it has no other server to go to), more than max_wait seconds of work ahead, as a real server estimates it
+        (swarm.worker.wait_ahead: its tasks at their mean time; with AUTO, swarm.worker.auto_max_wait)."""
         s = self.s
         if s.max_queue is not None and len(server.queue) >= s.max_queue:
             return True
-        if s.max_wait is None:
+        limit = self._auto_wait(server) if s.max_wait == AUTO else s.max_wait
+        if limit is None or patient:
             return False
         waiting = Counter(t.kind for t in server.queue if not t.cancelled)
         task = server.current
         running = None if task is None else (task.kind, self.sim.now - (task.ends - task.seconds))
-        return wait_ahead(waiting, server.task_seconds, running) > s.max_wait
+        return wait_ahead(waiting, server.task_seconds, running) > limit
+
+    def _auto_wait(self, server: Server) -> float | None:
+        """The server's auto_max_wait from its stage's records (as a real server reads them), cached while no
+        server changes state."""
+        if self._auto[0] != self._version:
+            self._auto = (self._version, {})
+        known = self._auto[1]
+        if server.peer_id not in known:
+            claims = [r.throughput for r in self.records().get(server.stage, ())]
+            known[server.peer_id] = auto_max_wait(server.task_seconds.get(FORWARD), server.throughput(self.s), claims)
+        return known[server.peer_id]
 
     def submit(self, server: Server, seconds: float, done: Callable[[], None], fail: Callable[[], None],
-               kind: str = FORWARD) -> Task | None:
+               kind: str = FORWARD, patient: bool = False) -> Task | None:
         if not server.alive or server.state != "ONLINE":
             self.sim.after(0.0, fail)
             return None
-        if self.full(server):
+        if self.full(server, patient):
             self.sim.after(0.0, fail, True)
             return None
         task = Task(seconds, done, fail, kind=kind)
@@ -438,9 +455,12 @@ class Trainer:
         prefer = forwards[stage] if kind == BACKWARD and not last and stage < len(forwards) else None
         up, down = self._message_bytes(stage, kind, n)
         if s.oracle_routing:
-            ticket = oracle_ticket(self, stage, kind, exclude, prefer, up, down)
+            ticket, patient = oracle_ticket(self, stage, kind, exclude, prefer, up, down)
         else:
             ticket = self.balancers[stage].choose(n, kind, exclude=exclude, prefer=prefer)
+            # as RemotePipeline: a call to the only server it may go to now asks that server to take it however
+            # long it waits (a server refusing by time would only send it back to wait here)
+            patient = ticket is not None and not self.balancers[stage].available((*exclude, ticket.peer_id))
         if ticket is None:  # nobody serves the stage now: look again shortly
             sim.after(1.0, self.call, stage, kind, forwards, tries, (), began, first)
             return
@@ -500,7 +520,7 @@ class Trainer:
 
         def arrived() -> None:
             server.incoming -= seconds
-            task[0] = self.swarm.submit(server, seconds, computed, fail, kind)
+            task[0] = self.swarm.submit(server, seconds, computed, fail, kind, patient)
 
         server.incoming += seconds
         sim.after(s.call_overhead, self.swarm.net.send, self.link, server.link, up, arrived)

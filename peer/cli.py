@@ -97,6 +97,13 @@ def positive_float(value: str) -> float:
     return x
 
 
+def wait_seconds(value: str) -> float:
+    x = float(value)
+    if not 0 < x <= math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (inf: never), got {value}")
+    return x
+
+
 def dht_problem(dht) -> str | None:
     """Why this peer cannot do its job right now (for /healthz), or None."""
     return None if dht.is_alive() else "its DHT process has exited"
@@ -153,13 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server, expert: tasks queued for compute before more are refused as busy, so callers go "
                    "to another server (default: 64). In a large swarm whose trainers keep many micro-batches in "
                    "flight, 1-2 spread the load (bench/sim: README, A simulator of a large swarm)")
-    p.add_argument("--max-wait", type=positive_float, default=None, metavar="SECONDS",
+    p.add_argument("--max-wait", type=wait_seconds, default=None, metavar="SECONDS",
                    help="server, expert: refuse a request as busy while the work queued ahead of it would hold it "
-                   "longer than this (default: the run config's network.max_wait, else never), so callers go to a "
-                   "server that starts it sooner. For "
-                   "large swarms with several servers a stage (bench/sim: about one or two of a fast server's "
-                   "tasks; README, A simulator of a large swarm); a server alone in its stage only makes its callers "
-                   "wait and retry")
+                   "longer than this, unless its caller has no other server to go to, so callers go to a server "
+                   "that starts it sooner; inf: never (default: the run config's network.max_wait, else for a stage "
+                   "server half a forward of its stage's median server, at least 0.5 s, and for an expert host "
+                   "never; README, Refusing by time)")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")
     p.add_argument("--inject-slowdown", type=at_least_one, default=1.0, metavar="FACTOR",

@@ -385,9 +385,9 @@ class NetworkConfig:
     ban_seconds: float = 15.0  # a failed server is avoided this long, doubling per repeated failure...
     max_ban_seconds: float = 300.0  # ...up to this; a success resets it
     bootstrap_timeout: float = 30.0  # joining the DHT and finding the run config
-    # a server refuses a request as busy while the work queued ahead of it would hold it longer than this (swarm-peer
-    # --max-wait, which overrides it); None: never. For large swarms with several servers a stage (README, Refusing
-    # by time)
+    # a stage server refuses a request as busy while the work queued ahead of it would hold it longer than this, unless
+    # its caller has no other server to go to (swarm-peer --max-wait overrides it); None: swarm.worker.auto_max_wait,
+    # from the stage's median server (an expert host: never); .inf: never (README, Refusing by time)
     max_wait: float | None = None
 
     def validate(self) -> None:
@@ -395,8 +395,9 @@ class NetworkConfig:
                      "ban_seconds", "max_ban_seconds", "bootstrap_timeout"):
             _positive(self, name, "network")
         _ordered(self, ("timeout_floor", "request_timeout"), "network")
-        if self.max_wait is not None and not 0 < self.max_wait < math.inf:
-            raise ConfigError(f"network.max_wait must be a finite number of seconds > 0 or null, got {self.max_wait}")
+        if self.max_wait is not None and not 0 < self.max_wait <= math.inf:
+            raise ConfigError(f"network.max_wait must be a number of seconds > 0 (.inf: never) or null (auto), got "
+                              f"{self.max_wait}")
         if self.max_ban_seconds < self.ban_seconds:
             raise ConfigError(f"network.max_ban_seconds ({self.max_ban_seconds}) must be at least "
                               f"network.ban_seconds ({self.ban_seconds})")

@@ -63,9 +63,10 @@ def auto_max_wait(forward_seconds: float | None, own_throughput: float, stage_th
     at least AUTO_WAIT_FLOOR. A fast server then turns callers away before a short queue that a slow one would
     still take: the bench/sim found one wait in seconds for every server (--max-wait 1.0) put trainers' trips at
     1.08 of an oracle's routing at 1,000 peers, and none at 1.27; the median is of claims, which a minority of
-    liars does not move. None (no refusing by time) until the server has a forward time and a throughput."""
+    liars does not move. None (no refusing by time) until the server has a forward time and a throughput, and
+    while it is alone in its stage (one claim, its own): refused, its callers would only wait and ask again."""
     claims = [t for t in stage_throughputs if math.isfinite(t) and t > 0]
-    if forward_seconds is None or not (math.isfinite(own_throughput) and own_throughput > 0) or not claims:
+    if forward_seconds is None or not (math.isfinite(own_throughput) and own_throughput > 0) or len(claims) < 2:
         return None
     return max(AUTO_WAIT_FLOOR, AUTO_WAIT_FORWARDS * forward_seconds * own_throughput / statistics.median(claims))
 

@@ -13,6 +13,8 @@ A backward may carry `forward_step`: the step the stage reported in its forward 
 server can tell how many of its own steps the micro-batch's gradient is stale by. A forward may
 carry `backward_follows: true`: the caller will send this micro-batch's backward (same request
 id), so the server may keep the forward's graph for it instead of recomputing the forward then.
+A request may carry `patient: true`: its caller has no other server of the stage to go to now, so a server
+refusing by time (its max_wait) takes it however long it waits; a full queue still refuses it.
 
 Expert servers (model.moe.expert_servers) take the same messages under their own namespace
 (`experts_namespace`): `stage` is then the MoE block's index, `inputs` the tokens [rows, d_model]
@@ -72,6 +74,7 @@ class StageRequest:
     wire_dtype: str = "float32"
     forward_step: int | None = None  # backward: the step this stage reported when it ran the forward
     backward_follows: bool = False  # forward: the caller will send the backward of this micro-batch
+    patient: bool = False  # the caller has no other server to go to: not refused by time (max_wait)
     experts: list[tuple[int, int]] | None = None  # expert calls: (expert, rows of inputs) in order
     samples: int | None = None  # expert backward: sequences of the micro-batch the tokens come from
     stage_step: int | None = None  # expert backward: the calling stage's optimizer step
@@ -91,6 +94,8 @@ class StageRequest:
             raise ProtocolError(f"forward_step must be a non-negative integer, got {self.forward_step!r}")
         if not isinstance(self.backward_follows, bool):
             raise ProtocolError(f"backward_follows must be a boolean, got {self.backward_follows!r}")
+        if not isinstance(self.patient, bool):
+            raise ProtocolError(f"patient must be a boolean, got {self.patient!r}")
         if self.targets is not None and (self.targets.is_floating_point() or self.targets.is_complex()):
             raise ProtocolError(f"targets must be integer token ids, got {self.targets.dtype}")
         if self.grad_outputs is not None and not self.grad_outputs.is_floating_point():
@@ -126,6 +131,8 @@ class StageRequest:
             meta["forward_step"] = self.forward_step
         if self.backward_follows:
             meta["backward_follows"] = True
+        if self.patient:
+            meta["patient"] = True
         for name in ("experts", "samples", "stage_step", "moe_lost"):
             if getattr(self, name) is not None:
                 meta[name] = getattr(self, name)
@@ -177,6 +184,7 @@ def parse_request(meta: dict, tensors: list[torch.Tensor]) -> StageRequest:
         wire_dtype=meta.get("wire_dtype", "float32"),
         forward_step=meta.get("forward_step"),
         backward_follows=meta.get("backward_follows", False),
+        patient=meta.get("patient", False),
         experts=meta.get("experts"),
         samples=meta.get("samples"),
         stage_step=meta.get("stage_step"),

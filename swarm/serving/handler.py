@@ -50,16 +50,18 @@ class CountingHandler(StageHandler):
             self._count(request.kind, BAD_REQUEST)
             raise RequestRejected(BAD_REQUEST, str(e)) from None
 
-    def _check_room(self, kind: str, what: str, max_wait: float | None) -> None:
+    def _check_room(self, kind: str, what: str, max_wait: float | None, patient: bool = False) -> None:
         """Refuse (not_ready), from a request's metadata alone, what the worker has no room for: its queue full,
         or with `max_wait`, more queued work ahead of the request than this server lets a caller wait (in a swarm
-        with several servers a stage, the caller is better served by another: README, Where servers go)."""
+        with several servers a stage, the caller is better served by another: README, Where servers go), unless
+        the caller is `patient` (it says it has no other server to go to: refused, it would only wait and ask
+        again; a stranger saying so only gets the queue max_queue bounds anyway)."""
         worker = self.worker
         if worker.queue_depth >= worker.max_queue:  # the worker would refuse it (Overloaded) once read
             self._count(kind, NOT_READY)
             raise RequestRejected(NOT_READY, f"{what} has {worker.queue_depth} tasks queued, its limit (max_queue "
                                              f"{worker.max_queue}); try again later")
-        if max_wait is not None and (wait := worker.expected_wait()) > max_wait:
+        if max_wait is not None and not patient and (wait := worker.expected_wait()) > max_wait:
             self._count(kind, NOT_READY)
             raise RequestRejected(NOT_READY, f"{what} has {wait:.2f}s of work queued ahead, past its limit (max_wait "
                                              f"{max_wait:g}s); try another server or later")

@@ -35,6 +35,9 @@ class ServerMetrics:
             lambda: backend().utilization() if backend() else 0.0)
         self.throughput = Gauge("swarm_server_throughput_samples_per_second", "Announced throughput",
                                 registry=registry)
+        self.wait_limit = Gauge("swarm_server_wait_limit_seconds", "Seconds of queued work past which a request "
+                                "whose caller could go elsewhere is refused (max_wait, or auto_max_wait; 0: never)",
+                                registry=registry)
         self.staleness = Histogram(
             "swarm_server_backward_staleness_steps",
             "Optimizer steps this stage took between a micro-batch's forward and its backward (0: exact)",

@@ -36,6 +36,7 @@ from swarm.optim import StageOptimizer
 from swarm.protocol import (
     BAD_REQUEST,
     DEFAULT_RECEIVE_TIMEOUT,
+    FORWARD,
     NOT_READY,
     WRONG_STAGE,
     RequestLimits,
@@ -48,7 +49,7 @@ from swarm.protocol import (
 from swarm.routing.experts import ExpertDispatcher, RemoteExperts, expert_call
 from swarm.routing.pipeline import PipelineSettings
 from swarm.state import StageState
-from swarm.worker import Overloaded, seed_means
+from swarm.worker import Overloaded, auto_max_wait, seed_means
 
 from .backwards import BACKWARD_CACHE_BYTES, BACKWARD_CACHE_SIZE, RecentBackwards
 from .handler import CountingHandler, InFlight, serve, with_faults
@@ -70,7 +71,9 @@ class ServerOptions:
     choose_delay: float = 0.0  # with stage None, seconds to wait before choosing (joiners of one wave spread)
     device: str = "cpu"
     max_queue: int = 64
-    max_wait: float | None = None  # seconds of queued work past which requests are refused (not_ready); None: none
+    # seconds of queued work past which requests are refused (not_ready), unless their caller has no other server to
+    # go to; None: auto_max_wait from the stage's records (inf: never)
+    max_wait: float | None = None
     inject_delay: float = 0.0  # seconds added to every request (fault injection)
     inject_slowdown: float = 1.0  # compute held this many times as long, throughput announced that much lower (same)
     # what its JOINING record announces: a moving server's throughput as measured on the stage it left, so
@@ -121,6 +124,7 @@ class StageServer(ServerLifecycle):
         self.dispatcher: ExpertDispatcher | None = None  # reaches this stage's experts, if they live on expert servers
         self.service: StageService | None = None  # the stage RPCs it answers, once registered
         self.throughput = options.joining_throughput
+        self.auto_wait: float | None = None  # auto_max_wait while options.max_wait is None (renewed each tick)
         self.stepped_samples = 0  # the samples in the steps this server took since it started (its own and its peers')
         self.served_samples = 0  # the samples of the backwards it answered (swarm_server_samples_total)
         self.registry = registry or CollectorRegistry()
@@ -178,6 +182,7 @@ class StageServer(ServerLifecycle):
                                             module.is_last).items():
                 self.backend.task_seconds.setdefault(kind, seconds)
         self._reach_experts(module)
+        self._renew_auto_wait()
         handler = InFlight(with_faults(StageRequestHandler(self), self.options.inject_delay,
                                        self.options.inject_failure_rate), self.metrics.in_flight)
         self.service = self._serve(serve(self._p2p, handler, stage_namespace(self.config.run_id, stage),
@@ -250,6 +255,21 @@ class StageServer(ServerLifecycle):
             return f"the run's other stages are at step {max(steps)}"
         return None
 
+    @property
+    def wait_limit(self) -> float | None:
+        """Seconds of queued work past which a caller that could go elsewhere is refused (None: not refused by time)."""
+        return self.options.max_wait if self.options.max_wait is not None else self.auto_wait
+
+    def _renew_auto_wait(self) -> None:
+        """With no max_wait set: auto_max_wait from this server's forward time and its stage's announced throughputs
+        (the median of claims: README, Refusing by time)."""
+        if self.options.max_wait is None and self.stage is not None and self.backend is not None:
+            others = online(self.records.lookup_servers(self.stage), other_than=self.peer_id)
+            claims = [self.throughput, *(r.throughput for r in others)]
+            self.auto_wait = auto_max_wait(self.backend.task_seconds.get(FORWARD), self.throughput, claims)
+        limit = self.wait_limit
+        self.metrics.wait_limit.set(0.0 if limit is None or limit == float("inf") else limit)
+
     def measure_now(self) -> float:
         """The stage's throughput (samples/s) timed now, on whatever else the machine is doing."""
         return stage_throughput(self.backend, self.config) / self.options.inject_slowdown
@@ -288,6 +308,10 @@ class StageServer(ServerLifecycle):
             self.refresh_experts()
         except Exception as e:
             log.warning("expert server lookup failed: %s", e)
+        try:
+            self._renew_auto_wait()
+        except Exception as e:  # the last limit stays
+            log.warning("stage lookup for the wait limit failed: %s", e)
         if self.backend.cache is not None:  # graphs whose backward never came go even when no request does
             with contextlib.suppress(Overloaded, RuntimeError):
                 self.backend.submit(self.backend.cache.expire)
@@ -362,7 +386,7 @@ class StageRequestHandler(CountingHandler):
         stage = meta.get("stage")
         known = isinstance(stage, int) and not isinstance(stage, bool) and stage >= 0  # else parsing refuses it
         self._check_serving(kind, stage if known else None)
-        self._check_room(kind, f"stage {self.server.stage}", self.server.options.max_wait)
+        self._check_room(kind, f"stage {self.server.stage}", self.server.wait_limit, meta.get("patient") is True)
 
     async def forward(self, request: StageRequest) -> StageReply:
         started = time.perf_counter()

@@ -378,6 +378,7 @@ def test_with_max_wait_a_request_is_refused_from_its_metadata_while_the_work_ahe
     longer than the limit; answered once that work is done."""
     server, stub = swarm.servers[0], swarm.stubs[0]
     backend, release, started = server.backend, threading.Event(), threading.Event()
+    means = dict(backend.task_seconds)
     server.options.max_wait = 1.0
     try:
         check_good_reply(0, good_reply(swarm, stub, 0))  # nothing queued: served at once
@@ -398,6 +399,40 @@ def test_with_max_wait_a_request_is_refused_from_its_metadata_while_the_work_ahe
     finally:
         release.set()
         server.options.max_wait = None
+        backend.task_seconds.clear()
+        backend.task_seconds.update(means)
+
+
+def test_a_caller_with_nowhere_else_to_go_is_not_refused_by_time(swarm):
+    """With no max_wait set a server alone in its stage has no limit (auto_max_wait); where it has one, a request
+    saying `patient` (its caller has no other server to go to) is queued however long it waits."""
+    server, stub = swarm.servers[0], swarm.stubs[0]
+    backend, release, started = server.backend, threading.Event(), threading.Event()
+    means = dict(backend.task_seconds)
+    assert server.options.max_wait is None and server.wait_limit is None  # alone in stage 0: never refused by time
+    server.auto_wait = 0.5  # as a server with stage-mates works it out
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        backend.task_seconds.update({FORWARD: 30.0, BACKWARD: 30.0})
+        held = backend.submit(lambda: (started.set(), release.wait(CALL_TIMEOUT)), kind=BACKWARD)
+        assert started.wait(CALL_TIMEOUT)
+        x = torch.randint(0, VOCAB, (MICRO, SEQ))
+        with pytest.raises(RemoteStageError) as error:
+            swarm.call(stub.call(StageRequest(FORWARD, 0, "impatient", x)))
+        assert error.value.code == NOT_READY and "(max_wait 0.5s)" in error.value.message
+        request = good_request(0)
+        request.patient = True
+        patient = pool.submit(swarm.call, stub.call(request))
+        wait_until(lambda: backend.queue_depth == 2, CALL_TIMEOUT, what="the patient forward queued behind")
+        release.set()
+        held.result(CALL_TIMEOUT)
+        check_good_reply(0, patient.result(CALL_TIMEOUT))
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+        server.auto_wait = None
+        backend.task_seconds.clear()
+        backend.task_seconds.update(means)
 
 
 def test_a_request_is_refused_from_its_metadata_while_the_queue_is_full(swarm):

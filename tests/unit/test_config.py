@@ -102,7 +102,7 @@ def test_bad_yaml_and_missing_file_are_config_errors(tmp_path):
         ({"network": {"timeout_multiplier": 0}}, "network.timeout_multiplier"),
         ({"network": {"max_wait": 0.0}}, "network.max_wait"),
         ({"network": {"max_wait": float("nan")}}, "network.max_wait"),
-        ({"network": {"max_wait": float("inf")}}, "network.max_wait"),
+        ({"network": {"max_wait": -1.0}}, "network.max_wait"),
         ({"optimizer": {"ahead_wait_seconds": 3.0}}, "network.timeout_floor"),  # (its default, 5 s)
         ({"optimizer": {"round_wait_seconds": 2.5}}, "network.timeout_floor"),
         ({"optimizer": {"step_wait_seconds": 1.0}, "network": {"timeout_floor": 2.0}}, "network.timeout_floor"),
@@ -123,7 +123,8 @@ def test_a_run_sets_max_wait_for_its_servers_and_a_servers_flag_overrides_it():
     assert config.network.max_wait == 1.5
     assert max_wait(Namespace(max_wait=None), config) == 1.5
     assert max_wait(Namespace(max_wait=0.5), config) == 0.5
-    assert max_wait(Namespace(max_wait=None), RunConfig()) is None
+    assert max_wait(Namespace(max_wait=None), RunConfig()) is None  # the stage server's auto_max_wait
+    assert RunConfig.from_dict({"network": {"max_wait": float("inf")}}).network.max_wait == float("inf")  # never
 
 
 def test_a_published_config_with_settings_of_a_newer_version_is_used_without_them(caplog):

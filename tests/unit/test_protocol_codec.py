@@ -159,6 +159,15 @@ def test_a_forward_says_whether_its_backward_follows_and_never_who_sent_it():
     assert _gather(request_frames(StageRequest(FORWARD, 0, "mb", torch.ones(2, 3)))).backward_follows is False
 
 
+
+def test_a_request_says_whether_its_caller_has_nowhere_else_to_go():
+    received = _gather(request_frames(StageRequest(BACKWARD, 1, "mb", torch.ones(2, 3), grad_outputs=torch.ones(2, 3),
+                                                   patient=True)))
+    assert received.patient is True
+    assert "patient" not in StageRequest(FORWARD, 0, "mb", torch.ones(2, 3)).metadata()  # only said when true
+    assert _gather(request_frames(StageRequest(FORWARD, 0, "mb", torch.ones(2, 3)))).patient is False
+
+
 def test_last_stage_requests_carry_targets():
     ids, targets = torch.randint(0, 100, (2, 5)), torch.randint(0, 100, (2, 5))
     for kind in (FORWARD, BACKWARD):
@@ -200,6 +209,8 @@ def test_reply_round_trip_and_error_reply():
         (dict(kind=BACKWARD, stage=0, request_id="r", forward_step=True), 2, "forward_step"),
         (dict(kind=FORWARD, stage=0, request_id="r", backward_follows=1), 1, "backward_follows"),
         (dict(kind=FORWARD, stage=0, request_id="r", backward_follows="true"), 1, "backward_follows"),
+        (dict(kind=FORWARD, stage=0, request_id="r", patient=1), 1, "patient"),
+        (dict(kind=FORWARD, stage=0, request_id="r", patient="true"), 1, "patient"),
     ],
 )
 def test_invalid_requests_raise_protocol_error(meta, tensor_count, match):

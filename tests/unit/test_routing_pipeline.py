@@ -343,3 +343,31 @@ def test_a_backward_is_pinned_to_the_server_whose_forward_ran_on_look_ahead_para
     p.trip("t:0:2")
     assert pins == [True, False]
     assert p.open_tickets() == 0
+
+
+def test_a_call_with_no_other_server_to_go_to_says_so():
+    """`patient`: a server refusing by time (max_wait) takes the call anyway when the trainer has no other server of
+    the stage to send it to: the only server listed, the last one not banned, or the one a pinned backward needs."""
+    said = []
+
+    async def behaviour(stage: int, peer: str, request: StageRequest) -> StageReply:
+        said.append((stage, peer, request.kind, request.patient))
+        if peer == "a0" and not request.patient and request.request_id == "t:0:1":
+            raise RemoteStageError(NOT_READY, "2.00s of work queued ahead, past its limit (max_wait 0.5s)")
+        reply = answer(stage, request, 2)
+        if stage == 0 and request.kind == FORWARD and request.request_id == "t:0:2":
+            reply.info["ahead"] = True  # its backward is pinned here
+        return reply
+
+    p = FakePipeline({0: ["a0", "b0"], 1: ["c1"]}, behaviour)
+    p.trip("t:0:1")
+    # a0 (first by id) refuses, and is banned: b0 is then the last one left; c1 is alone in stage 1
+    assert said == [(0, "a0", FORWARD, False), (0, "b0", FORWARD, True), (1, "c1", BACKWARD, True),
+                    (0, "b0", BACKWARD, True)]
+    p.clock.now += 60  # a0's ban is over, and it has room now
+    said.clear()
+    p.trip("t:0:2")
+    forward, backward = said[0], said[-1]
+    assert forward[2] == FORWARD and not forward[3]  # a0 and b0 both available
+    assert backward[2] == BACKWARD and backward[1] == forward[1] and backward[3]  # pinned to its forward's server
+    assert p.open_tickets() == 0

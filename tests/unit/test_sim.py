@@ -75,6 +75,30 @@ def test_with_max_wait_a_server_refuses_while_its_tasks_ahead_at_their_mean_time
     swarm.sim.run(swarm.sim.now)
     assert len(refused) == 2 and len(server.queue) == 2  # taken
 
+    swarm.submit(server, 0.5, lambda: None, lambda *brief: refused.append(("patient", brief)), patient=True)
+    swarm.sim.run(swarm.sim.now)
+    assert len(refused) == 2 and len(server.queue) == 3  # a caller with nowhere else to go is taken however long
+
+
+def test_as_auto_a_server_refuses_past_half_a_forward_of_its_stages_median_server_and_never_alone():
+    # forwards of 400 samples at 0.01 s: 4 s on a speed-1 server, 2 s on the speed-2 one; the median claim of the
+    # stage (speeds 1, 1 and 2) is speed 1's, so the limit is 2 s for all three (half a forward of speed 1)
+    swarm = model.Swarm(Scenario(max_wait=model.AUTO, micro_batch=400, seconds_per_sample=0.01, **QUIET))
+    alone = swarm.add_server(1, 1.0)
+    servers = [swarm.add_server(0, speed) for speed in (1.0, 1.0, 2.0)]
+    for server in (alone, *servers):
+        server.state = "ONLINE"
+    swarm._version += 1  # (as a join does)
+    assert [swarm._auto_wait(s) for s in servers] == pytest.approx([2.0, 2.0, 2.0])
+    assert swarm._auto_wait(alone) is None
+    refused = []
+    for server in (alone, servers[2]):
+        for name in ("runs", "waits 2 s", "would wait 4 s"):
+            swarm.submit(server, 2.0, lambda: None,
+                         lambda *brief, name=name, peer=server.peer_id: refused.append((peer, name)))
+    swarm.sim.run(swarm.sim.now)
+    assert refused == [(servers[2].peer_id, "would wait 4 s")]
+
 
 def test_answered_counts_the_refusals_and_retries_of_a_call_from_its_first_choice():
     # two equal servers a stage, one refusing beyond one task queued: calls that are refused are answered later

@@ -458,9 +458,9 @@ class Trainer:
             ticket, patient = oracle_ticket(self, stage, kind, exclude, prefer, up, down)
         else:
             ticket = self.balancers[stage].choose(n, kind, exclude=exclude, prefer=prefer)
-            # as RemotePipeline: a call to the only server it may go to now asks that server to take it however
-            # long it waits (a server refusing by time would only send it back to wait here)
-            patient = ticket is not None and not self.balancers[stage].available((*exclude, ticket.peer_id))
+            # as RemotePipeline: a call to the stage's only server asks it to take the call however long it waits (a
+            # server refusing by time would only send it back to wait here)
+            patient = ticket is not None and self.balancers[stage].listed() == [ticket.peer_id]
         if ticket is None:  # nobody serves the stage now: look again shortly
             sim.after(1.0, self.call, stage, kind, forwards, tries, (), began, first)
             return

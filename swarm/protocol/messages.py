@@ -13,8 +13,9 @@ A backward may carry `forward_step`: the step the stage reported in its forward 
 server can tell how many of its own steps the micro-batch's gradient is stale by. A forward may
 carry `backward_follows: true`: the caller will send this micro-batch's backward (same request
 id), so the server may keep the forward's graph for it instead of recomputing the forward then.
-A request may carry `patient: true`: its caller has no other server of the stage to go to now, so a server
-refusing by time (its max_wait) takes it however long it waits; a full queue still refuses it.
+A request may carry `patient: true`: its caller knows no other server of the stage (or the call is a backward
+that belongs on this server), so a server refusing by time (its max_wait) takes it however long it waits; a full
+queue still refuses it.
 
 Expert servers (model.moe.expert_servers) take the same messages under their own namespace
 (`experts_namespace`): `stage` is then the MoE block's index, `inputs` the tokens [rows, d_model]

@@ -408,18 +408,17 @@ def test_while_its_round_runs_on_look_ahead_parameters_every_reply_says_ahead():
         backend.shutdown()
 
 
-def test_the_auto_wait_limit_is_half_a_forward_of_the_stages_median_server_by_hand():
-    assert (AUTO_WAIT_FORWARDS, AUTO_WAIT_FLOOR) == (0.5, 0.5)  # the figures below are worked out with these
+def test_the_auto_wait_limit_is_a_share_of_a_forward_of_the_stages_median_server_by_hand():
+    assert (AUTO_WAIT_FORWARDS, AUTO_WAIT_FLOOR) == (0.3, 0.5)  # the figures below are worked out with these
     # a forward takes this server 4 s at 10 samples/s; the stage's median claim is 20: its median server's forward
-    # takes 2 s, and half of it is 1 s
-    assert auto_max_wait(4.0, 10.0, [10.0, 20.0, 40.0]) == 1.0
-    assert auto_max_wait(4.0, 40.0, [10.0, 20.0, 40.0]) == 4.0  # a fast server's 4 s forward: a slow stage
+    # takes 2 s, and 0.3 of it is 0.6 s
+    assert auto_max_wait(4.0, 10.0, [10.0, 20.0, 40.0]) == pytest.approx(0.6)
+    assert auto_max_wait(4.0, 40.0, [10.0, 20.0, 40.0]) == pytest.approx(2.4)  # a fast server taking 4 s: slow stage
     assert auto_max_wait(0.1, 10.0, [10.0, 20.0, 40.0]) == AUTO_WAIT_FLOOR  # never below the floor
     # a liar's claim among honest ones does not move the median past an honest server's
-    assert auto_max_wait(4.0, 10.0, [10.0, 20.0, 40.0, 1e12]) == 4.0 * 10.0 / 30.0 * 0.5
+    assert auto_max_wait(8.0, 10.0, [10.0, 20.0, 40.0, 1e12]) == pytest.approx(0.3 * 8.0 * 10.0 / 30.0)
     # claims that are not throughputs are left out; alone in its stage (its own claim only), or not measured yet:
     # no limit (its callers have nowhere else to go)
     assert auto_max_wait(4.0, 10.0, [10.0, 0.0, float("nan"), float("inf"), -5.0]) is None
     assert auto_max_wait(None, 10.0, [10.0, 20.0]) is None
     assert auto_max_wait(4.0, 0.0, [10.0, 20.0]) is None
-

@@ -80,24 +80,25 @@ def test_with_max_wait_a_server_refuses_while_its_tasks_ahead_at_their_mean_time
     assert len(refused) == 2 and len(server.queue) == 3  # a caller with nowhere else to go is taken however long
 
 
-def test_as_auto_a_server_refuses_past_half_a_forward_of_its_stages_median_server_and_never_alone():
+def test_as_auto_a_server_refuses_past_a_share_of_a_forward_of_its_stages_median_server_and_never_alone():
     # forwards of 400 samples at 0.01 s: 4 s on a speed-1 server, 2 s on the speed-2 one; the median claim of the
-    # stage (speeds 1, 1 and 2) is speed 1's, so the limit is 2 s for all three (half a forward of speed 1)
+    # stage (speeds 1, 1 and 2) is speed 1's, so the limit is 0.3 x 4 = 1.2 s for all three
     swarm = model.Swarm(Scenario(max_wait=model.AUTO, micro_batch=400, seconds_per_sample=0.01, **QUIET))
     alone = swarm.add_server(1, 1.0)
     servers = [swarm.add_server(0, speed) for speed in (1.0, 1.0, 2.0)]
     for server in (alone, *servers):
         server.state = "ONLINE"
     swarm._version += 1  # (as a join does)
-    assert [swarm._auto_wait(s) for s in servers] == pytest.approx([2.0, 2.0, 2.0])
+    assert [swarm._auto_wait(s) for s in servers] == pytest.approx([1.2, 1.2, 1.2])
     assert swarm._auto_wait(alone) is None
+    # forwards, each counted at its server's mean forward (2 s on the speed-2 server): the second would wait 2 s
     refused = []
     for server in (alone, servers[2]):
-        for name in ("runs", "waits 2 s", "would wait 4 s"):
+        for name in ("runs", "would wait 2 s"):
             swarm.submit(server, 2.0, lambda: None,
                          lambda *brief, name=name, peer=server.peer_id: refused.append((peer, name)))
     swarm.sim.run(swarm.sim.now)
-    assert refused == [(servers[2].peer_id, "would wait 4 s")]
+    assert refused == [(servers[2].peer_id, "would wait 2 s")]
 
 
 def test_answered_counts_the_refusals_and_retries_of_a_call_from_its_first_choice():

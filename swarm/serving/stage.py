@@ -264,9 +264,13 @@ class StageServer(ServerLifecycle):
         """With no max_wait set: auto_max_wait from this server's forward time and its stage's announced throughputs
         (the median of claims: README, Refusing by time)."""
         if self.options.max_wait is None and self.stage is not None and self.backend is not None:
-            others = online(self.records.lookup_servers(self.stage), other_than=self.peer_id)
-            claims = [self.throughput, *(r.throughput for r in others)]
-            self.auto_wait = auto_max_wait(self.backend.task_seconds.get(FORWARD), self.throughput, claims)
+            try:
+                others = online(self.records.lookup_servers(self.stage), other_than=self.peer_id)
+            except Exception as e:  # the last limit stays
+                log.warning("stage lookup for the wait limit failed: %s", e)
+            else:
+                claims = [self.throughput, *(r.throughput for r in others)]
+                self.auto_wait = auto_max_wait(self.backend.task_seconds.get(FORWARD), self.throughput, claims)
         limit = self.wait_limit
         self.metrics.wait_limit.set(0.0 if limit is None or limit == float("inf") else limit)
 
@@ -308,10 +312,7 @@ class StageServer(ServerLifecycle):
             self.refresh_experts()
         except Exception as e:
             log.warning("expert server lookup failed: %s", e)
-        try:
-            self._renew_auto_wait()
-        except Exception as e:  # the last limit stays
-            log.warning("stage lookup for the wait limit failed: %s", e)
+        self._renew_auto_wait()
         if self.backend.cache is not None:  # graphs whose backward never came go even when no request does
             with contextlib.suppress(Overloaded, RuntimeError):
                 self.backend.submit(self.backend.cache.expire)

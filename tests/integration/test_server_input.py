@@ -24,7 +24,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
 import swarm.serving.handler as serving_handler
-from swarm.dht import ServerState, visible_maddrs
+from swarm.dht import ServerRecord, ServerState, visible_maddrs
 from swarm.protocol import (
     BACKWARD,
     BAD_REQUEST,
@@ -45,7 +45,7 @@ from swarm.protocol import (
 )
 from swarm.protocol.framing import WireLimits, encode_metadata
 from swarm.serving import ServerOptions, StageServer
-from swarm.worker import Overloaded
+from swarm.worker import AUTO_WAIT_FLOOR, Overloaded
 from tests.helpers import wait_until
 from tests.integration.inproc import (
     Peer,
@@ -410,9 +410,17 @@ def test_a_caller_with_nowhere_else_to_go_is_not_refused_by_time(swarm):
     backend, release, started = server.backend, threading.Event(), threading.Event()
     means = dict(backend.task_seconds)
     assert server.options.max_wait is None and server.wait_limit is None  # alone in stage 0: never refused by time
-    server.auto_wait = 0.5  # as a server with stage-mates works it out
+    lookup = server.records.lookup_servers
+    mate = ServerRecord(peer_id="mate", stage=0, state=ServerState.ONLINE, throughput=2 * server.throughput)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
+        server.records.lookup_servers = lambda stage: [mate] if stage == 0 else lookup(stage)
+        server._renew_auto_wait()  # a stage-mate: tiny.yaml's forward takes milliseconds, so the floor
+        assert server.wait_limit == AUTO_WAIT_FLOOR
+        assert server.registry.get_sample_value("swarm_server_wait_limit_seconds") == AUTO_WAIT_FLOOR
+        server.records.lookup_servers = lambda stage: 1 / 0  # a failed lookup keeps the last limit
+        server._renew_auto_wait()
+        assert server.wait_limit == AUTO_WAIT_FLOOR
         backend.task_seconds.update({FORWARD: 30.0, BACKWARD: 30.0})
         held = backend.submit(lambda: (started.set(), release.wait(CALL_TIMEOUT)), kind=BACKWARD)
         assert started.wait(CALL_TIMEOUT)
@@ -430,6 +438,7 @@ def test_a_caller_with_nowhere_else_to_go_is_not_refused_by_time(swarm):
     finally:
         release.set()
         pool.shutdown(wait=True)
+        server.records.lookup_servers = lookup
         server.auto_wait = None
         backend.task_seconds.clear()
         backend.task_seconds.update(means)

@@ -58,8 +58,9 @@ def label(placement) -> str:
     return " | ".join("".join(stage) for stage in placement)
 
 
-def make_config(path: Path, checkpoint_every: int | None = None) -> RunConfig:
+def make_config(path: Path, checkpoint_every: int | None = None, max_wait: float | None = None) -> RunConfig:
     config = RunConfig.load("configs/tiny.yaml")
+    config.network.max_wait = max_wait
     if checkpoint_every is not None:
         config.checkpoint.every_steps = checkpoint_every
         config.checkpoint.every_seconds = 3600.0
@@ -225,6 +226,9 @@ def main() -> None:
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--in-flight", type=int, default=8)
     p.add_argument("--candidates", type=int, default=len(CANDIDATES), help="balanced static placements to try")
+    p.add_argument("--max-wait", type=float, default=None,
+                   help="the run's network.max_wait (default: none set, each stage server's auto_max_wait; inf: "
+                        "servers never refuse by time)")
     p.add_argument("--kill-stage", type=int, choices=(0, 1, 2),
                    help="instead: a balanced swarm of 6 movable servers loses both servers of this stage (SIGKILL); "
                         "how long until another server serves it, and the run stepping again (--minutes: how long "
@@ -236,7 +240,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench-rebalance-") as tmp:
         config_path = Path(tmp) / "run.yaml"
-        config = make_config(config_path)
+        config = make_config(config_path, max_wait=args.max_wait)
         common = dict(slowdown=args.slowdown, base=args.base_slowdown, period=args.rebalance_period,
                       trainers=args.trainers, in_flight=args.in_flight)
         static: dict[str, list[float]] = {}  # placement -> samples/s, window by window
@@ -249,11 +253,13 @@ def main() -> None:
                 else:
                     time.sleep(args.warmup)
                     static[label(placement)] = [rate(swarm, args.window)]
+                refused = sum(server.proc.stderr().count("past its limit (max_wait") for _, server in swarm.servers)
             finally:
                 swarm.close()
             got = static[label(placement)]
             print(f"static {label(placement):<12} {mean(got):7.1f} samples/s"
-                  + (f" (windows: {', '.join(f'{x:.1f}' for x in got)})" if len(got) > 1 else ""), flush=True)
+                  + (f" (windows: {', '.join(f'{x:.1f}' for x in got)})" if len(got) > 1 else "")
+                  + f"; {refused} calls refused by time", flush=True)
         best_label = max(static, key=lambda k: mean(static[k]))
         best = static[best_label]
         print(f"best static placement: {best_label} ({mean(best):.1f} samples/s); the start: "

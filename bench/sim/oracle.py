@@ -31,8 +31,8 @@ def oracle_ticket(trainer: Trainer, stage: int, kind: str, exclude: tuple, prefe
     would take the call now (room in its queue, no refusal by time; the stage's only server takes a patient call),
     that would answer it first, counting what is already on its way to it; charged to the trainer's balancer so
     that timeouts and reports work as for its own choice. (None, False) if there is none; else (the ticket,
-    whether the call is patient). Sending a call to the best server however long it would wait there, when none
-    would take it now, was tried: trips took longer (1,000 peers, 10 minutes: 75.05 s against 71.82)."""
+    whether the call is patient), as a trainer's own call would be. Sending a call to the best server however long
+    it would wait there, when none would take it now, was tried and not kept (README, Refusing by time)."""
     s = trainer.swarm.s
     n, last = s.micro_batch, stage == s.stages - 1
     listed = trainer.balancers[stage].listed()

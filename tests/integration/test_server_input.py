@@ -452,13 +452,14 @@ def test_a_request_is_refused_from_its_metadata_while_the_queue_is_full(swarm):
         with pytest.raises(Overloaded):  # fill the queue with tasks that wait for `release`
             for _ in range(backend.max_queue + 1):
                 backend.submit(release.wait, CALL_TIMEOUT)
-        request = StageRequest(FORWARD, 0, "full", torch.randint(0, VOCAB, (MICRO, SEQ)))
-        frames = list(request_frames(request, WireLimits(part_bytes=64)))
-        assert len(frames) > 3
-        with pytest.raises(RemoteStageError) as error:
-            swarm.call(send_and_hold(stub, frames[:2]))
-        assert error.value.code == NOT_READY
-        assert f"{backend.max_queue} tasks queued, its limit (max_queue {backend.max_queue})" in error.value.message
+        for patient in (False, True):  # a caller saying it has nowhere else to go is not let past the queue's bound
+            request = StageRequest(FORWARD, 0, "full", torch.randint(0, VOCAB, (MICRO, SEQ)), patient=patient)
+            frames = list(request_frames(request, WireLimits(part_bytes=64)))
+            assert len(frames) > 3
+            with pytest.raises(RemoteStageError) as error:
+                swarm.call(send_and_hold(stub, frames[:2]))
+            assert error.value.code == NOT_READY
+            assert f"{backend.max_queue} tasks queued, its limit (max_queue {backend.max_queue})" in error.value.message
     finally:
         release.set()
     wait_until(lambda: backend.queue_depth == 0, CALL_TIMEOUT, what="the queue to empty")

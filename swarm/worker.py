@@ -26,6 +26,10 @@ TASK_SECONDS_ALPHA = 0.2  # weight of the newest task in the worker's mean task 
 # peers, 5 minutes: trips 83.30 s at 0.3, 84.15 at 0.5, against 82.78 with one limit of 1.0 s for every server)...
 AUTO_WAIT_FORWARDS = 0.3
 AUTO_WAIT_FLOOR = 0.5  # ...and never below this many seconds: a refusal costs the caller a round trip and a brief ban
+# ...and only in a stage of at least this many servers: in one of two, a refusal bans the server refusing for that
+# trainer and leaves the stage to one (bench/rebalance.py, 2 a stage, 9x slower servers among them: 33.8 samples/s
+# refusing, 42.4 not)
+AUTO_WAIT_MIN_SERVERS = 3
 
 
 class Overloaded(RuntimeError):
@@ -65,9 +69,10 @@ def auto_max_wait(forward_seconds: float | None, own_throughput: float, stage_th
     still take: the bench/sim found one wait in seconds for every server (--max-wait 1.0) put trainers' trips at
     1.08 of an oracle's routing at 1,000 peers, and none at 1.27; the median is of claims, which a minority of
     liars does not move. None (no refusing by time) until the server has a forward time and a throughput, and
-    while it is alone in its stage (one claim, its own): refused, its callers would only wait and ask again."""
+    while its stage has fewer than AUTO_WAIT_MIN_SERVERS (claims, its own among them)."""
     claims = [t for t in stage_throughputs if math.isfinite(t) and t > 0]
-    if forward_seconds is None or not (math.isfinite(own_throughput) and own_throughput > 0) or len(claims) < 2:
+    if forward_seconds is None or not (math.isfinite(own_throughput) and own_throughput > 0) or \
+            len(claims) < AUTO_WAIT_MIN_SERVERS:
         return None
     return max(AUTO_WAIT_FLOOR, AUTO_WAIT_FORWARDS * forward_seconds * own_throughput / statistics.median(claims))
 

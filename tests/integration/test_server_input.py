@@ -411,11 +411,15 @@ def test_a_caller_with_nowhere_else_to_go_is_not_refused_by_time(swarm):
     means = dict(backend.task_seconds)
     assert server.options.max_wait is None and server.wait_limit is None  # alone in stage 0: never refused by time
     lookup = server.records.lookup_servers
-    mate = ServerRecord(peer_id="mate", stage=0, state=ServerState.ONLINE, throughput=2 * server.throughput)
+    mates = [ServerRecord(peer_id=f"mate{i}", stage=0, state=ServerState.ONLINE, throughput=2 * server.throughput)
+             for i in range(2)]
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        server.records.lookup_servers = lambda stage: [mate] if stage == 0 else lookup(stage)
-        server._renew_auto_wait()  # a stage-mate: tiny.yaml's forward takes milliseconds, so the floor
+        server.records.lookup_servers = lambda stage: mates[:1] if stage == 0 else lookup(stage)
+        server._renew_auto_wait()
+        assert server.wait_limit is None  # a stage of two: no limit
+        server.records.lookup_servers = lambda stage: mates if stage == 0 else lookup(stage)
+        server._renew_auto_wait()  # a stage of three: tiny.yaml's forward takes milliseconds, so the floor
         assert server.wait_limit == AUTO_WAIT_FLOOR
         assert server.registry.get_sample_value("swarm_server_wait_limit_seconds") == AUTO_WAIT_FLOOR
         server.records.lookup_servers = lambda stage: 1 / 0  # a failed lookup keeps the last limit

@@ -12,7 +12,16 @@ from swarm.config import RunConfig
 from swarm.model import build_stage, build_stages
 from swarm.optim import StageOptimizer
 from swarm.protocol import BACKWARD, FORWARD
-from swarm.worker import AUTO_WAIT_FLOOR, AUTO_WAIT_FORWARDS, Overloaded, Worker, auto_max_wait, seed_means, wait_ahead
+from swarm.worker import (
+    AUTO_WAIT_FLOOR,
+    AUTO_WAIT_FORWARDS,
+    AUTO_WAIT_MIN_SERVERS,
+    Overloaded,
+    Worker,
+    auto_max_wait,
+    seed_means,
+    wait_ahead,
+)
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -409,7 +418,7 @@ def test_while_its_round_runs_on_look_ahead_parameters_every_reply_says_ahead():
 
 
 def test_the_auto_wait_limit_is_a_share_of_a_forward_of_the_stages_median_server_by_hand():
-    assert (AUTO_WAIT_FORWARDS, AUTO_WAIT_FLOOR) == (0.3, 0.5)  # the figures below are worked out with these
+    assert (AUTO_WAIT_FORWARDS, AUTO_WAIT_FLOOR, AUTO_WAIT_MIN_SERVERS) == (0.3, 0.5, 3)  # the figures below use these
     # a forward takes this server 4 s at 10 samples/s; the stage's median claim is 20: its median server's forward
     # takes 2 s, and 0.3 of it is 0.6 s
     assert auto_max_wait(4.0, 10.0, [10.0, 20.0, 40.0]) == pytest.approx(0.6)
@@ -417,8 +426,9 @@ def test_the_auto_wait_limit_is_a_share_of_a_forward_of_the_stages_median_server
     assert auto_max_wait(0.1, 10.0, [10.0, 20.0, 40.0]) == AUTO_WAIT_FLOOR  # never below the floor
     # a liar's claim among honest ones does not move the median past an honest server's
     assert auto_max_wait(8.0, 10.0, [10.0, 20.0, 40.0, 1e12]) == pytest.approx(0.3 * 8.0 * 10.0 / 30.0)
-    # claims that are not throughputs are left out; alone in its stage (its own claim only), or not measured yet:
-    # no limit (its callers have nowhere else to go)
-    assert auto_max_wait(4.0, 10.0, [10.0, 0.0, float("nan"), float("inf"), -5.0]) is None
+    # claims that are not throughputs are left out; fewer than three servers in the stage, or not measured yet: no
+    # limit (a refusal would leave a stage of two to one server for that trainer)
+    assert auto_max_wait(4.0, 10.0, [10.0, 20.0, 0.0, float("nan"), float("inf"), -5.0]) is None
+    assert auto_max_wait(4.0, 10.0, [10.0]) is None
     assert auto_max_wait(None, 10.0, [10.0, 20.0]) is None
     assert auto_max_wait(4.0, 0.0, [10.0, 20.0]) is None

@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server, expert: refuse a request as busy while the work queued ahead of it would hold it "
                    "longer than this, unless its caller has no other server to go to, so callers go to a server "
                    "that starts it sooner; inf: never (default: the run config's network.max_wait, else for a stage "
-                   "server 0.3 of a forward of its stage's median server, at least 0.5 s, and for an expert host "
+                   "server of a stage of three or more 0.3 of a forward of its stage's median server, at least 0.5 s, "
+                   "and for an expert host "
                    "never; README, Refusing by time)")
     p.add_argument("--inject-delay", type=non_negative, default=0.0, metavar="SECONDS",
                    help="fault injection (tests, demos): a server delays every request by this much")

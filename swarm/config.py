@@ -387,7 +387,7 @@ class NetworkConfig:
     bootstrap_timeout: float = 30.0  # joining the DHT and finding the run config
     # a stage server refuses a request as busy while the work queued ahead of it would hold it longer than this, unless
     # its caller has no other server to go to (swarm-peer --max-wait overrides it); None: swarm.worker.auto_max_wait,
-    # from the stage's median server (an expert host: never); .inf: never (README, Refusing by time)
+    # from the stage's median server, in a stage of three servers or more (an expert host: never); .inf: never
     max_wait: float | None = None
 
     def validate(self) -> None:

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "run's mixture-of-experts blocks (runs with model.moe.expert_servers); auto: server with a GPU")
     p.add_argument("--experts", type=experts_arg, default=None, metavar="auto|LIST",
                    help="expert: which experts to host, in every MoE block, e.g. 0,1,2 (default auto: the "
-                   "--expert-count experts with the fewest hosts)")
+                   "--expert-count experts that the hosts' announced throughput serves least)")
     p.add_argument("--expert-count", type=positive_int, default=None, metavar="N",
                    help="expert, with --experts auto: how many experts to host (default: half of a block's)")
     p.add_argument("--stage", type=stage_arg, default=None, metavar="auto|K",

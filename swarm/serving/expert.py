@@ -46,7 +46,7 @@ DONOR_LOOKUPS = 3  # reads of the experts' hosts, an announce period apart, whil
 
 @dataclass
 class ExpertOptions:
-    experts: list[int] | None = None  # None: auto, the `count` experts with the fewest hosts
+    experts: list[int] | None = None  # None: auto, the `count` experts served least (placement.choose_experts)
     count: int | None = None  # auto: how many experts to host; None: half the experts of a block, at least 1
     device: str = "cpu"
     max_queue: int = 64

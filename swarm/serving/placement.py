@@ -9,10 +9,11 @@ weighs as one fast server, not as the whole stage.
 
 from __future__ import annotations
 
+import random
 from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
 
-from swarm.dht import ExpertHostRecord, ServerRecord, ServerState
+from swarm.dht import ExpertHostRecord, ServerRecord
 from swarm.tenure import lower_median
 
 SERVING_STATES = ("JOINING", "ONLINE")
@@ -52,8 +53,21 @@ def choose_stage(servers: Mapping[int, Sequence[ServerRecord]], num_stages: int)
     return min(range(num_stages), key=lambda s: (totals[s], count(s), s))
 
 
-def choose_experts(hosts: list[ExpertHostRecord], num_experts: int, count: int) -> list[int]:
-    """The `count` experts with the fewest ONLINE or JOINING hosts, ties to the lower index."""
-    load = Tally(e for record in hosts if record.state != ServerState.OFFLINE.value
-                 for e in set(record.experts) if 0 <= e < num_experts)
-    return sorted(sorted(range(num_experts), key=lambda e: (load[e], e))[:count])
+def choose_experts(hosts: Sequence[ExpertHostRecord], num_experts: int, count: int,
+                   rng: random.Random | None = None) -> list[int]:
+    """The `count` experts served least: each serving host's announced throughput (capped as a stage server's is,
+    see the module docstring) shared evenly among the experts it hosts, summed per expert. Ties (e.g. experts
+    no host serves yet, or a run's first host) go to the expert with fewer hosts, JOINING ones counted, then at
+    random, so a wave of joiners does not all take the same experts."""
+    serving = [h for h in hosts if h.state in SERVING_STATES]
+    median = lower_median([h.throughput for h in serving])
+    cap = float("inf") if median is None else CLAIM_CAP * median
+    served, load = [0.0] * num_experts, Tally()
+    for host in serving:
+        mine = [e for e in set(host.experts) if 0 <= e < num_experts]
+        for e in mine:
+            served[e] += min(host.throughput, cap) / len(mine)
+            load[e] += 1
+    draw = rng or random.Random()
+    ties = [draw.random() for _ in range(num_experts)]
+    return sorted(sorted(range(num_experts), key=lambda e: (served[e], load[e], ties[e]))[:count])

@@ -116,14 +116,16 @@ def test_sigkill_of_an_expert_server_does_not_stop_training_and_auto_brings_its_
     assert lost > 0, "no slot was counted as going without its expert"
     assert swarm.status()["loss"] < max(loss_at_kill * 1.1, LOSS_CEILING)
 
-    # A new expert server with --experts auto takes the experts with the fewest hosts: 3 (none), then 0.
+    # A new expert server with --experts auto takes the experts served least: 3 (no host), then one of the others,
+    # whichever its host's announced throughput, shared among the experts it hosts, serves least.
     procs = ProcSet(swarm.coordinator.proc.stdout_path.parent)
     try:
         joiner = start_peer(procs, swarm.coordinator, "--role", "expert", "--experts", "auto", "--expert-count", "2")
         line = joiner.proc.wait_for_line(HOSTING_LINE, START_TIMEOUT, stream="stderr")
-        assert [int(e) for e in line.group(1).split(",")] == [0, 3]
+        chosen = [int(e) for e in line.group(1).split(",")]
+        assert len(chosen) == 2 and 3 in chosen, chosen
         joiner.peer_id = line.group(2)
-        assert "state of step" in joiner.proc.stderr()  # expert 0 came from the live host
+        assert "state of step" in joiner.proc.stderr()  # the other came from its live host
         swarm.wait_for(lambda: hosts_of(swarm.status(), 3) == {joiner.peer_id}, 30.0, "expert 3 hosted again")
         step = swarm.status()["step"]
         swarm.wait_for(lambda: swarm.status()["step"] >= step + 2, PROGRESS_TIMEOUT, "two more steps")

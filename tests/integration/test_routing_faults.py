@@ -219,8 +219,11 @@ def test_servers_killed_mid_forward_and_mid_backward_do_not_stop_training(
     # Stage 0 gets forwards (and backwards); the last stage only the fused forward+backward, so the
     # forward's victim is on stage 0 and the backward's on stage 1.
     slow = ("--inject-delay", str(FORWARD_VICTIM_DELAY))
+    # Stage 1's first server is as slow: a trainer's calls then queue there, and the backward's victim, an untried
+    # newcomer, is expected to answer sooner and is tried. With a fast stage 1 that answered every call at once, the
+    # trainer once kept choosing it for the whole minute the test waits (CI, 2026-12-08)
     servers = [start_peer(procs, coordinator, "--role", "server", "--stage", "0", *slow),
-               start_peer(procs, coordinator, "--role", "server", "--stage", "1")]
+               start_peer(procs, coordinator, "--role", "server", "--stage", "1", *slow)]
     forward_victim = start_peer(procs, coordinator, "--role", "server", "--stage", "0", *slow)
     # several in flight: with one, the fastest idle server takes every call, and of two equally slow
     # servers which one that is depends on noise in their timings

@@ -20,11 +20,16 @@ SERVING_STATES = ("JOINING", "ONLINE")
 CLAIM_CAP = 4.0  # a server's announced throughput counts at most this many times the run's lower median claim
 
 
+def claim_cap(claims: Sequence[float]) -> float:
+    """The most any one of these serving claims counts for (see the module docstring)."""
+    median = lower_median(list(claims))
+    return float("inf") if median is None else CLAIM_CAP * median
+
+
 def counted_claims(servers: Mapping[int, Sequence[ServerRecord]]) -> dict[str, float]:
     """Each serving server's throughput as counted (its claim capped, see the module docstring), by peer id."""
     serving = [r for records in servers.values() for r in records if r.state in SERVING_STATES]
-    median = lower_median([r.throughput for r in serving])
-    cap = float("inf") if median is None else CLAIM_CAP * median
+    cap = claim_cap([r.throughput for r in serving])
     return {r.peer_id: min(r.throughput, cap) for r in serving}
 
 
@@ -60,8 +65,7 @@ def choose_experts(hosts: Sequence[ExpertHostRecord], num_experts: int, count: i
     no host serves yet, or a run's first host) go to the expert with fewer hosts, JOINING ones counted, then at
     random, so a wave of joiners does not all take the same experts."""
     serving = [h for h in hosts if h.state in SERVING_STATES]
-    median = lower_median([h.throughput for h in serving])
-    cap = float("inf") if median is None else CLAIM_CAP * median
+    cap = claim_cap([h.throughput for h in serving])
     served, load = [0.0] * num_experts, Tally()
     for host in serving:
         mine = [e for e in set(host.experts) if 0 <= e < num_experts]
